@@ -1,0 +1,279 @@
+"""The HTTP front: an app factory that builds the litestar app from one :class:`~edgecache.settings.Settings`.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (OpenAI), ``GET /health``
+(503 while the model loads), ``GET /metrics`` (Prometheus), ``GET /stats`` (JSON).
+
+Handlers take the raw body and decode it with msgspec themselves: the strict request structs are the validation,
+and skipping litestar's signature modelling keeps the cache-hit path short. Every error leaves through one handler
+that renders the OpenAI error shape; a bug becomes a logged traceback and a plain 500, never a traceback on the wire.
+
+Resources live in the lifespan: the result store opens first, the engine loads in the background (so /health can
+say 503 until it is ready), and shutdown runs in reverse: finish in-flight answers, close the engine, close the
+store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from litestar import Litestar, Request, Response, get, post
+from litestar.datastructures import State
+from litestar.exceptions import HTTPException
+from litestar.response import Stream
+
+from edgecache.engines.base import Chunk, Engine, GenerationRequest
+from edgecache.errors import (EdgeCacheError, ModelNotFound, NotReady, PayloadTooLarge, error_body)
+from edgecache.inflight import InflightTable
+from edgecache.metrics import Metrics
+from edgecache.openai_api import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, ResponseWriter,
+                                  decode_request, usage)
+from edgecache.pipeline import Call, RequestPipeline
+from edgecache.result_store import DiskResultStore
+from edgecache.settings import Settings
+
+log = logging.getLogger("edgecache")
+
+_json = msgspec.json.Encoder()
+JSON = "application/json"
+SHUTDOWN_GRACE_S = 30.0
+
+
+class Runtime:
+    """Everything one running app holds, on ``app.state.runtime``. Built by the lifespan, closed in reverse."""
+
+    def __init__(self, settings: Settings, engine: Engine) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.metrics = Metrics()
+        self.inflight = InflightTable()
+        self.store = DiskResultStore(settings.data_path / "results", disk_bytes=settings.store.disk_bytes,
+                                     memory_bytes=settings.store.memory_bytes)
+        self.pipeline = RequestPipeline(engine=engine, store=self.store, inflight=self.inflight,
+                                        metrics=self.metrics, default_ttl_s=settings.store.default_ttl_s)
+        self.ready = False
+        self.load_error: str | None = None
+        self.started_at = int(time.time())
+
+    async def load_engine(self) -> None:
+        try:
+            await self.engine.start()
+        except EdgeCacheError as exc:
+            self.load_error = exc.message
+            log.error("the engine failed to load: %s", exc.message)
+            return
+        except Exception as exc:  # a load failure must show on /health, not kill the server silently
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.exception("the engine failed to load")
+            return
+        self.ready = True
+        log.info("model %s ready (%s)", self.engine.model_id, self.engine.version)
+
+    async def close(self) -> None:
+        # 1. let in-flight answers finish (they may still be stored), 2. close the engine, 3. close the store.
+        self.ready = False
+        try:
+            await self.inflight.drain(SHUTDOWN_GRACE_S)
+            await self.engine.close()
+        finally:
+            self.store.close()
+
+
+def _runtime(state: State) -> Runtime:
+    return state.runtime  # type: ignore[no-any-return]
+
+
+def _check_ready(rt: Runtime, model: str) -> None:
+    if not rt.ready:
+        raise NotReady(rt.load_error and f"the model failed to load: {rt.load_error}" or
+                       "the model is still loading; retry shortly")
+    if model != rt.engine.model_id:
+        raise ModelNotFound(f"the model {model!r} does not exist here; this server serves "
+                            f"{rt.engine.model_id!r}", param="model")
+
+
+def _chat_call(req: ChatCompletionRequest, rt: Runtime) -> Call:
+    settings = rt.settings
+    if len(req.messages) > settings.server.max_messages:
+        raise PayloadTooLarge(f"at most {settings.server.max_messages} messages per request")
+    params = req.sampling(settings.engine.default_max_tokens, req.max_completion_tokens)
+    scenario = (req.edgecache.scenario if req.edgecache else None) or "default"
+    return Call(request=GenerationRequest(messages=tuple(m.to_message() for m in req.messages), params=params,
+                                          salt="default"), scenario=scenario)
+
+
+def _completion_call(req: CompletionRequest, rt: Runtime) -> Call:
+    params = req.sampling(rt.settings.engine.default_max_tokens)
+    scenario = (req.edgecache.scenario if req.edgecache else None) or "default"
+    return Call(request=GenerationRequest(prompt=req.prompt, params=params, salt="default"), scenario=scenario)
+
+
+async def _respond(rt: Runtime, call: Call, stream: bool, include_usage: bool, chat: bool,
+                   started: float) -> Response[Any]:
+    reply = await rt.pipeline.serve(call)
+    writer = ResponseWriter(chat=chat, model=rt.engine.model_id, include_usage=include_usage)
+    headers = {"X-EdgeCache": reply.served}
+    metrics = rt.metrics
+    chunks = reply.chunks
+    try:
+        # The first chunk is awaited before any byte is sent, so an error before the first token (a bad prompt,
+        # a failed engine) still gets its real HTTP status instead of a 200 stream carrying an error.
+        first = await anext(chunks)
+    except BaseException:
+        await chunks.aclose()
+        metrics.observe_request(call.tenant, call.scenario, "error", None)
+        raise
+    ttft = time.perf_counter() - started
+
+    if not stream:
+        try:
+            texts, final = [first.text], first
+            async for chunk in chunks:
+                texts.append(chunk.text)
+                final = chunk
+        except BaseException:
+            metrics.observe_request(call.tenant, call.scenario, "error", None)
+            raise
+        finally:
+            await chunks.aclose()
+        metrics.observe_request(call.tenant, call.scenario, reply.served, ttft)
+        body = writer.body("".join(texts), final.finish_reason,
+                           usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens))
+        return Response(content=body, media_type=JSON, headers=headers)
+
+    return Stream(content=_sse(rt, call, reply.served, writer, first, chunks, ttft), media_type="text/event-stream",
+                  headers={**headers, "Cache-Control": "no-cache"})
+
+
+async def _sse(rt: Runtime, call: Call, served: str, writer: ResponseWriter, first: Chunk,
+               chunks: AsyncIterator[Chunk], ttft: float) -> AsyncIterator[bytes]:
+    outcome = "error"
+    try:
+        async with aclosing(chunks):
+            yield writer.sse_start()
+            chunk: Chunk | None = first
+            while chunk is not None:
+                if chunk.text:
+                    yield writer.sse_delta(chunk.text)
+                if chunk.finish_reason is not None:
+                    yield writer.sse_end(chunk.finish_reason,
+                                         usage(chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_tokens))
+                    outcome = served
+                    return
+                chunk = await anext(chunks, None)
+    except EdgeCacheError as exc:
+        # Headers are gone already: the error travels as an SSE event in the OpenAI error shape.
+        yield writer.sse_error(_json.encode(error_body(exc)))
+    finally:
+        rt.metrics.observe_request(call.tenant, call.scenario, outcome, ttft if outcome != "error" else None)
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request[Any, Any, Any], state: State) -> Response[Any]:
+    started = time.perf_counter()
+    rt = _runtime(state)
+    req = decode_request(await request.body(), ChatCompletionRequest)
+    assert isinstance(req, ChatCompletionRequest)
+    _check_ready(rt, req.model)
+    return await _respond(rt, _chat_call(req, rt), req.stream,
+                          bool(req.stream_options and req.stream_options.include_usage), True, started)
+
+
+@post("/v1/completions", status_code=200)
+async def completions(request: Request[Any, Any, Any], state: State) -> Response[Any]:
+    started = time.perf_counter()
+    rt = _runtime(state)
+    req = decode_request(await request.body(), CompletionRequest)
+    assert isinstance(req, CompletionRequest)
+    _check_ready(rt, req.model)
+    return await _respond(rt, _completion_call(req, rt), req.stream,
+                          bool(req.stream_options and req.stream_options.include_usage), False, started)
+
+
+@get("/v1/models")
+async def list_models(state: State) -> Response[Any]:
+    rt = _runtime(state)
+    return Response(_json.encode(ModelList(data=[ModelCard(id=rt.engine.model_id, created=rt.started_at)])),
+                    media_type=JSON)
+
+
+@get("/health")
+async def health(state: State) -> Response[Any]:
+    rt = _runtime(state)
+    status = "ready" if rt.ready else ("failed" if rt.load_error else "loading")
+    body = {"status": status, "model": rt.engine.model_id, "version": rt.engine.version}
+    if rt.load_error:
+        body["error"] = rt.load_error
+    return Response(_json.encode(body), media_type=JSON, status_code=200 if rt.ready else 503)
+
+
+@get("/metrics")
+async def metrics(state: State) -> Response[Any]:
+    return Response(_runtime(state).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@get("/stats")
+async def stats(state: State) -> Response[Any]:
+    rt = _runtime(state)
+    body = rt.metrics.snapshot()
+    body["store"] = await rt.store.stats()
+    body["engine_state"] = await rt.engine.stats() if rt.ready else {}
+    body["inflight"] = len(rt.inflight)
+    body["model"] = {"id": rt.engine.model_id, "version": rt.engine.version, "ready": rt.ready}
+    body["profile"] = rt.settings.profile
+    return Response(_json.encode(body), media_type=JSON)
+
+
+def _error_response(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    if isinstance(exc, EdgeCacheError):
+        err = exc
+    elif isinstance(exc, HTTPException):
+        # litestar's own refusals (unknown route, wrong method, body over the limit) in the OpenAI shape.
+        err = EdgeCacheError(str(exc.detail))
+        err.status = exc.status_code
+        err.error_type = {404: "not_found_error", 413: "invalid_request_error", 405: "invalid_request_error"}.get(
+            exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error")
+    else:
+        log.error("unhandled error", exc_info=exc)
+        err = EdgeCacheError("internal server error")
+    return Response(_json.encode(error_body(err)), status_code=err.status, media_type=JSON, headers=err.headers())
+
+
+def create_app(settings: Settings, engine: Engine | None = None,
+               engine_factory: Callable[[Settings], Engine] | None = None) -> Litestar:
+    """Build the app. ``engine`` injects a ready-made engine (tests pass a fake); otherwise the engine named by
+    ``settings.engine.kind`` is built."""
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        if engine is not None:
+            chosen = engine
+        else:
+            from edgecache.engines import engine_from_settings
+            chosen = (engine_factory or engine_from_settings)(settings)
+        Path(settings.data_path).mkdir(parents=True, exist_ok=True)
+        rt = Runtime(settings, chosen)
+        app.state.runtime = rt
+        loading = asyncio.create_task(rt.load_engine(), name="engine-load")
+        try:
+            yield
+        finally:
+            if not loading.done():
+                loading.cancel()
+                await asyncio.wait([loading])
+            await rt.close()
+
+    return Litestar(
+        route_handlers=[chat_completions, completions, list_models, health, metrics, stats],
+        lifespan=[lifespan],
+        exception_handlers={Exception: _error_response},
+        request_max_body_size=settings.server.max_body_bytes,
+        openapi_config=None,
+        debug=False,
+    )

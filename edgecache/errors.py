@@ -1,0 +1,101 @@
+"""The errors EdgeCache raises, each knowing its HTTP status and OpenAI error type.
+
+::
+
+    EdgeCacheError                  500 server_error
+     ├─ BadRequest                  400 invalid_request_error
+     ├─ Unauthorized                401 authentication_error
+     ├─ NotFound                    404 not_found_error (unknown model, unknown route)
+     ├─ PayloadTooLarge             413 invalid_request_error
+     ├─ Overloaded                  429 rate_limit_error (carries Retry-After)
+     ├─ EngineError                 502 engine_error (the model runtime failed or aborted)
+     └─ NotReady                    503 service_unavailable (model still loading)
+
+One handler in :mod:`edgecache.app` renders any of them as the OpenAI error body; nothing else catches broadly.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class EdgeCacheError(Exception):
+    status: int = 500
+    error_type: str = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+
+class BadRequest(EdgeCacheError):
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class Unauthorized(EdgeCacheError):
+    status = 401
+    error_type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(EdgeCacheError):
+    status = 404
+    error_type = "not_found_error"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class PayloadTooLarge(EdgeCacheError):
+    status = 413
+    error_type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class Overloaded(EdgeCacheError):
+    status = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+class EngineError(EdgeCacheError):
+    """The model runtime failed or aborted a generation. Nothing produced by it is cached."""
+
+    status = 502
+    error_type = "engine_error"
+
+
+class NotReady(EdgeCacheError):
+    status = 503
+    error_type = "service_unavailable"
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(msgspec.Struct):
+    error: ErrorDetail
+
+
+def error_body(exc: EdgeCacheError) -> ErrorBody:
+    """The OpenAI error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return ErrorBody(ErrorDetail(message=exc.message, type=exc.error_type, param=exc.param, code=exc.code))

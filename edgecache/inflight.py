@@ -1,0 +1,133 @@
+"""In-flight de-duplication: identical concurrent requests share one engine call (single-flight on the key).
+
+Layer 2 of the request path. The first request for a key leads: it starts a :class:`Flight`, a task that owns the
+engine call and records every chunk it produces. Requests for the same key that arrive while the flight is in the
+table follow it: each follower replays the chunks already produced, then receives the rest live, so a streaming
+follower sees the same tokens as the leader and a late joiner misses nothing.
+
+The flight belongs to no client. A follower (or the leader's client) that disconnects only stops listening; the
+engine call is aborted when the last listener leaves before the answer is complete, so an answer nobody waits for
+costs nothing more and, being partial, is never stored. An engine error reaches every listener.
+
+A flight stays in the table after its answer is complete until the producer has written it to the result store
+(the window in which the store does not yet have it), so a request arriving in that gap shares it too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from edgecache.engines.base import Chunk
+from edgecache.errors import EdgeCacheError, EngineError
+
+log = logging.getLogger(__name__)
+
+
+class Flight:
+    """One engine call and the chunks it has produced so far."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.chunks: list[Chunk] = []
+        self.done = False
+        self.error: EdgeCacheError | None = None
+        self.listeners = 0
+        self.task: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()
+
+    def publish(self, chunk: Chunk) -> None:
+        self.chunks.append(chunk)
+        self._wake()
+
+    def finish(self, error: EdgeCacheError | None = None) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        # Each waiter holds the event it saw; setting it and swapping in a new one wakes exactly those waiters.
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self) -> AsyncIterator[Chunk]:
+        """Every chunk of the flight from the first, live. Raises the flight's error if it fails.
+
+        Use inside ``contextlib.aclosing`` so that leaving early releases the listener at once.
+        """
+        self.listeners += 1
+        try:
+            sent = 0
+            while True:
+                if sent < len(self.chunks):
+                    chunk = self.chunks[sent]
+                    sent += 1
+                    yield chunk
+                    continue
+                if self.done:
+                    if self.error is not None:
+                        raise self.error
+                    return
+                await self._changed.wait()
+        finally:
+            self.listeners -= 1
+            if self.listeners == 0 and not self.done and self.task is not None:
+                # Nobody is listening to an unfinished answer: abort the engine call. The partial answer is
+                # never stored because the producer only stores after the engine's final chunk.
+                self.task.cancel()
+
+
+Producer = Callable[[Flight], Awaitable[None]]
+
+
+class InflightTable:
+    """Flights by request key. Event-loop only: the check-then-lead step has no await, so it is atomic."""
+
+    def __init__(self) -> None:
+        self._flights: dict[str, Flight] = {}
+
+    def __len__(self) -> int:
+        return len(self._flights)
+
+    def get(self, key: str) -> Flight | None:
+        flight = self._flights.get(key)
+        if flight is None or (flight.task is not None and flight.task.cancelling()):
+            return None
+        return flight
+
+    def lead(self, key: str, produce: Producer) -> Flight:
+        """Start a flight for ``key``; ``produce`` publishes its chunks, calls ``finish()``, then persists."""
+        flight = Flight(key)
+        self._flights[key] = flight
+        flight.task = asyncio.create_task(self._run(flight, produce), name=f"flight-{key[:8]}")
+        return flight
+
+    async def _run(self, flight: Flight, produce: Producer) -> None:
+        try:
+            await produce(flight)
+            if not flight.done:
+                flight.finish(EngineError("the engine stopped without finishing its answer"))
+        except asyncio.CancelledError:
+            flight.finish(EngineError("the generation was aborted"))
+        except EdgeCacheError as exc:
+            flight.finish(exc)
+        except Exception as exc:  # the task boundary: followers must get an error, not hang forever
+            log.exception("flight %s failed", flight.key[:8])
+            flight.finish(EngineError(f"internal error while generating: {type(exc).__name__}"))
+        finally:
+            if self._flights.get(flight.key) is flight:
+                del self._flights[flight.key]
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait for running flights to finish (shutdown step: let answers complete), then cancel the rest."""
+        tasks = [f.task for f in self._flights.values() if f.task is not None]
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)

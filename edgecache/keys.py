@@ -1,0 +1,37 @@
+"""The request key: a canonical hash of everything that decides what the model writes.
+
+Two requests get the same key exactly when the engine would be asked the same thing: same model version, same
+tenant and scenario namespace, same messages (system prompt included) or prompt, same output-affecting parameters.
+Fields that only change the framing of the answer (``stream``, ``stream_options``, ``user``) are left out, so a
+streaming request can be answered from a non-streaming one and the other way round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+from edgecache.engines.base import GenerationRequest
+
+# Bump when the layout below changes, so old entries can never be read under a new meaning.
+KEY_SCHEMA = 1
+
+_encoder = msgspec.json.Encoder()
+
+
+def request_key(request: GenerationRequest, *, model_version: str, tenant: str, scenario: str) -> str:
+    """A 32-hex-digit key. Built from a JSON array, so no field can run into its neighbour."""
+    p = request.params
+    canonical = (
+        KEY_SCHEMA, model_version, tenant, scenario,
+        "chat" if request.messages is not None else "text",
+        [(m.role, m.content) for m in request.messages] if request.messages is not None else request.prompt,
+        p.max_tokens, p.temperature, p.top_p, list(p.stop), p.seed, p.presence_penalty, p.frequency_penalty,
+    )
+    return hashlib.blake2b(_encoder.encode(canonical), digest_size=16).hexdigest()
+
+
+def is_cacheable(request: GenerationRequest) -> bool:
+    """Sampling without a seed should differ from call to call: caching it would freeze one sample."""
+    return request.params.temperature == 0.0 or request.params.seed is not None

@@ -1,0 +1,151 @@
+"""The exact result store: complete answers by request key, on disk, with a TTL per entry and LRU eviction.
+
+Layer 1 of the request path. :class:`DiskResultStore` keeps entries in a diskcache ``Cache`` (SQLite + files) under
+the data dir, so they survive restarts, with diskcache's least-recently-used eviction inside a byte budget. In
+front of it sits :class:`MemoryLRU`, a small byte-bounded copy of recently used entries: a hit found there costs a
+dict lookup and never leaves the event loop, which is what lets a hit run at close to the speed of a bare endpoint.
+Disk reads and writes run on the store's own worker threads, because SQLite can block on its file lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Protocol
+
+import diskcache
+import msgspec
+
+
+class CachedAnswer(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """A complete, successful answer. ``expires_at`` is wall-clock seconds (it must survive restarts)."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    created_at: float
+    expires_at: float
+
+
+class ResultStore(Protocol):
+    async def get(self, key: str) -> CachedAnswer | None: ...
+
+    async def put(self, key: str, answer: CachedAnswer) -> None: ...
+
+    async def clear(self) -> int: ...
+
+    async def stats(self) -> dict[str, int]: ...
+
+    def close(self) -> None: ...
+
+
+class MemoryLRU:
+    """Byte-bounded LRU of recently used answers, on the event loop thread only (no locks needed)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[str, tuple[CachedAnswer, int]] = OrderedDict()
+
+    def get(self, key: str, now: float) -> CachedAnswer | None:
+        item = self._entries.get(key)
+        if item is None:
+            return None
+        answer = item[0]
+        if answer.expires_at <= now:
+            self.pop(key)
+            return None
+        self._entries.move_to_end(key)
+        return answer
+
+    def put(self, key: str, answer: CachedAnswer, size: int) -> None:
+        if size > self.max_bytes:
+            return
+        self.pop(key)
+        self._entries[key] = (answer, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, (_, old_size) = self._entries.popitem(last=False)
+            self.bytes -= old_size
+
+    def pop(self, key: str) -> None:
+        item = self._entries.pop(key, None)
+        if item is not None:
+            self.bytes -= item[1]
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class DiskResultStore:
+    """diskcache on disk + :class:`MemoryLRU` in front. Construct, use, then :meth:`close` (safe twice)."""
+
+    def __init__(self, directory: Path, *, disk_bytes: int, memory_bytes: int) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        # LRU, not diskcache's default least-recently-stored: a hot FAQ answer must outlive a one-off.
+        self._disk = diskcache.Cache(str(directory), size_limit=disk_bytes,
+                                     eviction_policy="least-recently-used", cull_limit=16)
+        self._memory = MemoryLRU(memory_bytes)
+        # One writer thread keeps SQLite writes ordered; a second thread lets a read pass a slow write.
+        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="result-store")
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(CachedAnswer)
+        self._closed = False
+
+    def get_memory(self, key: str) -> CachedAnswer | None:
+        """The hit path's first look: no I/O, no thread hop."""
+        return self._memory.get(key, time.time())
+
+    async def get(self, key: str) -> CachedAnswer | None:
+        answer = self._memory.get(key, time.time())
+        if answer is not None:
+            return answer
+        raw = await asyncio.get_running_loop().run_in_executor(self._executor, self._disk.get, key)
+        if raw is None:
+            return None
+        try:
+            answer = self._decoder.decode(raw)
+        except msgspec.DecodeError:
+            # An entry written by an incompatible version: treat as a miss and drop it.
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._disk.delete, key)
+            return None
+        if answer.expires_at <= time.time():
+            return None
+        self._memory.put(key, answer, len(raw))
+        return answer
+
+    async def put(self, key: str, answer: CachedAnswer) -> None:
+        raw = self._encoder.encode(answer)
+        ttl = answer.expires_at - time.time()
+        if ttl <= 0:
+            return
+        await asyncio.get_running_loop().run_in_executor(
+            self._executor, lambda: self._disk.set(key, raw, expire=ttl))
+        self._memory.put(key, answer, len(raw))
+
+    async def clear(self) -> int:
+        self._memory.clear()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._disk.clear)
+
+    async def stats(self) -> dict[str, int]:
+        def read() -> tuple[int, int]:
+            return len(self._disk), self._disk.volume()
+
+        entries, volume = await asyncio.get_running_loop().run_in_executor(self._executor, read)
+        return {"entries": entries, "bytes": volume, "budget_bytes": int(self._disk.size_limit),
+                "memory_entries": len(self._memory), "memory_bytes": self._memory.bytes}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._executor.shutdown(wait=True)
+        self._disk.close()

