@@ -148,7 +148,7 @@ class ChunkChoice(msgspec.Struct):
     logprobs: None = None
 
 
-class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
+class ChatCompletionChunk(msgspec.Struct):
     id: str
     created: int
     model: str
@@ -164,7 +164,7 @@ class TextChoice(msgspec.Struct):
     logprobs: None = None
 
 
-class TextCompletion(msgspec.Struct, omit_defaults=True):
+class TextCompletion(msgspec.Struct):
     id: str
     created: int
     model: str

@@ -94,8 +94,10 @@ class DiskResultStore:
         self._disk = diskcache.Cache(str(directory), size_limit=disk_bytes,
                                      eviction_policy="least-recently-used", cull_limit=16)
         self._memory = MemoryLRU(memory_bytes)
-        # One writer thread keeps SQLite writes ordered; a second thread lets a read pass a slow write.
-        self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="result-store")
+        # One writer thread keeps SQLite writes (and stats, which must see them) in order; a reader thread lets a
+        # read pass a slow write.
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="result-store-write")
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="result-store-read")
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CachedAnswer)
         self._closed = False
@@ -108,14 +110,14 @@ class DiskResultStore:
         answer = self._memory.get(key, time.time())
         if answer is not None:
             return answer
-        raw = await asyncio.get_running_loop().run_in_executor(self._executor, self._disk.get, key)
+        raw = await asyncio.get_running_loop().run_in_executor(self._reader, self._disk.get, key)
         if raw is None:
             return None
         try:
             answer = self._decoder.decode(raw)
         except msgspec.DecodeError:
             # An entry written by an incompatible version: treat as a miss and drop it.
-            await asyncio.get_running_loop().run_in_executor(self._executor, self._disk.delete, key)
+            await asyncio.get_running_loop().run_in_executor(self._writer, self._disk.delete, key)
             return None
         if answer.expires_at <= time.time():
             return None
@@ -123,23 +125,25 @@ class DiskResultStore:
         return answer
 
     async def put(self, key: str, answer: CachedAnswer) -> None:
+        """Store ``answer``. The memory copy is made before the first await, so a request that arrives while the
+        disk write is still running is already an exact hit."""
         raw = self._encoder.encode(answer)
         ttl = answer.expires_at - time.time()
         if ttl <= 0:
             return
-        await asyncio.get_running_loop().run_in_executor(
-            self._executor, lambda: self._disk.set(key, raw, expire=ttl))
         self._memory.put(key, answer, len(raw))
+        await asyncio.get_running_loop().run_in_executor(
+            self._writer, lambda: self._disk.set(key, raw, expire=ttl))
 
     async def clear(self) -> int:
         self._memory.clear()
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._disk.clear)
+        return await asyncio.get_running_loop().run_in_executor(self._writer, self._disk.clear)
 
     async def stats(self) -> dict[str, int]:
         def read() -> tuple[int, int]:
             return len(self._disk), self._disk.volume()
 
-        entries, volume = await asyncio.get_running_loop().run_in_executor(self._executor, read)
+        entries, volume = await asyncio.get_running_loop().run_in_executor(self._writer, read)
         return {"entries": entries, "bytes": volume, "budget_bytes": int(self._disk.size_limit),
                 "memory_entries": len(self._memory), "memory_bytes": self._memory.bytes}
 
@@ -147,5 +151,6 @@ class DiskResultStore:
         if self._closed:
             return
         self._closed = True
-        self._executor.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
         self._disk.close()
