@@ -96,3 +96,7 @@ def profiles_show(name: Annotated[str, typer.Argument(help="Profile name or .tom
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

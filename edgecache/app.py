@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
@@ -32,8 +33,8 @@ from edgecache.engines.base import Chunk, Engine, GenerationRequest
 from edgecache.errors import (EdgeCacheError, ModelNotFound, NotReady, PayloadTooLarge, error_body)
 from edgecache.inflight import InflightTable
 from edgecache.metrics import Metrics
-from edgecache.openai_api import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, ResponseWriter,
-                                  decode_request, usage)
+from edgecache.openai_api import (ChatCompletionRequest, CompletionRequest, IdSource, ModelCard, ModelList,
+                                  ResponseWriter, decode_request, usage)
 from edgecache.pipeline import Call, RequestPipeline
 from edgecache.result_store import DiskResultStore
 from edgecache.settings import Settings
@@ -53,6 +54,8 @@ class Runtime:
         self.engine = engine
         self.metrics = Metrics()
         self.inflight = InflightTable()
+        self.ids = IdSource()
+        self.parsed = ParsedRequests()
         self.store = DiskResultStore(settings.data_path / "results", disk_bytes=settings.store.disk_bytes,
                                      memory_bytes=settings.store.memory_bytes)
         self.pipeline = RequestPipeline(engine=engine, store=self.store, inflight=self.inflight,
@@ -98,29 +101,85 @@ def _check_ready(rt: Runtime, model: str) -> None:
                             f"{rt.engine.model_id!r}", param="model")
 
 
-def _chat_call(req: ChatCompletionRequest, rt: Runtime) -> Call:
-    settings = rt.settings
+class Parsed(msgspec.Struct, frozen=True, kw_only=True):
+    """A validated request: the pipeline's Call plus how to render the answer."""
+
+    call: Call
+    model: str
+    chat: bool
+    stream: bool
+    include_usage: bool
+
+
+def _parse_chat(body: bytes, settings: Settings) -> Parsed:
+    req = decode_request(body, ChatCompletionRequest)
+    assert isinstance(req, ChatCompletionRequest)
     if len(req.messages) > settings.server.max_messages:
         raise PayloadTooLarge(f"at most {settings.server.max_messages} messages per request")
     params = req.sampling(settings.engine.default_max_tokens, req.max_completion_tokens)
+    generation = GenerationRequest(messages=tuple(m.to_message() for m in req.messages), params=params,
+                                   salt="default")
+    return _parsed(req, generation, chat=True)
+
+
+def _parse_completion(body: bytes, settings: Settings) -> Parsed:
+    req = decode_request(body, CompletionRequest)
+    assert isinstance(req, CompletionRequest)
+    generation = GenerationRequest(prompt=req.prompt, params=req.sampling(settings.engine.default_max_tokens),
+                                   salt="default")
+    return _parsed(req, generation, chat=False)
+
+
+def _parsed(req: ChatCompletionRequest | CompletionRequest, generation: GenerationRequest, *, chat: bool) -> Parsed:
     scenario = (req.edgecache.scenario if req.edgecache else None) or "default"
-    return Call(request=GenerationRequest(messages=tuple(m.to_message() for m in req.messages), params=params,
-                                          salt="default"), scenario=scenario)
+    return Parsed(call=Call(request=generation, scenario=scenario), model=req.model, chat=chat, stream=req.stream,
+                  include_usage=bool(req.stream_options and req.stream_options.include_usage))
 
 
-def _completion_call(req: CompletionRequest, rt: Runtime) -> Call:
-    params = req.sampling(rt.settings.engine.default_max_tokens)
-    scenario = (req.edgecache.scenario if req.edgecache else None) or "default"
-    return Call(request=GenerationRequest(prompt=req.prompt, params=params, salt="default"), scenario=scenario)
+class ParsedRequests:
+    """Recently seen request bodies -> their parsed form, bounded by count.
+
+    A repeated request is the common case on a cache (that is what a hit is), and its body is byte-for-byte the
+    same. Looking the bytes up costs a hash; decoding, validating and rebuilding the call costs several times that
+    and would be most of an exact hit's time. Only valid bodies are kept, so an invalid one is re-checked (and
+    refused) every time. Keyed by route and body only: nothing per-connection goes into a parse.
+    """
+
+    MAX_BODY_BYTES = 16_384
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[bool, bytes], Parsed] = OrderedDict()
+
+    def parse(self, chat: bool, body: bytes, settings: Settings) -> Parsed:
+        key = (chat, body)
+        parsed = self._entries.get(key)
+        if parsed is not None:
+            self._entries.move_to_end(key)
+            return parsed
+        parsed = _parse_chat(body, settings) if chat else _parse_completion(body, settings)
+        if len(body) <= self.MAX_BODY_BYTES:
+            self._entries[key] = parsed
+            if len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        return parsed
 
 
-async def _respond(rt: Runtime, call: Call, stream: bool, include_usage: bool, chat: bool,
-                   started: float) -> Response[Any]:
+async def _respond(rt: Runtime, parsed: Parsed, started: float) -> Response[Any]:
+    call, stream, chat, include_usage = parsed.call, parsed.stream, parsed.chat, parsed.include_usage
     reply = await rt.pipeline.serve(call)
-    writer = ResponseWriter(chat=chat, model=rt.engine.model_id, include_usage=include_usage)
+    writer = ResponseWriter(chat=chat, model=rt.engine.model_id, include_usage=include_usage,
+                            response_id=rt.ids.next("chat" if chat else "text"))
     headers = {"X-EdgeCache": reply.served}
     metrics = rt.metrics
-    chunks = reply.chunks
+    answer = reply.answer
+    if answer is not None and not stream:
+        # The hot path: a stored answer, rendered straight from the store's copy.
+        metrics.observe_request(call.tenant, call.scenario, reply.served, time.perf_counter() - started)
+        body = writer.body(answer.text, answer.finish_reason,
+                           usage(answer.prompt_tokens, answer.completion_tokens, answer.prompt_tokens))
+        return Response(content=body, media_type=JSON, headers=headers)
+    chunks = reply.stream()
     try:
         # The first chunk is awaited before any byte is sent, so an error before the first token (a bad prompt,
         # a failed engine) still gets its real HTTP status instead of a 200 stream carrying an error.
@@ -175,25 +234,21 @@ async def _sse(rt: Runtime, call: Call, served: str, writer: ResponseWriter, fir
 
 
 @post("/v1/chat/completions", status_code=200)
-async def chat_completions(request: Request[Any, Any, Any], state: State) -> Response[Any]:
+async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
     started = time.perf_counter()
-    rt = _runtime(state)
-    req = decode_request(await request.body(), ChatCompletionRequest)
-    assert isinstance(req, ChatCompletionRequest)
-    _check_ready(rt, req.model)
-    return await _respond(rt, _chat_call(req, rt), req.stream,
-                          bool(req.stream_options and req.stream_options.include_usage), True, started)
+    rt = _runtime(request.app.state)
+    parsed = rt.parsed.parse(True, await request.body(), rt.settings)
+    _check_ready(rt, parsed.model)
+    return await _respond(rt, parsed, started)
 
 
 @post("/v1/completions", status_code=200)
-async def completions(request: Request[Any, Any, Any], state: State) -> Response[Any]:
+async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
     started = time.perf_counter()
-    rt = _runtime(state)
-    req = decode_request(await request.body(), CompletionRequest)
-    assert isinstance(req, CompletionRequest)
-    _check_ready(rt, req.model)
-    return await _respond(rt, _completion_call(req, rt), req.stream,
-                          bool(req.stream_options and req.stream_options.include_usage), False, started)
+    rt = _runtime(request.app.state)
+    parsed = rt.parsed.parse(False, await request.body(), rt.settings)
+    _check_ready(rt, parsed.model)
+    return await _respond(rt, parsed, started)
 
 
 @get("/v1/models")
@@ -275,5 +330,6 @@ def create_app(settings: Settings, engine: Engine | None = None,
         exception_handlers={Exception: _error_response},
         request_max_body_size=settings.server.max_body_bytes,
         openapi_config=None,
+        logging_config=None,  # logging is the host's to configure (the CLI does); litestar must not replace it
         debug=False,
     )

@@ -40,10 +40,18 @@ class Call(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Reply(msgspec.Struct, kw_only=True):
-    """Who served the call, and the answer as chunks (text deltas; the last one carries counts and finish)."""
+    """Who served the call, and the answer: a stored one (``answer``) or a stream of chunks (text deltas; the
+    last one carries the counts and the finish reason). :meth:`stream` gives chunks in either case."""
 
     served: Served
-    chunks: AsyncIterator[Chunk]
+    answer: CachedAnswer | None = None
+    chunks: AsyncIterator[Chunk] | None = None
+
+    def stream(self) -> AsyncIterator[Chunk]:
+        if self.answer is not None:
+            return replay(self.answer)
+        assert self.chunks is not None
+        return self.chunks
 
 
 def replay(answer: CachedAnswer) -> AsyncIterator[Chunk]:
@@ -77,7 +85,7 @@ class RequestPipeline:
         # 1. exact result store (memory first: a hot hit never leaves the event loop)
         answer = self.store.get_memory(key) or await self.store.get(key)
         if answer is not None:
-            return Reply(served="exact", chunks=replay(answer))
+            return Reply(served="exact", answer=answer)
 
         # 2. in-flight de-duplication
         flight = self.inflight.get(key)

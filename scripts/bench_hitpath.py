@@ -1,0 +1,213 @@
+"""Hit-path benchmark: how close an EdgeCache exact hit comes to a bare litestar endpoint, side by side in one run.
+
+Measures, in one run, on this machine:
+  (a) a bare litestar POST endpoint returning a constant JSON body (same uvicorn, uvloop and httptools settings),
+  (b) EdgeCache exact hits (the same request body every time, answered from the result store),
+  (c) EdgeCache misses against the CPU engine (distinct prompts, max_tokens=8),
+  (d) TTFT of a streaming request sharing a ~1.5k-token system prompt, cold (new system prompt) vs warm.
+and prints requests/s and p50/p99 latency for each, and the ratio (b)/(a).
+
+(a) and (b) are driven by wrk (Debian package `wrk`), a C load generator, so the client is not the bottleneck;
+they alternate for --rounds rounds and the median round is reported. (c) and (d) use httpx: their cost is the model.
+
+    python scripts/bench_hitpath.py [--duration 5] [--rounds 3] [--connections 16]
+"""
+
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+MODEL = "SmolLM2-135M-Instruct"
+HIT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 8, "temperature": 0}
+
+
+def bare_app():  # the baseline: nothing but litestar, uvicorn, uvloop and httptools
+    from litestar import Litestar, Request, Response, post
+
+    body = json.dumps({"id": "chatcmpl-0", "object": "chat.completion", "created": 0, "model": MODEL,
+                       "choices": [{"index": 0, "message": {"role": "assistant", "content": "Paris."},
+                                    "finish_reason": "stop", "logprobs": None}],
+                       "usage": {"prompt_tokens": 40, "completion_tokens": 3, "total_tokens": 43,
+                                 "prompt_tokens_details": {"cached_tokens": 40}}}).encode()
+
+    @post("/v1/chat/completions", status_code=200)
+    async def constant(request: Request) -> Response:
+        await request.body()
+        return Response(content=body, media_type="application/json", headers={"X-EdgeCache": "exact"})
+
+    return Litestar([constant], openapi_config=None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_ready(url: str, proc: subprocess.Popen, path: str = "/health", timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server for {url} exited early")
+        try:
+            if httpx.get(url + path, timeout=1).status_code in (200, 405):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit(f"server at {url} did not become ready")
+
+
+def run_wrk(url: str, body: dict, duration: int, connections: int, workdir: Path) -> dict[str, float]:
+    script = workdir / "post.lua"
+    script.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+                      f"wrk.body = {json.dumps(json.dumps(body))}\n")
+    out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(script),
+                          url + "/v1/chat/completions"], capture_output=True, text=True, check=True).stdout
+    if "Non-2xx" in out:
+        raise SystemExit(f"wrk saw errors:\n{out}")
+
+    def ms(label: str) -> float:
+        value, unit = re.search(rf"^\s*{label}\s+([\d.]+)(us|ms|s)\s*$", out, re.M).groups()
+        return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
+
+    return {"rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)), "p50_ms": ms("50%"),
+            "p99_ms": ms("99%")}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def bench_misses(url: str, n: int) -> dict[str, float]:
+    latencies = []
+    start = time.perf_counter()
+    with httpx.Client(timeout=120) as c:
+        for i in range(n):
+            body = {**HIT_BODY, "messages": [{"role": "user", "content": f"Give me fact number {i} about owls."}]}
+            t = time.perf_counter()
+            r = c.post(url + "/v1/chat/completions", json=body)
+            latencies.append((time.perf_counter() - t) * 1000)
+            assert r.headers["x-edgecache"] == "miss", r.headers
+    return {"rps": n / (time.perf_counter() - start), "p50_ms": percentile(latencies, 0.5),
+            "p99_ms": percentile(latencies, 0.99)}
+
+
+def ttft_ms(url: str, system: str, question: str) -> tuple[float, int]:
+    body = {"model": MODEL, "max_tokens": 4, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+    t = time.perf_counter()
+    first = None
+    cached = -1
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and first is None and '"content":"' in line and '"content":""' not in line:
+                first = (time.perf_counter() - t) * 1000
+            if line.startswith("data: {") and '"usage":{' in line:
+                cached = json.loads(line[6:])["usage"]["prompt_tokens_details"]["cached_tokens"]
+    return first if first is not None else (time.perf_counter() - t) * 1000, cached
+
+
+def system_prompt(seed: int) -> str:
+    # ~1.5k SmolLM2 tokens of policy text; the seed makes each cold prompt new to the engine.
+    return f"You are support agent #{seed} of ACME Rockets. " + " ".join(
+        f"Policy {seed}.{i}: rockets of series {i} ship within {i % 7 + 1} days, carry a {i % 3 + 1}-year "
+        f"warranty and are serviced in hangar {i % 11}." for i in range(41))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=int, default=5, help="seconds per wrk round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--connections", type=int, default=16)
+    ap.add_argument("--misses", type=int, default=20)
+    ap.add_argument("--bare-server", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.bare_server:
+        import uvicorn
+        uvicorn.run(bare_app(), host="127.0.0.1", port=args.bare_server, loop="uvloop", http="httptools",
+                    log_level="warning", access_log=False)
+        return
+    if shutil.which("wrk") is None:
+        raise SystemExit("wrk is needed for the hit-path rounds: apt-get install wrk")
+
+    work = Path(tempfile.mkdtemp(prefix="bench-hitpath-"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGECACHE_")}
+    bare_port, ec_port = free_port(), free_port()
+    bare_url, ec_url = f"http://127.0.0.1:{bare_port}", f"http://127.0.0.1:{ec_port}"
+    procs = [
+        subprocess.Popen([sys.executable, __file__, "--bare-server", str(bare_port)], env=env),
+        subprocess.Popen([sys.executable, "-m", "edgecache.cli.main", "serve", "--profile", "cpu", "--port",
+                          str(ec_port), "--data-dir", str(work / "data")], env={**env, "EDGECACHE_SERVER__LOG_LEVEL":
+                                                                                 "warning"}),
+    ]
+    try:
+        wait_ready(bare_url, procs[0], path="/v1/chat/completions")
+        wait_ready(ec_url, procs[1])
+        first = httpx.post(ec_url + "/v1/chat/completions", json=HIT_BODY, timeout=60)
+        assert first.headers["x-edgecache"] == "miss"
+        assert httpx.post(ec_url + "/v1/chat/completions", json=HIT_BODY).headers["x-edgecache"] == "exact"
+
+        bare_rounds, hit_rounds = [], []
+        for _ in range(args.rounds):  # alternate, so drift on a shared machine hits both alike
+            bare_rounds.append(run_wrk(bare_url, HIT_BODY, args.duration, args.connections, work))
+            hit_rounds.append(run_wrk(ec_url, HIT_BODY, args.duration, args.connections, work))
+        med = lambda rounds: sorted(rounds, key=lambda r: r["rps"])[len(rounds) // 2]  # noqa: E731
+        bare, hit = med(bare_rounds), med(hit_rounds)
+        miss = bench_misses(ec_url, args.misses)
+
+        cold, warm, cached = [], [], []
+        for seed in range(3):
+            system = system_prompt(seed)
+            t, _ = ttft_ms(ec_url, system, "Which hangar services series 5?")
+            cold.append(t)
+            t, c = ttft_ms(ec_url, system, "How long does series 8 take to ship?")
+            warm.append(t)
+            cached.append(c)
+        prompt_tokens = httpx.post(ec_url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "max_tokens": 1, "temperature": 0,
+            "messages": [{"role": "system", "content": system_prompt(0)},
+                         {"role": "user", "content": "How long does series 8 take to ship?"}]}).json()["usage"]
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=60)
+        shutil.rmtree(work, ignore_errors=True)
+
+    print(f"\nhit path on {os.cpu_count()} cores, wrk -t1 -c{args.connections}, {args.rounds} x {args.duration}s "
+          f"rounds (median round)")
+    print(f"{'':38}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}")
+    for name, r in (("(a) bare litestar, constant JSON", bare), ("(b) EdgeCache exact hit", hit),
+                    (f"(c) EdgeCache miss, CPU engine, 8 tokens", miss)):
+        print(f"{name:38}{r['rps']:>10.0f}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}")
+    ratio = hit["rps"] / bare["rps"]
+    print(f"\n(b)/(a) throughput ratio: {ratio:.2f}   (goal >= 0.8)")
+    print(f"(b)/(c) hit vs miss throughput: {hit['rps'] / miss['rps']:.0f}x")
+    print(f"\nTTFT with a shared ~{prompt_tokens['prompt_tokens']}-token system prompt (median of 3):")
+    print(f"  cold {statistics.median(cold):.0f} ms   warm {statistics.median(warm):.0f} ms   "
+          f"-> {statistics.median(cold) / statistics.median(warm):.1f}x faster; warm cached_tokens {cached}")
+    print(json.dumps({"bare_rps": round(bare["rps"]), "hit_rps": round(hit["rps"]), "hit_over_bare": round(ratio, 3),
+                      "hit_p50_ms": hit["p50_ms"], "hit_p99_ms": hit["p99_ms"], "miss_rps": round(miss["rps"], 2),
+                      "miss_p50_ms": round(miss["p50_ms"], 1), "ttft_cold_ms": round(statistics.median(cold)),
+                      "ttft_warm_ms": round(statistics.median(warm)), "prompt_tokens": prompt_tokens["prompt_tokens"]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""End to end: the real `edgecache serve` process, the real llama.cpp engine and SmolLM2, the official openai client."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "SmolLM2-135M-Instruct"
+LONG_SYSTEM = "You are the support assistant of ACME Rockets. " + " ".join(
+    f"Policy {i}: rockets of series {i} ship within {i % 7 + 1} days and carry a {i % 3 + 1}-year warranty."
+    for i in range(60))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Server:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EDGECACHE_")}
+        self.log = open(self.data_dir.parent / f"server-{self.port}.log", "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "edgecache.cli.main", "serve", "--profile", "cpu", "--port", str(self.port),
+             "--data-dir", str(self.data_dir)], env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early; see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("server did not become ready")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=60)
+        self.log.close()
+
+    def stats(self) -> dict:
+        return httpx.get(self.url + "/stats", timeout=10).json()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = Server(tmp_path_factory.mktemp("e2e") / "data").start()
+    yield srv
+    srv.stop()
+
+
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def ask(c: openai.OpenAI, question: str, **kw: object) -> tuple[str, object]:
+    raw = c.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=12, temperature=0, **kw)
+    return raw.headers["x-edgecache"], raw.parse()
+
+
+def test_openai_sync_client_miss_then_exact(server: Server) -> None:
+    c = client(server)
+    served1, first = ask(c, "What is the capital of France?")
+    served2, second = ask(c, "What is the capital of France?")
+    assert (served1, served2) == ("miss", "exact")
+    assert first.choices[0].message.content and first.choices[0].message.content == second.choices[0].message.content
+    assert first.usage.completion_tokens > 0
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens
+
+
+def test_openai_sync_streaming_hit_equals_stored_answer(server: Server) -> None:
+    c = client(server)
+    _, stored = ask(c, "Name a colour.")
+    with c.chat.completions.with_streaming_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=12, temperature=0,
+            stream=True) as resp:
+        assert resp.headers["x-edgecache"] == "exact"
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in resp.parse() if chunk.choices)
+    assert text == stored.choices[0].message.content
+
+
+async def test_openai_async_client_stream_and_not(server: Server) -> None:
+    c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    stream = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count to three."}],
+                                             max_tokens=10, temperature=0, stream=True)
+    pieces = [chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices]
+    assert len([p for p in pieces if p]) > 1, "a miss streams token by token"
+    full = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Count to three."}],
+                                           max_tokens=10, temperature=0)
+    assert full.choices[0].message.content == "".join(pieces)
+    completion = await c.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, temperature=0)
+    assert completion.choices[0].text
+    await c.close()
+
+
+def test_shared_system_prompt_skips_prefill(server: Server) -> None:
+    c = client(server)
+    answers = []
+    for question in ("How long does series 4 take to ship?", "What warranty does series 9 have?"):
+        answers.append(c.chat.completions.create(
+            model=MODEL, max_tokens=4, temperature=0,
+            messages=[{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": question}]))
+    cold, warm = answers
+    assert cold.usage.prompt_tokens > 1000
+    assert cold.usage.prompt_tokens_details.cached_tokens < 100
+    # Everything up to the user's question comes from the engine's prefix cache.
+    assert warm.usage.prompt_tokens_details.cached_tokens > 0.9 * warm.usage.prompt_tokens
+
+
+def test_disconnect_mid_stream_stores_nothing(server: Server) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+            "max_tokens": 120, "temperature": 0, "stream": True}
+    entries_before = server.stats()["store"]["entries"]
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as resp:
+        assert resp.headers["x-edgecache"] == "miss"
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                break  # one token, then hang up
+    time.sleep(1.0)
+    assert server.stats()["store"]["entries"] == entries_before
+    again = httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": False},
+                       timeout=60)
+    assert again.headers["x-edgecache"] == "miss"
+
+
+def test_errors_on_the_real_server(server: Server) -> None:
+    url = server.url + "/v1/chat/completions"
+    bad_json = httpx.post(url, content=b"{", headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and bad_json.json()["error"]["type"] == "invalid_request_error"
+    unknown = httpx.post(url, json={"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    huge = httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "x" * 2_000_000}]})
+    assert huge.status_code == 413 and "error" in huge.json()
+    too_long = httpx.post(url, json={"model": MODEL, "temperature": 0,
+                                     "messages": [{"role": "user", "content": "word " * 5000}]}, timeout=120)
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        client(server).chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def test_restart_on_the_same_data_dir_is_still_exact(tmp_path: Path) -> None:
+    first = Server(tmp_path / "data").start()
+    try:
+        served, answer = ask(client(first), "Is water wet?")
+        assert served == "miss"
+    finally:
+        first.stop()
+    second = Server(tmp_path / "data").start()
+    try:
+        served, again = ask(client(second), "Is water wet?")
+        assert served == "exact"
+        assert again.choices[0].message.content == answer.choices[0].message.content
+        assert "edgecache_engine_calls_total 0.0" in httpx.get(second.url + "/metrics").text
+    finally:
+        second.stop()
