@@ -88,6 +88,8 @@ class MemoryLRU:
 class DiskResultStore:
     """diskcache on disk + :class:`MemoryLRU` in front. Construct, use, then :meth:`close` (safe twice)."""
 
+    READ_SYNC_BATCH = 256
+
     def __init__(self, directory: Path, *, disk_bytes: int, memory_bytes: int) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         # LRU, not diskcache's default least-recently-stored: a hot FAQ answer must outlive a one-off.
@@ -100,20 +102,44 @@ class DiskResultStore:
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="result-store-read")
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CachedAnswer)
+        self._unsynced_reads: set[str] = set()
         self._closed = False
 
     def get_memory(self, key: str) -> CachedAnswer | None:
         """The hit path's first look: no I/O, no thread hop."""
-        return self._memory.get(key, time.time())
+        answer = self._memory.get(key, time.time())
+        if answer is not None:
+            self._note_read(key)
+        return answer
+
+    def _note_read(self, key: str) -> None:
+        # A hit served from memory never reaches diskcache, whose LRU would then follow write order and evict the
+        # hottest answers first. Reads are replayed to the disk in batches, on the writer thread, off the hit path.
+        self._unsynced_reads.add(key)
+        if len(self._unsynced_reads) >= self.READ_SYNC_BATCH:
+            self._sync_reads()
+
+    def _sync_reads(self) -> None:
+        if not self._unsynced_reads:
+            return
+        keys, self._unsynced_reads = self._unsynced_reads, set()
+
+        def touch() -> None:
+            for key in keys:
+                self._disk.get(key)  # under the LRU policy a get stamps the entry's access time
+
+        self._writer.submit(touch)
 
     async def get(self, key: str) -> CachedAnswer | None:
-        answer = self._memory.get(key, time.time())
+        answer = self.get_memory(key)
         if answer is not None:
             return answer
         raw = await asyncio.get_running_loop().run_in_executor(self._reader, self._disk.get, key)
         if raw is None:
             return None
         try:
+            if not isinstance(raw, bytes):
+                raise msgspec.DecodeError(f"not an answer: {type(raw).__name__}")
             answer = self._decoder.decode(raw)
         except msgspec.DecodeError:
             # An entry written by an incompatible version: treat as a miss and drop it.
@@ -132,6 +158,7 @@ class DiskResultStore:
         if ttl <= 0:
             return
         self._memory.put(key, answer, len(raw))
+        self._sync_reads()  # recorded reads reach the disk before this write can make it cull
         await asyncio.get_running_loop().run_in_executor(
             self._writer, lambda: self._disk.set(key, raw, expire=ttl))
 
@@ -151,6 +178,7 @@ class DiskResultStore:
         if self._closed:
             return
         self._closed = True
+        self._sync_reads()
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=True)
         self._disk.close()

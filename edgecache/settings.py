@@ -45,7 +45,7 @@ class ByteSize(int):
         if isinstance(value, str):
             match = cls._PATTERN.match(value)
             if match and match.group(2).lower() in cls._UNITS:
-                return cls(int(float(match.group(1)) * cls._UNITS[match.group(2).lower()]))
+                return cls(round(float(match.group(1)) * cls._UNITS[match.group(2).lower()]))
         raise ValueError(f"not a byte size: {value!r} (write e.g. 2GB, 512MiB or a number of bytes)")
 
 
@@ -56,6 +56,8 @@ def _dec_hook(type_: type, obj: Any) -> Any:
 
 
 def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, ByteSize):
+        return int(obj)
     if isinstance(obj, Path):
         return str(obj)
     raise NotImplementedError(f"cannot encode {type(obj)!r}")
@@ -92,7 +94,7 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     threads: Annotated[int, Meta(ge=0), _help("CPU threads for the engine; 0 means one per core.")] = 0
     batch_tokens: Annotated[int, Meta(ge=8), _help("Prompt tokens evaluated per batch (prefill chunk).")] = 512
     prefix_cache_bytes: Annotated[ByteSize, _help(
-        "Byte budget of the engine's prefix (KV state) cache; least recently used prefixes are dropped first.")] \
+        "Byte budget of the engine's prefix (KV state) cache, per tenant; least recently used prefixes go first.")] \
         = ByteSize(256 * 2**20)
     prefix_cache_min_tokens: Annotated[int, Meta(ge=1), _help(
         "Prompts shorter than this are not saved in the prefix cache (saving costs more than it saves).")] = 64
@@ -252,5 +254,6 @@ def iter_fields(struct_type: type = Settings, prefix: str = "") -> list[tuple[st
 
 
 def _description(field_type: Any) -> str:
-    extra = getattr(field_type, "extra", None) or {}
-    return getattr(field_type, "description", None) or extra.get("description", "") or ""
+    # Meta(description=...) lands in msgspec.inspect.Metadata.extra_json_schema.
+    schema = getattr(field_type, "extra_json_schema", None) or {}
+    return str(schema.get("description", ""))

@@ -1,0 +1,234 @@
+"""The request path with a fake engine and the real store, de-dup table and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing
+from pathlib import Path
+
+import pytest
+
+from edgecache.engines.base import Chunk, GenerationRequest, Message, SamplingParams
+from edgecache.errors import EngineError
+from edgecache.inflight import InflightTable
+from edgecache.keys import request_key
+from edgecache.metrics import Metrics
+from edgecache.pipeline import Call, RequestPipeline
+from edgecache.result_store import DiskResultStore
+from tests.fakes import FakeEngine
+
+
+def chat(content: str = "hello", **params: object) -> GenerationRequest:
+    sampling = {"temperature": 0.0, "max_tokens": 16, **params}
+    return GenerationRequest(messages=(Message("user", content),), params=SamplingParams(**sampling))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[DiskResultStore]:
+    s = DiskResultStore(tmp_path / "results", disk_bytes=64 * 2**20, memory_bytes=4 * 2**20)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def pipeline(engine: FakeEngine, store: DiskResultStore) -> RequestPipeline:
+    return RequestPipeline(engine=engine, store=store, inflight=InflightTable(), metrics=Metrics(),
+                           default_ttl_s=3600.0)
+
+
+async def collect(stream: AsyncIterator[Chunk]) -> list[Chunk]:
+    async with aclosing(stream) as s:
+        return [c async for c in s]
+
+
+def text_of(chunks: list[Chunk]) -> str:
+    return "".join(c.text for c in chunks)
+
+
+async def serve_all(pipeline: RequestPipeline, call: Call) -> tuple[str, list[Chunk]]:
+    reply = await pipeline.serve(call)
+    chunks = await collect(reply.stream())
+    # Let the flight finish its store write and leave the table before the next request.
+    await pipeline.inflight.drain(timeout_s=5)
+    return reply.served, chunks
+
+
+def key_of(pipeline: RequestPipeline, call: Call) -> str:
+    return request_key(call.request, model_version=pipeline.engine.version, tenant=call.tenant,
+                       scenario=call.scenario)
+
+
+async def test_a_miss_then_an_exact_hit_with_the_same_answer(pipeline: RequestPipeline, engine: FakeEngine,
+                                                             store: DiskResultStore) -> None:
+    call = Call(request=chat("what is 2+2"))
+    served, first = await serve_all(pipeline, call)
+    assert served == "miss"
+    assert text_of(first) == engine.answer_for(call.request)
+    assert first[-1].finish_reason == "stop"
+    assert engine.calls == 1 and engine.completed == 1
+
+    reply = await pipeline.serve(call)
+    assert reply.served == "exact"
+    assert reply.answer is not None and reply.answer.text == text_of(first)
+    served, second = await serve_all(pipeline, call)
+    assert served == "exact"
+    assert engine.calls == 1
+    assert text_of(second) == text_of(first)
+    assert second[-1].finish_reason == first[-1].finish_reason
+    assert second[-1].prompt_tokens == first[-1].prompt_tokens
+    assert second[-1].completion_tokens == first[-1].completion_tokens
+    assert (await store.stats())["entries"] == 1
+
+
+async def test_an_exact_hit_comes_from_disk_after_the_memory_tier_is_gone(
+        tmp_path: Path, engine: FakeEngine) -> None:
+    call = Call(request=chat("durable"))
+    directory = tmp_path / "results"
+    for expected in ("miss", "exact"):
+        store = DiskResultStore(directory, disk_bytes=64 * 2**20, memory_bytes=4 * 2**20)
+        try:
+            p = RequestPipeline(engine=engine, store=store, inflight=InflightTable(), metrics=Metrics(),
+                                default_ttl_s=3600.0)
+            served, chunks = await serve_all(p, call)
+            assert served == expected
+            assert text_of(chunks) == engine.answer_for(call.request)
+        finally:
+            store.close()
+    assert engine.calls == 1
+
+
+async def test_concurrent_identical_calls_share_one_engine_call(pipeline: RequestPipeline,
+                                                                engine: FakeEngine) -> None:
+    engine.gate = asyncio.Event()
+    call = Call(request=chat("shared question"))
+    replies = [await pipeline.serve(call) for _ in range(5)]
+    assert [r.served for r in replies] == ["miss"] + ["shared"] * 4
+    consumers = [asyncio.create_task(collect(r.stream())) for r in replies]
+    await asyncio.sleep(0)
+    engine.gate.set()
+    results = await asyncio.gather(*consumers)
+    assert engine.calls == 1
+    assert all(r == results[0] for r in results)
+    assert text_of(results[0]) == engine.answer_for(call.request)
+
+
+async def test_a_client_that_closes_mid_stream_aborts_the_engine_and_stores_nothing(
+        pipeline: RequestPipeline, engine: FakeEngine, store: DiskResultStore) -> None:
+    engine.delay_s = 0.005  # chunks arrive one by one, so the client can leave before the end
+    call = Call(request=chat("abandoned"))
+    key = key_of(pipeline, call)
+    reply = await pipeline.serve(call)
+    assert reply.served == "miss"
+    flight = pipeline.inflight.get(key)
+    assert flight is not None
+
+    stream = reply.stream()
+    first = await stream.__anext__()
+    assert first.text
+    await stream.aclose()
+    await asyncio.wait([flight.task])
+
+    assert engine.aborted == 1 and engine.completed == 0
+    assert pipeline.inflight.get(key) is None
+    assert store.get_memory(key) is None
+    assert await store.get(key) is None
+    assert (await store.stats())["entries"] == 0
+
+    engine.delay_s = 0.0
+    served, chunks = await serve_all(pipeline, call)
+    assert served == "miss"
+    assert engine.calls == 2
+    assert text_of(chunks) == engine.answer_for(call.request)
+
+
+async def test_an_engine_failure_reaches_the_caller_and_stores_nothing(
+        pipeline: RequestPipeline, engine: FakeEngine, store: DiskResultStore) -> None:
+    engine.fail_after = 2
+    call = Call(request=chat("doomed"))
+    reply = await pipeline.serve(call)
+    with pytest.raises(EngineError):
+        await collect(reply.stream())
+    await pipeline.inflight.drain(timeout_s=5)
+    assert (await store.stats())["entries"] == 0
+
+    engine.fail_after = None
+    served, _ = await serve_all(pipeline, call)
+    assert served == "miss"
+    assert engine.calls == 2
+
+
+async def test_a_non_cacheable_call_bypasses_the_store_and_de_dup(
+        pipeline: RequestPipeline, engine: FakeEngine, store: DiskResultStore) -> None:
+    engine.gate = asyncio.Event()
+    call = Call(request=chat("write a poem", temperature=0.8))  # sampling, no seed
+    replies = [await pipeline.serve(call), await pipeline.serve(call)]
+    assert [r.served for r in replies] == ["miss", "miss"]
+    consumers = [asyncio.create_task(collect(r.stream())) for r in replies]
+    for _ in range(100):
+        if engine.running == 2:
+            break
+        await asyncio.sleep(0)
+    assert engine.running == 2  # two engine calls at once: nobody followed anybody
+    assert len(pipeline.inflight) == 0
+    engine.gate.set()
+    results = await asyncio.gather(*consumers)
+    assert all(text_of(r) == engine.answer_for(call.request) for r in results)
+    assert engine.calls == 2
+    assert (await store.stats())["entries"] == 0
+
+    served, _ = await serve_all(pipeline, call)
+    assert served == "miss"
+    assert engine.calls == 3
+
+
+async def test_sampling_with_a_seed_is_cached(pipeline: RequestPipeline, engine: FakeEngine) -> None:
+    call = Call(request=chat("seeded", temperature=0.8, seed=7))
+    assert (await serve_all(pipeline, call))[0] == "miss"
+    assert (await serve_all(pipeline, call))[0] == "exact"
+    assert engine.calls == 1
+
+
+async def test_no_hit_across_tenants_scenarios_or_model_versions(pipeline: RequestPipeline,
+                                                                engine: FakeEngine) -> None:
+    request = chat("the same words")
+    base = Call(request=request, tenant="acme", scenario="support")
+    assert (await serve_all(pipeline, base))[0] == "miss"
+    assert (await serve_all(pipeline, base))[0] == "exact"
+
+    assert (await serve_all(pipeline, Call(request=request, tenant="globex", scenario="support")))[0] == "miss"
+    assert (await serve_all(pipeline, Call(request=request, tenant="acme", scenario="code")))[0] == "miss"
+    assert engine.calls == 3
+
+    engine.version = "fake@2"  # new weights: every old entry is unreachable
+    assert (await serve_all(pipeline, base))[0] == "miss"
+    assert engine.calls == 4
+    assert (await serve_all(pipeline, base))[0] == "exact"
+    assert engine.calls == 4
+
+
+async def test_no_sharing_of_a_flight_across_tenants(pipeline: RequestPipeline, engine: FakeEngine) -> None:
+    engine.gate = asyncio.Event()
+    request = chat("concurrent")
+    a = await pipeline.serve(Call(request=request, tenant="acme"))
+    b = await pipeline.serve(Call(request=request, tenant="globex"))
+    assert (a.served, b.served) == ("miss", "miss")
+    consumers = [asyncio.create_task(collect(r.stream())) for r in (a, b)]
+    await asyncio.sleep(0)
+    engine.gate.set()
+    await asyncio.gather(*consumers)
+    assert engine.calls == 2
+
+
+async def test_engine_calls_are_counted_in_metrics(pipeline: RequestPipeline) -> None:
+    call = Call(request=chat("count me"))
+    await serve_all(pipeline, call)
+    await serve_all(pipeline, call)  # exact: no engine call
+    engine = pipeline.metrics.snapshot()["engine"]
+    assert engine["calls"] == 1
+    assert engine["prompt_tokens"] == 2
