@@ -30,13 +30,14 @@ from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
 from edgecache.engines.base import Chunk, Engine, GenerationRequest
-from edgecache.errors import (EdgeCacheError, ModelNotFound, NotReady, PayloadTooLarge, error_body)
+from edgecache.errors import BadRequest, EdgeCacheError, ModelNotFound, NotReady, PayloadTooLarge, error_body
 from edgecache.inflight import InflightTable
 from edgecache.metrics import Metrics
 from edgecache.openai_api import (ChatCompletionRequest, CompletionRequest, IdSource, ModelCard, ModelList,
                                   ResponseWriter, decode_request, usage)
 from edgecache.pipeline import Call, RequestPipeline
 from edgecache.result_store import DiskResultStore
+from edgecache.semantic_cache import SemanticCache
 from edgecache.settings import Settings
 
 log = logging.getLogger("edgecache")
@@ -47,7 +48,11 @@ SHUTDOWN_GRACE_S = 30.0
 
 
 class Runtime:
-    """Everything one running app holds, on ``app.state.runtime``. Built by the lifespan, closed in reverse."""
+    """Everything one running app holds, on ``app.state.runtime``. Built by the lifespan, closed in reverse.
+
+    The store opens at once; the engine and the embedder load in the background (:meth:`load`), and the request
+    pipeline is assembled when both are ready. Until then every model route answers 503.
+    """
 
     def __init__(self, settings: Settings, engine: Engine) -> None:
         self.settings = settings
@@ -58,34 +63,85 @@ class Runtime:
         self.parsed = ParsedRequests()
         self.store = DiskResultStore(settings.data_path / "results", disk_bytes=settings.store.disk_bytes,
                                      memory_bytes=settings.store.memory_bytes)
-        self.pipeline = RequestPipeline(engine=engine, store=self.store, inflight=self.inflight,
-                                        metrics=self.metrics, default_ttl_s=settings.store.default_ttl_s)
+        self.semantic: SemanticCache | None = None
+        self.pipeline: RequestPipeline | None = None
         self.ready = False
         self.load_error: str | None = None
         self.started_at = int(time.time())
+        self._background: list[asyncio.Task[None]] = []
 
-    async def load_engine(self) -> None:
+    async def load(self) -> None:
         try:
             await self.engine.start()
+            if self.settings.semantic.enabled:
+                self.semantic = await asyncio.get_running_loop().run_in_executor(
+                    None, build_semantic_cache, self.settings, self.metrics)
         except EdgeCacheError as exc:
             self.load_error = exc.message
-            log.error("the engine failed to load: %s", exc.message)
+            log.error("loading failed: %s", exc.message)
             return
         except Exception as exc:  # a load failure must show on /health, not kill the server silently
             self.load_error = f"{type(exc).__name__}: {exc}"
-            log.exception("the engine failed to load")
+            log.exception("loading failed")
             return
+        self.pipeline = RequestPipeline(engine=self.engine, store=self.store, inflight=self.inflight,
+                                        metrics=self.metrics, ttl_for=self.settings.scenario_ttl_s,
+                                        semantic=self.semantic)
+        if self.semantic is not None:
+            self._background.append(asyncio.create_task(self._save_indexes_periodically(), name="index-saver"))
         self.ready = True
-        log.info("model %s ready (%s)", self.engine.model_id, self.engine.version)
+        log.info("model %s ready (%s)%s", self.engine.model_id, self.engine.version,
+                 f", embedder {self.semantic.embedder.version}" if self.semantic else "")
+
+    async def _save_indexes_periodically(self) -> None:
+        # The vectors are committed to SQLite as they are added; the index files are a rebuildable copy, written
+        # every few seconds so a restart does not have to rebuild them.
+        assert self.semantic is not None
+        while True:
+            await asyncio.sleep(self.settings.semantic.save_interval_s)
+            await self.semantic.save()
+            await self.refresh_index_gauge()
+
+    async def refresh_index_gauge(self) -> None:
+        if self.semantic is not None:
+            for (tenant, scenario), count in (await self.semantic.sizes()).items():
+                self.metrics.semantic_index_vectors.labels(tenant, scenario).set(count)
 
     async def close(self) -> None:
-        # 1. let in-flight answers finish (they may still be stored), 2. close the engine, 3. close the store.
+        # 1. let in-flight answers finish (they may still be stored), 2. close the engine, 3. save the indexes,
+        # 4. close the store.
         self.ready = False
+        for task in self._background:
+            task.cancel()
         try:
             await self.inflight.drain(SHUTDOWN_GRACE_S)
             await self.engine.close()
         finally:
-            self.store.close()
+            try:
+                if self.semantic is not None:
+                    self.semantic.close()
+            finally:
+                self.store.close()
+
+
+def build_semantic_cache(settings: Settings, metrics: Metrics) -> SemanticCache:
+    """Load the embedder and open the indexes (blocking: model load). Thresholds: the scenario's own, else the
+    value calibrated for this embedder."""
+    from edgecache.embedders import default_threshold, load_embedder
+    from edgecache.semantic_index import SemanticIndex
+
+    sem = settings.semantic
+    embedder = load_embedder(sem.embedder, model_dir=sem.model_dir, device=sem.device, threads=sem.threads)
+    index = SemanticIndex(settings.data_path / "semantic", dim=embedder.dim, embedder_version=embedder.version,
+                          dtype=sem.vector_dtype, max_vectors=sem.max_vectors_per_index)
+
+    def threshold_for(scenario: str) -> float:
+        configured = settings.scenarios[scenario].threshold
+        return configured if configured is not None else default_threshold(embedder.version, scenario)
+
+    return SemanticCache(embedder=embedder, index=index, threshold_for=threshold_for, max_batch=sem.batch_max,
+                         max_wait_s=sem.batch_wait_ms / 1000, observe_embed=metrics.embed_seconds.observe,
+                         observe_search=metrics.semantic_search_seconds.observe)
 
 
 def _runtime(state: State) -> Runtime:
@@ -165,12 +221,26 @@ class ParsedRequests:
         return parsed
 
 
+def _with_headers(parsed: Parsed, request: Request[Any, Any, Any], rt: Runtime) -> Parsed:
+    """Apply the per-request headers (``X-EdgeCache-Scenario``) over what the body said, and check the scenario."""
+    scenario = request.headers.get("x-edgecache-scenario")
+    if scenario is not None and scenario != parsed.call.scenario:
+        parsed = msgspec.structs.replace(parsed, call=msgspec.structs.replace(parsed.call, scenario=scenario))
+    if parsed.call.scenario not in rt.settings.scenarios:
+        raise BadRequest(f"unknown scenario {parsed.call.scenario!r}; this server has: "
+                         f"{', '.join(sorted(rt.settings.scenarios))}", param="edgecache.scenario")
+    return parsed
+
+
 async def _respond(rt: Runtime, parsed: Parsed, started: float) -> Response[Any]:
     call, stream, chat, include_usage = parsed.call, parsed.stream, parsed.chat, parsed.include_usage
+    assert rt.pipeline is not None  # _check_ready ran
     reply = await rt.pipeline.serve(call)
     writer = ResponseWriter(chat=chat, model=rt.engine.model_id, include_usage=include_usage,
                             response_id=rt.ids.next("chat" if chat else "text"))
     headers = {"X-EdgeCache": reply.served}
+    if reply.similarity is not None:
+        headers["X-EdgeCache-Similarity"] = f"{reply.similarity:.3f}"
     metrics = rt.metrics
     answer = reply.answer
     if answer is not None and not stream:
@@ -239,7 +309,7 @@ async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
     rt = _runtime(request.app.state)
     parsed = rt.parsed.parse(True, await request.body(), rt.settings)
     _check_ready(rt, parsed.model)
-    return await _respond(rt, parsed, started)
+    return await _respond(rt, _with_headers(parsed, request, rt), started)
 
 
 @post("/v1/completions", status_code=200)
@@ -248,7 +318,7 @@ async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
     rt = _runtime(request.app.state)
     parsed = rt.parsed.parse(False, await request.body(), rt.settings)
     _check_ready(rt, parsed.model)
-    return await _respond(rt, parsed, started)
+    return await _respond(rt, _with_headers(parsed, request, rt), started)
 
 
 @get("/v1/models")
@@ -315,7 +385,7 @@ def create_app(settings: Settings, engine: Engine | None = None,
         Path(settings.data_path).mkdir(parents=True, exist_ok=True)
         rt = Runtime(settings, chosen)
         app.state.runtime = rt
-        loading = asyncio.create_task(rt.load_engine(), name="engine-load")
+        loading = asyncio.create_task(rt.load(), name="load")
         try:
             yield
         finally:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 Outcome = Literal["exact", "semantic", "shared", "miss", "error", "rejected"]
 OUTCOMES: tuple[Outcome, ...] = ("exact", "semantic", "shared", "miss", "error", "rejected")
@@ -35,6 +35,18 @@ class Metrics:
         self.ttft = Histogram("edgecache_ttft_seconds",
                               "Time from request to first answer byte, by what served it.",
                               ["outcome"], buckets=TTFT_BUCKETS, registry=self.registry)
+        self.semantic_search_seconds = Histogram(
+            "edgecache_semantic_search_seconds", "Time of one index search (with the guard).",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1), registry=self.registry)
+        self.embed_seconds = Histogram(
+            "edgecache_embed_seconds", "Time of one embedding batch.",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0), registry=self.registry)
+        self.semantic_index_vectors = Gauge(
+            "edgecache_semantic_index_vectors", "Vectors in the semantic indexes, by tenant and scenario.",
+            ["tenant", "scenario"], registry=self.registry)
+        self.semantic_guard_rejections = Counter(
+            "edgecache_semantic_guard_rejections", "Semantic candidates over the threshold that the guard refused.",
+            ["rule"], registry=self.registry)
         # Label children are cached: .labels() takes a lock and hashes on every call, which shows on the hit path.
         self._ttft_by_outcome = {o: self.ttft.labels(o) for o in OUTCOMES}
         self._requests_children: dict[tuple[str, str, str], Counter] = {}
@@ -63,8 +75,14 @@ class Metrics:
         totals = {o: 0 for o in OUTCOMES}
         ttft: dict[str, dict[str, float]] = {}
         engine: dict[str, int] = {}
+        semantic: dict[str, object] = {"guard_rejections": 0, "index_vectors": {}}
         for family in self.registry.collect():
-            if family.name.startswith("edgecache_engine_"):
+            if family.name == "edgecache_semantic_guard_rejections":
+                semantic["guard_rejections"] = int(sum(s.value for s in family.samples if s.name.endswith("_total")))
+            elif family.name == "edgecache_semantic_index_vectors":
+                semantic["index_vectors"] = {f"{s.labels['tenant']}/{s.labels['scenario']}": int(s.value)
+                                             for s in family.samples}
+            elif family.name.startswith("edgecache_engine_") and family.type == "counter":
                 engine[family.name.removeprefix("edgecache_engine_")] = int(family.samples[0].value)
             elif family.name == "edgecache_requests":
                 for s in family.samples:
@@ -84,6 +102,7 @@ class Metrics:
             "hit_rate": hits / served if served else 0.0,
             "by_tenant": requests,
             "engine": engine,
+            "semantic": semantic,
             "ttft": {o: {"count": int(v.get("count", 0)),
                          "mean_s": v.get("sum_s", 0.0) / v["count"] if v.get("count") else 0.0}
                      for o, v in ttft.items()},

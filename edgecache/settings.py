@@ -113,6 +113,33 @@ class StoreSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         = 86400.0
 
 
+class SemanticSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    enabled: Annotated[bool, _help("Answer paraphrases of cached first-turn chat prompts (layer 3).")] = True
+    embedder: Annotated[str, _help(
+        "Sentence embedder: use-multilingual (zh + en, CPU default), minilm-int8 (English, ONNX), "
+        "bge-small-zh / bge-small-en (ONNX, from semantic.model_dir or a model hub).")] = "use-multilingual"
+    model_dir: Annotated[str | None, _help(
+        "A local directory with model.onnx and tokenizer.json for the ONNX embedders.")] = None
+    device: Annotated[Literal["cpu", "cuda"], _help(
+        "Where the ONNX embedder runs (cuda uses onnxruntime's CUDA execution provider).")] = "cpu"
+    threads: Annotated[int, Meta(ge=1), _help("CPU threads for one embedding batch.")] = 1
+    vector_dtype: Annotated[Literal["f16", "i8"], _help("How the index stores vectors.")] = "f16"
+    max_vectors_per_index: Annotated[int, Meta(ge=1), _help(
+        "Most vectors one (tenant, scenario, system prompt) index keeps; the oldest go first.")] = 100_000
+    batch_max: Annotated[int, Meta(ge=1), _help("Most lookups embedded in one batch.")] = 32
+    batch_wait_ms: Annotated[float, Meta(ge=0), _help(
+        "How long a lookup waits for others to share its embedding batch.")] = 2.0
+    save_interval_s: Annotated[float, Meta(gt=0), _help(
+        "How often changed indexes are written to disk (the vectors themselves are committed at once).")] = 5.0
+
+
+class ScenarioSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    threshold: Annotated[Annotated[float, Meta(ge=0.0, le=1.0)] | None, _help(
+        "Cosine similarity a semantic candidate needs; unset means the value calibrated for the embedder.")] = None
+    ttl_s: Annotated[Annotated[float, Meta(gt=0)] | None, _help(
+        "How long answers in this scenario stay valid; unset means store.default_ttl_s.")] = None
+
+
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     profile: Annotated[str, _help("The profile's name.")] = "custom"
     description: Annotated[str, _help("One line saying what box the profile is for.")] = ""
@@ -122,6 +149,18 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     server: ServerSettings = ServerSettings()
     engine: EngineSettings = EngineSettings()
     store: StoreSettings = StoreSettings()
+    semantic: SemanticSettings = SemanticSettings()
+    scenarios: Annotated[dict[str, ScenarioSettings], _help(
+        "Named scenarios (callers pick one with X-EdgeCache-Scenario or body edgecache.scenario), each with its "
+        "semantic threshold and TTL; `default` always exists.")] = msgspec.field(
+        default_factory=lambda: {"default": ScenarioSettings()})
+
+    def __post_init__(self) -> None:
+        if "default" not in self.scenarios:
+            raise SettingsError("scenarios must include `default`")
+
+    def scenario_ttl_s(self, scenario: str) -> float:
+        return self.scenarios[scenario].ttl_s or self.store.default_ttl_s
 
     @property
     def data_path(self) -> Path:

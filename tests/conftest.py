@@ -23,6 +23,7 @@ def make_settings(tmp_path: Path) -> Callable[..., Settings]:
     def make(**overrides: Any) -> Settings:
         dotted = {k.replace("__", "."): v for k, v in overrides.items()}
         dotted.setdefault("data_dir", str(tmp_path / "data"))
+        dotted.setdefault("semantic.enabled", False)  # tests of the semantic layer turn it on
         return resolve_settings("cpu", dotted, environ={})
 
     return make

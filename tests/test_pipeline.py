@@ -39,7 +39,7 @@ def engine() -> FakeEngine:
 @pytest.fixture
 def pipeline(engine: FakeEngine, store: DiskResultStore) -> RequestPipeline:
     return RequestPipeline(engine=engine, store=store, inflight=InflightTable(), metrics=Metrics(),
-                           default_ttl_s=3600.0)
+                           ttl_for=lambda scenario: 3600.0)
 
 
 async def collect(stream: AsyncIterator[Chunk]) -> list[Chunk]:
@@ -94,7 +94,7 @@ async def test_an_exact_hit_comes_from_disk_after_the_memory_tier_is_gone(
         store = DiskResultStore(directory, disk_bytes=64 * 2**20, memory_bytes=4 * 2**20)
         try:
             p = RequestPipeline(engine=engine, store=store, inflight=InflightTable(), metrics=Metrics(),
-                                default_ttl_s=3600.0)
+                                ttl_for=lambda scenario: 3600.0)
             served, chunks = await serve_all(p, call)
             assert served == expected
             assert text_of(chunks) == engine.answer_for(call.request)

@@ -1,0 +1,212 @@
+"""Layer 3: answer a paraphrase from the answer cached for an earlier prompt.
+
+What is matched. Only first-turn chat requests: system messages (any) followed by exactly one user message. The
+user's text is embedded; everything else must be identical, so it goes into the index's namespace: the model
+version, the system prompt and the output-affecting parameters are hashed into :attr:`Probe.namespace`, and each
+(tenant, scenario, namespace) has an index of its own. A later turn of a conversation, a raw completion, or a
+request whose system prompt differs never meets another's vectors.
+
+When a candidate serves. The nearest stored prompt only (falling through to the second-nearest served more wrong
+answers in the measurements), when its cosine similarity reaches the scenario's threshold and the guard
+(:mod:`edgecache.guard`) finds no difference the answer depends on. The caller then reads the candidate's result
+store entry; when that entry has expired or was evicted, the vector is dropped and the lookup is a miss, so a
+semantic hit never serves an expired answer.
+
+Cost. Embedding runs on a worker thread in micro-batches (:class:`EmbedBatcher`): concurrent lookups share one
+model call. Index search and the guard run on the index's own worker thread. Nothing here blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import msgspec
+import numpy as np
+
+from edgecache.embedders import Embedder
+from edgecache.engines.base import GenerationRequest
+from edgecache.guard import DEFAULT_RULES, check
+from edgecache.semantic_index import Candidate, SemanticIndex
+
+_encoder = msgspec.json.Encoder()
+
+
+class Probe(msgspec.Struct, frozen=True):
+    """What a request offers the semantic layer: the text to embed and the namespace it must match in."""
+
+    text: str
+    namespace: str
+
+
+def probe_for(request: GenerationRequest, model_version: str) -> Probe | None:
+    """The semantic probe of a first-turn chat request, or None when the request is not matched semantically."""
+    if request.messages is None:
+        return None
+    systems, rest = [], []
+    for message in request.messages:
+        (systems if message.role in ("system", "developer") and not rest else rest).append(message)
+    if len(rest) != 1 or rest[0].role != "user" or not rest[0].content.strip():
+        return None
+    p = request.params
+    context = (model_version, [(m.role, m.content) for m in systems], p.max_tokens, p.temperature, p.top_p,
+               list(p.stop), p.seed, p.presence_penalty, p.frequency_penalty)
+    return Probe(text=rest[0].content, namespace=hashlib.blake2b(_encoder.encode(context), digest_size=8).hexdigest())
+
+
+class SemanticHit(msgspec.Struct, frozen=True):
+    similarity: float
+    store_key: str
+    vector_key: int
+
+
+class Lookup(msgspec.Struct, frozen=True):
+    """A lookup's outcome: the hit (if any) and the query's vector, kept to index the answer on a miss."""
+
+    vector: np.ndarray | None
+    hit: SemanticHit | None = None
+    refused_by_guard: str | None = None
+    similarity: float | None = None
+
+
+class EmbedBatcher:
+    """Embeds texts from concurrent callers together: the first waits up to ``max_wait_s`` for company."""
+
+    def __init__(self, embedder: Embedder, executor: ThreadPoolExecutor, *, max_batch: int = 32,
+                 max_wait_s: float = 0.002, observe: Callable[[float], None] | None = None) -> None:
+        self.embedder = embedder
+        self._executor = executor
+        self.max_batch = max_batch
+        self.max_wait_s = max_wait_s
+        self._observe = observe
+        self._pending: list[tuple[str, asyncio.Future[np.ndarray]]] = []
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def embed(self, text: str) -> np.ndarray:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[np.ndarray] = loop.create_future()
+        self._pending.append((text, future))
+        if len(self._pending) >= self.max_batch:
+            self._flush()
+        elif self._timer is None:
+            self._timer = loop.call_later(self.max_wait_s, self._flush)
+        return await future
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        batch, self._pending = self._pending, []
+        if batch:
+            asyncio.get_running_loop().create_task(self._run(batch))
+
+    async def _run(self, batch: list[tuple[str, asyncio.Future[np.ndarray]]]) -> None:
+        texts = [text for text, _ in batch]
+        started = time.perf_counter()
+        try:
+            vectors = await asyncio.get_running_loop().run_in_executor(self._executor, self.embedder.embed, texts)
+        except Exception as exc:  # hand the failure to every waiter; none may hang
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        if self._observe is not None:
+            self._observe(time.perf_counter() - started)
+        for (_, future), vector in zip(batch, vectors):
+            if not future.done():
+                future.set_result(vector)
+
+
+class SemanticCache:
+    """Embedder + per-namespace indexes + thresholds + guard, behind lookup / remember / forget."""
+
+    def __init__(self, *, embedder: Embedder, index: SemanticIndex, threshold_for: Callable[[str], float],
+                 max_batch: int = 32, max_wait_s: float = 0.002, guard_rules: Sequence[str] | None = None,
+                 observe_embed: Callable[[float], None] | None = None,
+                 observe_search: Callable[[float], None] | None = None) -> None:
+        self.embedder = embedder
+        self.index = index
+        self.threshold_for = threshold_for
+        self._guard_rules = tuple(guard_rules) if guard_rules is not None else DEFAULT_RULES
+        self._observe_search = observe_search
+        self._embed_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed")
+        # One thread for every index call: SemanticIndex serialises on a lock anyway, and a single thread keeps
+        # adds in order with the searches that follow them.
+        self._index_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semantic-index")
+        self.batcher = EmbedBatcher(embedder, self._embed_executor, max_batch=max_batch, max_wait_s=max_wait_s,
+                                    observe=observe_embed)
+        self._closed = False
+
+    @staticmethod
+    def index_scenario(scenario: str, namespace: str) -> str:
+        """The index name within a tenant: the scenario, then the namespace (see :func:`probe_for`)."""
+        return f"{scenario}~{namespace}"
+
+    async def _in_index_thread(self, fn: Callable[..., object], *args: object) -> object:
+        return await asyncio.get_running_loop().run_in_executor(self._index_executor, fn, *args)
+
+    async def lookup(self, tenant: str, scenario: str, probe: Probe) -> Lookup:
+        vector = await self.batcher.embed(probe.text)
+        threshold = self.threshold_for(scenario)
+        name = self.index_scenario(scenario, probe.namespace)
+
+        def search() -> tuple[Candidate | None, str | None, float]:
+            started = time.perf_counter()
+            found = self.index.search(tenant, name, vector, k=1)
+            elapsed = time.perf_counter() - started
+            if not found or found[0].similarity < threshold:
+                return (found[0] if found else None), None, elapsed
+            verdict = check(probe.text, found[0].text, self._guard_rules)
+            return found[0], (None if verdict.allowed else verdict.reason or "guard"), elapsed
+
+        best, refusal, elapsed = await self._in_index_thread(search)  # type: ignore[misc]
+        if self._observe_search is not None:
+            self._observe_search(elapsed)
+        if best is None:
+            return Lookup(vector=vector)
+        if best.similarity < threshold or refusal is not None:
+            return Lookup(vector=vector, refused_by_guard=refusal, similarity=best.similarity)
+        return Lookup(vector=vector, similarity=best.similarity,
+                      hit=SemanticHit(similarity=best.similarity, store_key=best.store_key,
+                                      vector_key=best.vector_key))
+
+    async def remember(self, tenant: str, scenario: str, probe: Probe, vector: np.ndarray, store_key: str) -> None:
+        await self._in_index_thread(self.index.add, tenant, self.index_scenario(scenario, probe.namespace), vector,
+                                    store_key, probe.text)
+
+    async def forget(self, tenant: str, scenario: str, probe: Probe, vector_key: int) -> None:
+        """Drop a vector whose result-store entry is gone (expired or evicted)."""
+        await self._in_index_thread(self.index.remove, tenant, self.index_scenario(scenario, probe.namespace),
+                                    [vector_key])
+
+    async def drop(self, tenant: str | None = None, scenario: str | None = None) -> None:
+        def drop_matching() -> None:
+            for tenant_, name in list(self.index.sizes()):
+                if tenant in (None, tenant_) and scenario in (None, name.split("~", 1)[0]):
+                    self.index.drop(tenant_, name)
+
+        await self._in_index_thread(drop_matching)
+
+    async def save(self) -> None:
+        await self._in_index_thread(self.index.save)
+
+    async def sizes(self) -> dict[tuple[str, str], int]:
+        """Vectors per (tenant, scenario), summed over the scenario's namespaces."""
+        raw: dict[tuple[str, str], int] = await self._in_index_thread(self.index.sizes)  # type: ignore[assignment]
+        out: dict[tuple[str, str], int] = {}
+        for (tenant, name), count in raw.items():
+            key = (tenant, name.split("~", 1)[0])
+            out[key] = out.get(key, 0) + count
+        return out
+
+    def close(self) -> None:
+        """Save the indexes and stop the workers; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._embed_executor.shutdown(wait=True)
+        self._index_executor.shutdown(wait=True)
+        self.index.close()

@@ -1,0 +1,193 @@
+"""SemanticIndex on a real usearch index and real SQLite in temp dirs: CRUD, isolation, restart, cap, crash safety."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgecache.semantic_index import Candidate, SemanticIndex
+
+DIM = 16
+
+
+def unit(seed: int) -> np.ndarray:
+    v = np.random.default_rng(seed).normal(size=DIM).astype(np.float32)
+    return v / np.linalg.norm(v)
+
+
+@pytest.fixture(params=["f16", "i8"])
+def index(request: pytest.FixtureRequest, tmp_path: Path):
+    ix = SemanticIndex(tmp_path, dim=DIM, embedder_version="test-v1", dtype=request.param, max_vectors=1000)
+    yield ix
+    ix.close()
+
+
+def test_add_then_search_finds_it(index: SemanticIndex) -> None:
+    keys = [index.add("t", "s", unit(i), f"store-{i}", f"text {i}") for i in range(20)]
+    assert len(set(keys)) == 20
+    found = index.search("t", "s", unit(7), k=3)
+    assert isinstance(found[0], Candidate)
+    assert found[0].store_key == "store-7" and found[0].text == "text 7" and found[0].vector_key == keys[7]
+    assert found[0].similarity > 0.97
+    assert found[0].similarity >= found[1].similarity >= found[2].similarity
+    assert index.sizes() == {("t", "s"): 20}
+
+
+def test_empty_and_wrong_dim(index: SemanticIndex) -> None:
+    assert index.search("nobody", "s", unit(1), k=4) == []
+    with pytest.raises(ValueError):
+        index.add("t", "s", np.ones(DIM + 1, dtype=np.float32), "k", "x")
+
+
+def test_tenants_and_scenarios_are_separate(index: SemanticIndex) -> None:
+    index.add("tenant-a", "support", unit(1), "a-key", "a text")
+    index.add("tenant-a", "code", unit(2), "a-code", "a code")
+    assert index.search("tenant-b", "support", unit(1), k=4) == []
+    assert [c.store_key for c in index.search("tenant-a", "code", unit(1), k=4)] == ["a-code"]
+    assert [c.store_key for c in index.search("tenant-a", "support", unit(1), k=4)] == ["a-key"]
+
+
+def test_remove_by_key_and_by_store_key(index: SemanticIndex) -> None:
+    k1 = index.add("t", "s", unit(1), "one", "1")
+    index.add("t", "s", unit(2), "two", "2")
+    index.add("t", "s", unit(3), "two", "2 again")
+    assert index.remove("t", "s", [k1]) == 1
+    assert index.remove("t", "s", [k1]) == 0
+    assert all(c.store_key != "one" for c in index.search("t", "s", unit(1), k=5))
+    assert index.remove_store_key("t", "s", "two") == 2
+    assert index.search("t", "s", unit(2), k=5) == []
+    assert index.sizes() == {}
+
+
+def test_drop_by_tenant_scenario_and_all(index: SemanticIndex) -> None:
+    for tenant in ("a", "b"):
+        for scenario in ("x", "y"):
+            index.add(tenant, scenario, unit(hash((tenant, scenario)) % 1000), f"{tenant}{scenario}", "t")
+    index.save()
+    index.drop(tenant="a", scenario="x")
+    assert set(index.sizes()) == {("a", "y"), ("b", "x"), ("b", "y")}
+    index.drop(scenario="y")
+    assert set(index.sizes()) == {("b", "x")}
+    index.drop()
+    assert index.sizes() == {}
+    assert index.search("b", "x", unit(1), k=1) == []
+
+
+def test_survives_restart(tmp_path: Path) -> None:
+    ix = SemanticIndex(tmp_path, dim=DIM, embedder_version="v")
+    for i in range(50):
+        ix.add("t", "s", unit(i), f"k{i}", f"text {i}")
+    ix.close()
+    ix.close()  # twice is fine
+    assert list(tmp_path.rglob("*.usearch"))
+    again = SemanticIndex(tmp_path, dim=DIM, embedder_version="v")
+    assert again.sizes() == {("t", "s"): 50}
+    assert again.search("t", "s", unit(33), k=1)[0].store_key == "k33"
+    again.close()
+
+
+def test_unsaved_additions_are_rebuilt_from_the_mapping(tmp_path: Path) -> None:
+    ix = SemanticIndex(tmp_path, dim=DIM, embedder_version="v")
+    for i in range(10):
+        ix.add("t", "s", unit(i), f"k{i}", "x")
+    ix.save()
+    for i in range(10, 15):
+        ix.add("t", "s", unit(i), f"k{i}", "x")  # never saved: as if the process died here
+    # Simulate the crash: drop the object without close() (no final save).
+    ix._db.close()
+    again = SemanticIndex(tmp_path, dim=DIM, embedder_version="v")
+    assert again.search("t", "s", unit(13), k=1)[0].store_key == "k13"
+    again.close()
+
+
+def test_corrupt_index_file_is_rebuilt(tmp_path: Path) -> None:
+    ix = SemanticIndex(tmp_path, dim=DIM, embedder_version="v")
+    for i in range(10):
+        ix.add("t", "s", unit(i), f"k{i}", "x")
+    ix.close()
+    (path,) = tmp_path.rglob("*.usearch")
+    path.write_bytes(b"garbage" * 10)
+    again = SemanticIndex(tmp_path, dim=DIM, embedder_version="v")
+    assert again.search("t", "s", unit(4), k=1)[0].store_key == "k4"
+    again.close()
+
+
+def test_cap_evicts_oldest(tmp_path: Path) -> None:
+    ix = SemanticIndex(tmp_path, dim=DIM, embedder_version="v", max_vectors=5)
+    for i in range(8):
+        ix.add("t", "s", unit(i), f"k{i}", "x")
+    assert ix.sizes() == {("t", "s"): 5}
+    keys = {c.store_key for c in ix.search("t", "s", unit(0), k=10)}
+    assert keys == {"k3", "k4", "k5", "k6", "k7"}
+    ix.close()
+
+
+def test_embedder_versions_do_not_mix(tmp_path: Path) -> None:
+    old = SemanticIndex(tmp_path, dim=DIM, embedder_version="model-a")
+    old.add("t", "s", unit(1), "k", "x")
+    old.close()
+    new = SemanticIndex(tmp_path, dim=DIM, embedder_version="model-b")
+    assert new.search("t", "s", unit(1), k=1) == []
+    new.close()
+
+
+def test_names_cannot_escape_the_data_dir(tmp_path: Path) -> None:
+    ix = SemanticIndex(tmp_path / "data", dim=DIM, embedder_version="../v")
+    ix.add("../../evil", "/etc", unit(1), "k", "x")
+    ix.close()
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert files and all((tmp_path / "data") in p.parents for p in files)
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys, numpy as np
+    from edgecache.semantic_index import SemanticIndex
+    ix = SemanticIndex(sys.argv[1], dim=16, embedder_version="v", max_vectors=10**6)
+    rng = np.random.default_rng(int(sys.argv[2]))
+    i = 0
+    while True:
+        v = rng.normal(size=16).astype(np.float32)
+        ix.add("t", "s", v / np.linalg.norm(v), f"k{i}", f"text {i}")
+        i += 1
+        if i % 25 == 0:
+            ix.save()
+        if i == 100:
+            print("ready", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("delay_s", [0.05, 0.2, 0.5])
+def test_kill_during_additions_leaves_a_loadable_index(tmp_path: Path, delay_s: float) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(tmp_path), str(int(delay_s * 100))],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        time.sleep(delay_s)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    ix = SemanticIndex(tmp_path, dim=16, embedder_version="v", max_vectors=10**6)
+    size = ix.sizes()[("t", "s")]
+    assert size >= 100
+    # Every vector the mapping knows is searchable: the loaded index agrees with the source of truth.
+    assert len(ix._open("t", "s")) == size
+    rows = ix._db.execute("SELECT key, vector FROM vectors ORDER BY key DESC LIMIT 3").fetchall()
+    for key, blob in rows:
+        vec = np.frombuffer(blob, dtype=np.float16).astype(np.float32)
+        assert ix.search("t", "s", vec, k=1)[0].vector_key == key
+    ix.close()
