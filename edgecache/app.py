@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
@@ -30,15 +29,19 @@ from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
 from edgecache.engines.base import Chunk, Engine, GenerationRequest
-from edgecache.errors import BadRequest, EdgeCacheError, ModelNotFound, NotReady, PayloadTooLarge, error_body
+from edgecache.admission import AdmissionGate
+from edgecache.calls import Parsed, ParsedRequests, apply_headers
+from edgecache.errors import (BadRequest, EdgeCacheError, ModelNotFound, NotFound, NotReady, Overloaded,
+                              error_body)
 from edgecache.inflight import InflightTable
 from edgecache.metrics import Metrics
-from edgecache.openai_api import (ChatCompletionRequest, CompletionRequest, IdSource, ModelCard, ModelList,
-                                  ResponseWriter, decode_request, usage)
+from edgecache.openai_api import IdSource, ModelCard, ModelList, ResponseWriter, usage
 from edgecache.pipeline import Call, RequestPipeline
-from edgecache.result_store import DiskResultStore
+from edgecache.result_store import TenantStores
 from edgecache.semantic_cache import SemanticCache
 from edgecache.settings import Settings
+from edgecache.tenants import TenantDirectory
+from edgecache.ttl_tiers import TtlClassifier
 
 log = logging.getLogger("edgecache")
 
@@ -54,15 +57,21 @@ class Runtime:
     pipeline is assembled when both are ready. Until then every model route answers 503.
     """
 
-    def __init__(self, settings: Settings, engine: Engine) -> None:
+    def __init__(self, settings: Settings, engine: Engine, tenants: TenantDirectory) -> None:
         self.settings = settings
         self.engine = engine
+        self.tenants = tenants
         self.metrics = Metrics()
         self.inflight = InflightTable()
         self.ids = IdSource()
-        self.parsed = ParsedRequests()
-        self.store = DiskResultStore(settings.data_path / "results", disk_bytes=settings.store.disk_bytes,
-                                     memory_bytes=settings.store.memory_bytes)
+        self.parsed = ParsedRequests(settings)
+        self.stores = TenantStores(settings.data_path / "results", quota_for=self.quota_for,
+                                   memory_bytes=settings.store.memory_bytes)
+        adm = settings.admission
+        self.admission = AdmissionGate(max_running=adm.max_concurrent_misses, max_queue=adm.max_queue,
+                                       queue_timeout_s=adm.queue_timeout_s, retry_after_s=adm.retry_after_s)
+        self.metrics.track_admission(self.admission)
+        self.ttl = TtlClassifier(settings.ttl_tiers)
         self.semantic: SemanticCache | None = None
         self.pipeline: RequestPipeline | None = None
         self.ready = False
@@ -84,14 +93,40 @@ class Runtime:
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.exception("loading failed")
             return
-        self.pipeline = RequestPipeline(engine=self.engine, store=self.store, inflight=self.inflight,
-                                        metrics=self.metrics, ttl_for=self.settings.scenario_ttl_s,
+        self.pipeline = RequestPipeline(engine=self.engine, stores=self.stores, inflight=self.inflight,
+                                        metrics=self.metrics, ttl_for=self.ttl_for, admission=self.admission,
                                         semantic=self.semantic)
         if self.semantic is not None:
             self._background.append(asyncio.create_task(self._save_indexes_periodically(), name="index-saver"))
         self.ready = True
         log.info("model %s ready (%s)%s", self.engine.model_id, self.engine.version,
                  f", embedder {self.semantic.embedder.version}" if self.semantic else "")
+
+    def quota_for(self, tenant_id: str) -> int:
+        """A tenant's result-store quota: its plan's, within the profile's disk budget."""
+        tenant = self.tenants.get(tenant_id)
+        plan_bytes = tenant.plan.store_bytes if tenant else self.settings.store.disk_bytes
+        return min(plan_bytes, self.settings.store.disk_bytes)
+
+    def ttl_for(self, call: Call) -> float:
+        """The caller's explicit TTL or tier, else the scenario's TTL, else the tier the prompt reads as."""
+        request = call.request
+        text = request.prompt or (request.messages[-1].content if request.messages else "")
+        return self.ttl.choose(call.ttl_s, call.ttl_tier, self.settings.scenarios[call.scenario].ttl_s, text)[1]
+
+    async def flush(self, tenant: str | None, scenario: str | None) -> dict[str, int]:
+        """Drop entries across every layer: the tenant's (or everyone's) result store, scenario-tagged entries
+        only when a scenario is named, the semantic vectors, and the engine's prefix cache when flushing all."""
+        stores = [tenant] if tenant is not None else self.stores.existing_tenants()
+        dropped = 0
+        for name in stores:
+            dropped += await self.stores(name).clear(tag=scenario)
+        if self.semantic is not None:
+            await self.semantic.drop(tenant=tenant, scenario=scenario)
+        if tenant is None and scenario is None:
+            await self.engine.flush()
+        self.parsed.clear()
+        return {"result_entries": dropped}
 
     async def _save_indexes_periodically(self) -> None:
         # The vectors are committed to SQLite as they are added; the index files are a rebuildable copy, written
@@ -121,7 +156,7 @@ class Runtime:
                 if self.semantic is not None:
                     self.semantic.close()
             finally:
-                self.store.close()
+                self.stores.close()
 
 
 def build_semantic_cache(settings: Settings, metrics: Metrics) -> SemanticCache:
@@ -157,81 +192,6 @@ def _check_ready(rt: Runtime, model: str) -> None:
                             f"{rt.engine.model_id!r}", param="model")
 
 
-class Parsed(msgspec.Struct, frozen=True, kw_only=True):
-    """A validated request: the pipeline's Call plus how to render the answer."""
-
-    call: Call
-    model: str
-    chat: bool
-    stream: bool
-    include_usage: bool
-
-
-def _parse_chat(body: bytes, settings: Settings) -> Parsed:
-    req = decode_request(body, ChatCompletionRequest)
-    assert isinstance(req, ChatCompletionRequest)
-    if len(req.messages) > settings.server.max_messages:
-        raise PayloadTooLarge(f"at most {settings.server.max_messages} messages per request")
-    params = req.sampling(settings.engine.default_max_tokens, req.max_completion_tokens)
-    generation = GenerationRequest(messages=tuple(m.to_message() for m in req.messages), params=params,
-                                   salt="default")
-    return _parsed(req, generation, chat=True)
-
-
-def _parse_completion(body: bytes, settings: Settings) -> Parsed:
-    req = decode_request(body, CompletionRequest)
-    assert isinstance(req, CompletionRequest)
-    generation = GenerationRequest(prompt=req.prompt, params=req.sampling(settings.engine.default_max_tokens),
-                                   salt="default")
-    return _parsed(req, generation, chat=False)
-
-
-def _parsed(req: ChatCompletionRequest | CompletionRequest, generation: GenerationRequest, *, chat: bool) -> Parsed:
-    scenario = (req.edgecache.scenario if req.edgecache else None) or "default"
-    return Parsed(call=Call(request=generation, scenario=scenario), model=req.model, chat=chat, stream=req.stream,
-                  include_usage=bool(req.stream_options and req.stream_options.include_usage))
-
-
-class ParsedRequests:
-    """Recently seen request bodies -> their parsed form, bounded by count.
-
-    A repeated request is the common case on a cache (that is what a hit is), and its body is byte-for-byte the
-    same. Looking the bytes up costs a hash; decoding, validating and rebuilding the call costs several times that
-    and would be most of an exact hit's time. Only valid bodies are kept, so an invalid one is re-checked (and
-    refused) every time. Keyed by route and body only: nothing per-connection goes into a parse.
-    """
-
-    MAX_BODY_BYTES = 16_384
-
-    def __init__(self, max_entries: int = 4096) -> None:
-        self.max_entries = max_entries
-        self._entries: OrderedDict[tuple[bool, bytes], Parsed] = OrderedDict()
-
-    def parse(self, chat: bool, body: bytes, settings: Settings) -> Parsed:
-        key = (chat, body)
-        parsed = self._entries.get(key)
-        if parsed is not None:
-            self._entries.move_to_end(key)
-            return parsed
-        parsed = _parse_chat(body, settings) if chat else _parse_completion(body, settings)
-        if len(body) <= self.MAX_BODY_BYTES:
-            self._entries[key] = parsed
-            if len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
-        return parsed
-
-
-def _with_headers(parsed: Parsed, request: Request[Any, Any, Any], rt: Runtime) -> Parsed:
-    """Apply the per-request headers (``X-EdgeCache-Scenario``) over what the body said, and check the scenario."""
-    scenario = request.headers.get("x-edgecache-scenario")
-    if scenario is not None and scenario != parsed.call.scenario:
-        parsed = msgspec.structs.replace(parsed, call=msgspec.structs.replace(parsed.call, scenario=scenario))
-    if parsed.call.scenario not in rt.settings.scenarios:
-        raise BadRequest(f"unknown scenario {parsed.call.scenario!r}; this server has: "
-                         f"{', '.join(sorted(rt.settings.scenarios))}", param="edgecache.scenario")
-    return parsed
-
-
 async def _respond(rt: Runtime, parsed: Parsed, started: float) -> Response[Any]:
     call, stream, chat, include_usage = parsed.call, parsed.stream, parsed.chat, parsed.include_usage
     assert rt.pipeline is not None  # _check_ready ran
@@ -239,6 +199,8 @@ async def _respond(rt: Runtime, parsed: Parsed, started: float) -> Response[Any]
     writer = ResponseWriter(chat=chat, model=rt.engine.model_id, include_usage=include_usage,
                             response_id=rt.ids.next("chat" if chat else "text"))
     headers = {"X-EdgeCache": reply.served}
+    if reply.ttl_s is not None:
+        headers["X-EdgeCache-TTL"] = str(max(0, int(reply.ttl_s)))
     if reply.similarity is not None:
         headers["X-EdgeCache-Similarity"] = f"{reply.similarity:.3f}"
     metrics = rt.metrics
@@ -254,9 +216,10 @@ async def _respond(rt: Runtime, parsed: Parsed, started: float) -> Response[Any]
         # The first chunk is awaited before any byte is sent, so an error before the first token (a bad prompt,
         # a failed engine) still gets its real HTTP status instead of a 200 stream carrying an error.
         first = await anext(chunks)
-    except BaseException:
+    except BaseException as exc:
         await chunks.aclose()
-        metrics.observe_request(call.tenant, call.scenario, "error", None)
+        metrics.observe_request(call.tenant, call.scenario, "rejected" if isinstance(exc, Overloaded) else "error",
+                                None)
         raise
     ttft = time.perf_counter() - started
 
@@ -303,22 +266,24 @@ async def _sse(rt: Runtime, call: Call, served: str, writer: ResponseWriter, fir
         rt.metrics.observe_request(call.tenant, call.scenario, outcome, ttft if outcome != "error" else None)
 
 
-@post("/v1/chat/completions", status_code=200)
-async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
+async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any]:
     started = time.perf_counter()
     rt = _runtime(request.app.state)
-    parsed = rt.parsed.parse(True, await request.body(), rt.settings)
-    _check_ready(rt, parsed.model)
-    return await _respond(rt, _with_headers(parsed, request, rt), started)
+    headers = request.headers
+    tenant = rt.tenants.authenticate(headers.get("authorization"))                     # 401 on an unknown key
+    parsed = rt.parsed.parse(chat, await request.body(), tenant)                       # 400 / 413
+    _check_ready(rt, parsed.model)                                                     # 503 / 404
+    return await _respond(rt, apply_headers(parsed, headers, tenant, rt.settings), started)
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
+    return await _generate(request, chat=True)
 
 
 @post("/v1/completions", status_code=200)
 async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
-    started = time.perf_counter()
-    rt = _runtime(request.app.state)
-    parsed = rt.parsed.parse(False, await request.body(), rt.settings)
-    _check_ready(rt, parsed.model)
-    return await _respond(rt, _with_headers(parsed, request, rt), started)
+    return await _generate(request, chat=False)
 
 
 @get("/v1/models")
@@ -344,15 +309,54 @@ async def metrics(state: State) -> Response[Any]:
 
 
 @get("/stats")
-async def stats(state: State) -> Response[Any]:
-    rt = _runtime(state)
+async def stats(request: Request[Any, Any, Any]) -> Response[Any]:
+    rt = _runtime(request.app.state)
+    rt.tenants.authenticate_admin(request.headers.get("authorization"))
     body = rt.metrics.snapshot()
-    body["store"] = await rt.store.stats()
+    stores = {}
+    for name in rt.stores.existing_tenants():
+        stores[name] = await rt.stores(name).stats()
+    body["stores"] = stores
+    body["store"] = {field: sum(s[field] for s in stores.values())
+                     for field in ("entries", "bytes", "budget_bytes", "memory_entries", "memory_bytes")}
+    await rt.refresh_index_gauge()
+    body["admission"] = {"running": rt.admission.running, "queued": rt.admission.queued,
+                         "rejected": rt.admission.rejected, "max_running": rt.admission.max_running}
     body["engine_state"] = await rt.engine.stats() if rt.ready else {}
     body["inflight"] = len(rt.inflight)
     body["model"] = {"id": rt.engine.model_id, "version": rt.engine.version, "ready": rt.ready}
     body["profile"] = rt.settings.profile
     return Response(_json.encode(body), media_type=JSON)
+
+
+class FlushRequest(msgspec.Struct, forbid_unknown_fields=True):
+    tenant: str | None = None
+    scenario: str | None = None
+    all: bool = False
+
+
+@post("/admin/flush", status_code=200)
+async def admin_flush(request: Request[Any, Any, Any]) -> Response[Any]:
+    """Drop cached entries across all layers: ``{"tenant": T}``, ``{"scenario": S}``, both, or ``{"all": true}``."""
+    rt = _runtime(request.app.state)
+    rt.tenants.authenticate_admin(request.headers.get("authorization"))
+    try:
+        body = msgspec.json.decode(await request.body() or b"{}", type=FlushRequest)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise BadRequest(f"invalid flush request: {exc}") from exc
+    if not body.all and body.tenant is None and body.scenario is None:
+        raise BadRequest("name a tenant, a scenario, or all: true")
+    if body.tenant is not None and rt.tenants.get(body.tenant) is None and body.tenant not in \
+            rt.stores.existing_tenants():
+        raise NotFound(f"unknown tenant {body.tenant!r}", param="tenant")
+    if body.scenario is not None and body.scenario not in rt.settings.scenarios:
+        raise NotFound(f"unknown scenario {body.scenario!r}", param="scenario")
+    if not rt.ready:
+        raise NotReady("the server is still loading")
+    dropped = await rt.flush(body.tenant, body.scenario)
+    log.info("flushed tenant=%s scenario=%s: %s", body.tenant or "*", body.scenario or "*", dropped)
+    return Response(_json.encode({"flushed": {"tenant": body.tenant, "scenario": body.scenario}, **dropped}),
+                    media_type=JSON)
 
 
 def _error_response(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
@@ -373,7 +377,9 @@ def _error_response(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
 def create_app(settings: Settings, engine: Engine | None = None,
                engine_factory: Callable[[Settings], Engine] | None = None) -> Litestar:
     """Build the app. ``engine`` injects a ready-made engine (tests pass a fake); otherwise the engine named by
-    ``settings.engine.kind`` is built."""
+    ``settings.engine.kind`` is built. The tenants file is read here, so a bad one fails before serving."""
+    tenants = (TenantDirectory.from_file(settings.tenants_file) if settings.tenants_file
+               else TenantDirectory.open_directory())
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -383,7 +389,7 @@ def create_app(settings: Settings, engine: Engine | None = None,
             from edgecache.engines import engine_from_settings
             chosen = (engine_factory or engine_from_settings)(settings)
         Path(settings.data_path).mkdir(parents=True, exist_ok=True)
-        rt = Runtime(settings, chosen)
+        rt = Runtime(settings, chosen, tenants)
         app.state.runtime = rt
         loading = asyncio.create_task(rt.load(), name="load")
         try:
@@ -395,7 +401,7 @@ def create_app(settings: Settings, engine: Engine | None = None,
             await rt.close()
 
     return Litestar(
-        route_handlers=[chat_completions, completions, list_models, health, metrics, stats],
+        route_handlers=[chat_completions, completions, list_models, health, metrics, stats, admin_flush],
         lifespan=[lifespan],
         exception_handlers={Exception: _error_response},
         request_max_body_size=settings.server.max_body_bytes,

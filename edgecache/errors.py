@@ -5,6 +5,7 @@
     EdgeCacheError                  500 server_error
      ├─ BadRequest                  400 invalid_request_error
      ├─ Unauthorized                401 authentication_error
+     ├─ Forbidden                   403 permission_error (a policy the plan does not allow)
      ├─ NotFound                    404 not_found_error (unknown model, unknown route)
      ├─ PayloadTooLarge             413 invalid_request_error
      ├─ Overloaded                  429 rate_limit_error (carries Retry-After)
@@ -44,6 +45,13 @@ class Unauthorized(EdgeCacheError):
     status = 401
     error_type = "authentication_error"
     code = "invalid_api_key"
+
+
+class Forbidden(EdgeCacheError):
+    """Authenticated, but the tenant's plan does not allow what was asked (a cache policy)."""
+
+    status = 403
+    error_type = "permission_error"
 
 
 class NotFound(EdgeCacheError):

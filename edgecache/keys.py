@@ -1,7 +1,7 @@
 """The request key: a canonical hash of everything that decides what the model writes.
 
 Two requests get the same key exactly when the engine would be asked the same thing: same model version, same
-tenant and scenario namespace, same messages (system prompt included) or prompt, same output-affecting parameters.
+tenant and scenario namespace, same salt (the tenant plus a caller's own ``cache_salt``), same messages (system prompt included) or prompt, same output-affecting parameters.
 Fields that only change the framing of the answer (``stream``, ``stream_options``, ``user``) are left out, so a
 streaming request can be answered from a non-streaming one and the other way round.
 """
@@ -24,7 +24,7 @@ def request_key(request: GenerationRequest, *, model_version: str, tenant: str, 
     """A 32-hex-digit key. Built from a JSON array, so no field can run into its neighbour."""
     p = request.params
     canonical = (
-        KEY_SCHEMA, model_version, tenant, scenario,
+        KEY_SCHEMA, model_version, tenant, scenario, request.salt,
         "chat" if request.messages is not None else "text",
         [(m.role, m.content) for m in request.messages] if request.messages is not None else request.prompt,
         p.max_tokens, p.temperature, p.top_p, list(p.stop), p.seed, p.presence_penalty, p.frequency_penalty,

@@ -6,9 +6,12 @@ can never disagree.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from edgecache.admission import AdmissionGate
 
 Outcome = Literal["exact", "semantic", "shared", "miss", "error", "rejected"]
 OUTCOMES: tuple[Outcome, ...] = ("exact", "semantic", "shared", "miss", "error", "rejected")
@@ -47,9 +50,22 @@ class Metrics:
         self.semantic_guard_rejections = Counter(
             "edgecache_semantic_guard_rejections", "Semantic candidates over the threshold that the guard refused.",
             ["rule"], registry=self.registry)
+        self.admission_rejections = Counter(
+            "edgecache_admission_rejections", "Misses refused with 429 because the engine was saturated.",
+            registry=self.registry)
         # Label children are cached: .labels() takes a lock and hashes on every call, which shows on the hit path.
         self._ttft_by_outcome = {o: self.ttft.labels(o) for o in OUTCOMES}
         self._requests_children: dict[tuple[str, str, str], Counter] = {}
+
+    def track_admission(self, gate: "AdmissionGate") -> None:
+        """Queue depth and running misses, read from the gate at scrape time."""
+        running = Gauge("edgecache_admission_running", "Misses computing in the engine now.",
+                        registry=self.registry)
+        queued = Gauge("edgecache_admission_queue_depth", "Misses waiting for an engine slot.",
+                       registry=self.registry)
+        running.set_function(lambda: gate.running)
+        queued.set_function(lambda: gate.queued)
+        self._gate = gate
 
     def observe_request(self, tenant: str, scenario: str, outcome: Outcome, ttft_s: float | None) -> None:
         labels = (tenant, scenario, outcome)
@@ -57,6 +73,8 @@ class Metrics:
         if child is None:
             child = self._requests_children[labels] = self.requests.labels(*labels)
         child.inc()
+        if outcome == "rejected":
+            self.admission_rejections.inc()
         if ttft_s is not None:
             self._ttft_by_outcome[outcome].observe(ttft_s)
 

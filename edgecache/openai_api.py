@@ -45,6 +45,9 @@ class CacheOptions(msgspec.Struct, forbid_unknown_fields=True):
     """The ``edgecache`` body field (the openai client's ``extra_body``): how this request may use the cache."""
 
     scenario: str | None = None
+    policy: Literal["default", "no-store", "no-cache", "exact-only", "bypass", "reuse"] | None = None
+    ttl: Annotated[float, Meta(gt=0)] | None = None
+    ttl_tier: Literal["realtime", "near-realtime", "static"] | None = None
 
 
 class _CommonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -60,6 +63,9 @@ class _CommonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     user: str | None = None
+    # SGLang's and vLLM's per-request prefix-cache namespace. Accepted so that an EdgeCache (or any client that
+    # salts) can sit in front of this one; it namespaces within the tenant, never across tenants.
+    cache_salt: Annotated[str, Meta(max_length=256)] | None = None
     edgecache: CacheOptions | None = None
 
     def sampling(self, default_max_tokens: int, max_tokens_override: int | None = None) -> SamplingParams:

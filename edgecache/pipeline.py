@@ -27,28 +27,58 @@ from edgecache.errors import EngineError
 from edgecache.inflight import Flight, InflightTable
 from edgecache.keys import is_cacheable, request_key
 from edgecache.metrics import Metrics
+from edgecache.admission import AdmissionGate
 from edgecache.result_store import CachedAnswer, DiskResultStore
 from edgecache.semantic_cache import Lookup, Probe, SemanticCache, probe_for
 
 Served = Literal["exact", "shared", "semantic", "miss"]
 
 
+class CachePolicy(msgspec.Struct, frozen=True):
+    """What a request may read from and write to the caches. The policies are data: :data:`POLICIES`."""
+
+    read: bool        # answer from the exact store, a running flight, or the semantic index
+    semantic: bool    # the semantic layer may be read (if ``read``) and written (if ``write``)
+    write: bool       # store the answer (and index its vector)
+    sampled: bool = False  # cache even sampling without a seed (the caller asked for reuse)
+
+
+POLICIES: dict[str, CachePolicy] = {
+    "default": CachePolicy(read=True, semantic=True, write=True),
+    "no-store": CachePolicy(read=True, semantic=True, write=False),     # read, never write
+    "no-cache": CachePolicy(read=False, semantic=True, write=True),     # skip reads, compute, write: a refresh
+    "exact-only": CachePolicy(read=True, semantic=False, write=True),   # no semantic layer
+    "bypass": CachePolicy(read=False, semantic=False, write=False),     # touch nothing
+    "reuse": CachePolicy(read=True, semantic=True, write=True, sampled=True),
+}
+
+
 class Call(msgspec.Struct, frozen=True, kw_only=True):
-    """One request as the pipeline sees it: what to generate, for whom, under which scenario."""
+    """One request as the pipeline sees it: what to generate, for whom, under which scenario and policy.
+
+    ``ttl_s`` / ``ttl_tier`` are the caller's explicit choice of how long the answer may live (None: let the
+    scenario or the classifier decide). ``tenant_limit`` is the plan's cap on the tenant's concurrent misses.
+    """
 
     request: GenerationRequest
     tenant: str = "default"
     scenario: str = "default"
+    policy: str = "default"
+    ttl_s: float | None = None
+    ttl_tier: str | None = None
+    tenant_limit: int | None = None
 
 
 class Reply(msgspec.Struct, kw_only=True):
     """Who served the call, and the answer: a stored one (``answer``) or a stream of chunks (text deltas; the
-    last one carries the counts and the finish reason). :meth:`stream` gives chunks in either case."""
+    last one carries the counts and the finish reason). :meth:`stream` gives chunks in either case.
+    ``ttl_s`` is how long the answer lives in the cache (remaining, for a hit; None when it is not stored)."""
 
     served: Served
     answer: CachedAnswer | None = None
     chunks: AsyncIterator[Chunk] | None = None
     similarity: float | None = None
+    ttl_s: float | None = None
 
     def stream(self) -> AsyncIterator[Chunk]:
         if self.answer is not None:
@@ -70,72 +100,93 @@ def replay(answer: CachedAnswer) -> AsyncIterator[Chunk]:
 
 
 class RequestPipeline:
-    def __init__(self, *, engine: Engine, store: DiskResultStore, inflight: InflightTable, metrics: Metrics,
-                 ttl_for: Callable[[str], float], semantic: SemanticCache | None = None) -> None:
+    """The request path. Its collaborators are handed in: ``stores`` gives a tenant's own result store,
+    ``ttl_for`` decides an answer's lifetime, ``admission`` guards the engine, ``semantic`` may be None."""
+
+    def __init__(self, *, engine: Engine, stores: Callable[[str], DiskResultStore], inflight: InflightTable,
+                 metrics: Metrics, ttl_for: Callable[[Call], float], admission: AdmissionGate,
+                 semantic: SemanticCache | None = None) -> None:
         self.engine = engine
-        self.store = store
+        self.stores = stores
         self.inflight = inflight
         self.metrics = metrics
         self.ttl_for = ttl_for
+        self.admission = admission
         self.semantic = semantic
 
     async def serve(self, call: Call) -> Reply:
-        if not is_cacheable(call.request):
+        policy = POLICIES[call.policy]
+        if not (is_cacheable(call.request) or policy.sampled):
             # Sampling without a seed: every call should differ, so no layer may share or keep it.
-            return Reply(served="miss", chunks=self._engine_stream(call.request))
+            return Reply(served="miss", chunks=self._engine_stream(call))
+        if not (policy.read or policy.write):
+            return Reply(served="miss", chunks=self._engine_stream(call))  # bypass
         key = request_key(call.request, model_version=self.engine.version, tenant=call.tenant,
                           scenario=call.scenario)
-
-        # 1. exact result store (memory first: a hot hit never leaves the event loop)
-        answer = self.store.get_memory(key) or await self.store.get(key)
-        if answer is not None:
-            return Reply(served="exact", answer=answer)
-
-        # 2. in-flight de-duplication
-        flight = self.inflight.get(key)
-        if flight is not None:
-            return Reply(served="shared", chunks=flight.follow())
-
-        # 3. semantic cache: first-turn chat prompts only, nearest neighbour over threshold and past the guard.
-        probe = probe_for(call.request, self.engine.version) if self.semantic is not None else None
+        store = self.stores(call.tenant)  # the tenant's own store: its own quota, its own LRU
+        probe = probe_for(call.request, self.engine.version) if self.semantic and policy.semantic else None
         lookup: Lookup | None = None
-        if probe is not None:
-            lookup = await self._semantic_lookup(call, key, probe)
-            if lookup.hit is not None:
-                answer = await self.store.get(lookup.hit.store_key)
-                if answer is not None:
-                    # Kept under this request's own key too, so its repeats are exact hits (same expiry).
-                    await self.store.put(key, answer)
-                    return Reply(served="semantic", answer=answer, similarity=lookup.hit.similarity)
-                await self.semantic.forget(call.tenant, call.scenario, probe, lookup.hit.vector_key)  # type: ignore[union-attr]
-            # An identical request may have started computing while this one looked.
+
+        if policy.read:
+            # 1. exact result store (memory first: a hot hit never leaves the event loop)
+            answer = store.get_memory(key) or await store.get(key)
+            if answer is not None:
+                return Reply(served="exact", answer=answer, ttl_s=answer.expires_at - time.time())
+
+            # 2. in-flight de-duplication
             flight = self.inflight.get(key)
             if flight is not None:
                 return Reply(served="shared", chunks=flight.follow())
 
-        # 4. engine: lead a flight that streams to every listener and stores the complete answer.
-        flight = self.inflight.lead(key, lambda f: self._compute_and_store(call, key, f, probe, lookup))
-        return Reply(served="miss", chunks=flight.follow())
+            # 3. semantic cache: first-turn chat prompts only, nearest neighbour over threshold, past the guard
+            if probe is not None:
+                lookup = await self._semantic_lookup(call, probe)
+                if lookup.hit is not None:
+                    answer = await store.get(lookup.hit.store_key)
+                    if answer is not None:
+                        if policy.write:  # kept under this request's own key too: its repeats are exact hits
+                            await store.put(key, answer)
+                        return Reply(served="semantic", answer=answer, similarity=lookup.hit.similarity,
+                                     ttl_s=answer.expires_at - time.time())
+                    # The answer expired or was evicted: its vector goes too, and this is a miss.
+                    await self.semantic.forget(call.tenant, call.scenario, probe,  # type: ignore[union-attr]
+                                               lookup.hit.vector_key)
+                # An identical request may have started computing while this one looked.
+                flight = self.inflight.get(key)
+                if flight is not None:
+                    return Reply(served="shared", chunks=flight.follow())
 
-    async def _semantic_lookup(self, call: Call, key: str, probe: Probe) -> Lookup:
+        if not policy.write:
+            return Reply(served="miss", chunks=self._engine_stream(call))  # no-store: compute, keep nothing
+
+        # 4. engine: lead a flight that streams to every listener and stores the complete answer.
+        ttl_s = self.ttl_for(call)
+        if lookup is None and probe is not None:
+            lookup = Lookup(vector=None)  # no-cache: the vector is computed after the answer, for the write
+        flight = self.inflight.lead(key, lambda f: self._compute_and_store(call, key, ttl_s, f, probe, lookup))
+        return Reply(served="miss", chunks=flight.follow(), ttl_s=ttl_s)
+
+    async def _semantic_lookup(self, call: Call, probe: Probe) -> Lookup:
         assert self.semantic is not None
         lookup = await self.semantic.lookup(call.tenant, call.scenario, probe)
         if lookup.refused_by_guard is not None:
             self.metrics.semantic_guard_rejections.labels(lookup.refused_by_guard.split(":", 1)[0]).inc()
         return lookup
 
-    async def _engine_stream(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
-        async with aclosing(self.engine.generate(request)) as stream:
-            async for chunk in stream:
-                if chunk.finish_reason is not None:
-                    self.metrics.observe_engine_call(chunk.prompt_tokens, chunk.cached_tokens,
-                                                     chunk.completion_tokens)
-                yield chunk
+    async def _engine_stream(self, call: Call) -> AsyncIterator[Chunk]:
+        """One engine call, inside an admission slot (raises Overloaded, a 429, when none is to be had)."""
+        async with self.admission.slot(call.tenant, call.tenant_limit):
+            async with aclosing(self.engine.generate(call.request)) as stream:
+                async for chunk in stream:
+                    if chunk.finish_reason is not None:
+                        self.metrics.observe_engine_call(chunk.prompt_tokens, chunk.cached_tokens,
+                                                         chunk.completion_tokens)
+                    yield chunk
 
-    async def _compute_and_store(self, call: Call, key: str, flight: Flight, probe: Probe | None = None,
-                                 lookup: Lookup | None = None) -> None:
+    async def _compute_and_store(self, call: Call, key: str, ttl_s: float, flight: Flight,
+                                 probe: Probe | None = None, lookup: Lookup | None = None) -> None:
         final: Chunk | None = None
-        async with aclosing(self._engine_stream(call.request)) as stream:
+        async with aclosing(self._engine_stream(call)) as stream:
             async for chunk in stream:
                 flight.publish(chunk)
                 if chunk.finish_reason is not None:
@@ -145,9 +196,10 @@ class RequestPipeline:
         # Listeners have the whole answer now; storing it is the flight's last job (it stays joinable meanwhile).
         flight.finish()
         now = time.time()
-        await self.store.put(key, CachedAnswer(
+        await self.stores(call.tenant).put(key, CachedAnswer(
             text="".join(c.text for c in flight.chunks), finish_reason=final.finish_reason,
             prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
-            created_at=now, expires_at=now + self.ttl_for(call.scenario)))
-        if probe is not None and lookup is not None and lookup.vector is not None and self.semantic is not None:
-            await self.semantic.remember(call.tenant, call.scenario, probe, lookup.vector, key)
+            created_at=now, expires_at=now + ttl_s), tag=call.scenario)
+        if probe is not None and lookup is not None and self.semantic is not None:
+            vector = lookup.vector if lookup.vector is not None else await self.semantic.batcher.embed(probe.text)
+            await self.semantic.remember(call.tenant, call.scenario, probe, vector, key)

@@ -14,6 +14,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from collections.abc import Callable
 from typing import Protocol
 
 import diskcache
@@ -93,7 +94,7 @@ class DiskResultStore:
     def __init__(self, directory: Path, *, disk_bytes: int, memory_bytes: int) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         # LRU, not diskcache's default least-recently-stored: a hot FAQ answer must outlive a one-off.
-        self._disk = diskcache.Cache(str(directory), size_limit=disk_bytes,
+        self._disk = diskcache.Cache(str(directory), size_limit=disk_bytes, tag_index=True,
                                      eviction_policy="least-recently-used", cull_limit=16)
         self._memory = MemoryLRU(memory_bytes)
         # One writer thread keeps SQLite writes (and stats, which must see them) in order; a reader thread lets a
@@ -150,9 +151,9 @@ class DiskResultStore:
         self._memory.put(key, answer, len(raw))
         return answer
 
-    async def put(self, key: str, answer: CachedAnswer) -> None:
-        """Store ``answer``. The memory copy is made before the first await, so a request that arrives while the
-        disk write is still running is already an exact hit."""
+    async def put(self, key: str, answer: CachedAnswer, tag: str | None = None) -> None:
+        """Store ``answer`` (``tag``: its scenario, for a selective flush). The memory copy is made before the
+        first await, so a request that arrives while the disk write is still running is already an exact hit."""
         raw = self._encoder.encode(answer)
         ttl = answer.expires_at - time.time()
         if ttl <= 0:
@@ -160,11 +161,15 @@ class DiskResultStore:
         self._memory.put(key, answer, len(raw))
         self._sync_reads()  # recorded reads reach the disk before this write can make it cull
         await asyncio.get_running_loop().run_in_executor(
-            self._writer, lambda: self._disk.set(key, raw, expire=ttl))
+            self._writer, lambda: self._disk.set(key, raw, expire=ttl, tag=tag))
 
-    async def clear(self) -> int:
+    async def clear(self, tag: str | None = None) -> int:
+        """Drop every entry, or those stored with ``tag`` (a scenario). Returns how many went from disk."""
+        # The memory copy has no tags; it is dropped whole (it refills from disk on the next reads).
         self._memory.clear()
-        return await asyncio.get_running_loop().run_in_executor(self._writer, self._disk.clear)
+        if tag is None:
+            return await asyncio.get_running_loop().run_in_executor(self._writer, self._disk.clear)
+        return await asyncio.get_running_loop().run_in_executor(self._writer, self._disk.evict, tag)
 
     async def stats(self) -> dict[str, int]:
         def read() -> tuple[int, int]:
@@ -182,3 +187,43 @@ class DiskResultStore:
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=True)
         self._disk.close()
+
+
+class TenantStores:
+    """One :class:`DiskResultStore` per tenant, under ``root/<tenant>``, each with its plan's byte quota.
+
+    Separate stores make isolation structural: a tenant filling its quota evicts only its own entries, and no key
+    of one tenant can be looked up in another's store.
+    """
+
+    def __init__(self, root: Path, *, quota_for: Callable[[str], int], memory_bytes: int) -> None:
+        self.root = root
+        self._quota_for = quota_for
+        self._memory_bytes = memory_bytes
+        self._stores: dict[str, DiskResultStore] = {}
+
+    def __call__(self, tenant: str) -> DiskResultStore:
+        store = self._stores.get(tenant)
+        if store is None:
+            store = self._stores[tenant] = DiskResultStore(
+                self.root / tenant, disk_bytes=self._quota_for(tenant), memory_bytes=self._memory_bytes)
+        return store
+
+    def opened(self) -> dict[str, DiskResultStore]:
+        return dict(self._stores)
+
+    def existing_tenants(self) -> list[str]:
+        """Tenants with a store on disk (opened or not), for flushes and stats."""
+        on_disk = {p.name for p in self.root.iterdir() if p.is_dir()} if self.root.is_dir() else set()
+        return sorted(on_disk | set(self._stores))
+
+    def close(self) -> None:
+        errors = []
+        for store in self._stores.values():
+            try:
+                store.close()
+            except Exception as exc:  # close everything, then report the first failure
+                errors.append(exc)
+        self._stores.clear()
+        if errors:
+            raise errors[0]

@@ -24,6 +24,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from edgecache.ttl_tiers import TtlTierSettings
+
 ENV_PREFIX = "EDGECACHE_"
 
 
@@ -100,6 +102,37 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         "Prompts shorter than this are not saved in the prefix cache (saving costs more than it saves).")] = 64
     default_max_tokens: Annotated[int, Meta(ge=1), _help(
         "Answer length when a request gives no max_tokens.")] = 256
+    # GPU engines (sglang). The static fraction is the share of GPU memory SGLang takes for weights + KV pool.
+    mem_fraction_static: Annotated[Annotated[float, Meta(gt=0.0, lt=1.0)] | None, _help(
+        "sglang: share of GPU memory for the weights plus the KV pool; unset lets SGLang size it.")] = None
+    max_running_requests: Annotated[Annotated[int, Meta(ge=1)] | None, _help(
+        "sglang: most sequences decoded at once.")] = None
+    chunked_prefill_size: Annotated[Annotated[int, Meta(ge=1)] | None, _help(
+        "sglang: prompt tokens prefilled per chunk, so long prompts do not stall running decodes.")] = None
+    radix_eviction_policy: Annotated[Literal["lru", "lfu"], _help(
+        "sglang: how the radix prefix cache evicts.")] = "lru"
+    hierarchical_cache: Annotated[bool, _help(
+        "sglang: spill evicted KV prefixes to host memory instead of dropping them.")] = False
+    weights_gb: Annotated[Annotated[float, Meta(gt=0)] | None, _help(
+        "Size of the model's weights in GB (for the KV budget `profiles show` prints).")] = None
+    layers: Annotated[Annotated[int, Meta(ge=1)] | None, _help("The model's layer count (KV budget).")] = None
+    kv_heads: Annotated[Annotated[int, Meta(ge=1)] | None, _help("The model's KV heads (KV budget).")] = None
+    head_dim: Annotated[Annotated[int, Meta(ge=1)] | None, _help("The model's head dimension (KV budget).")] = None
+    kv_dtype_bytes: Annotated[int, Meta(ge=1), _help("Bytes per KV element (2 for fp16/bf16, 1 for fp8).")] = 2
+    # The openai engine: an upstream OpenAI-compatible server.
+    upstream_url: Annotated[str | None, _help(
+        "openai: the upstream server's base URL, e.g. http://10.0.0.5:30000/v1.")] = None
+    upstream_key: Annotated[str | None, _help("openai: the API key sent upstream.")] = None
+
+
+class AdmissionSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    max_concurrent_misses: Annotated[int, Meta(ge=1), _help(
+        "Most misses computing at once across all tenants; more wait in the queue.")] = 4
+    max_queue: Annotated[int, Meta(ge=0), _help(
+        "Most misses waiting for a slot; beyond it a request gets 429 with Retry-After at once.")] = 64
+    queue_timeout_s: Annotated[float, Meta(gt=0), _help(
+        "How long a miss may wait for a slot before it gets 429.")] = 30.0
+    retry_after_s: Annotated[int, Meta(ge=1), _help("The Retry-After a 429 carries.")] = 2
 
 
 class StoreSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -109,8 +142,6 @@ class StoreSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     memory_bytes: Annotated[ByteSize, _help(
         "Byte budget of the in-memory copy of recently used results, which serves hits without touching disk.")] \
         = ByteSize(64 * 2**20)
-    default_ttl_s: Annotated[float, Meta(gt=0), _help("How long a stored answer stays valid, in seconds.")] \
-        = 86400.0
 
 
 class SemanticSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -131,25 +162,32 @@ class SemanticSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         "How long a lookup waits for others to share its embedding batch.")] = 2.0
     save_interval_s: Annotated[float, Meta(gt=0), _help(
         "How often changed indexes are written to disk (the vectors themselves are committed at once).")] = 5.0
+    gpu_mem_limit: Annotated[ByteSize | None, _help(
+        "GPU memory the ONNX embedder may take on cuda (onnxruntime's gpu_mem_limit).")] = None
 
 
 class ScenarioSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     threshold: Annotated[Annotated[float, Meta(ge=0.0, le=1.0)] | None, _help(
         "Cosine similarity a semantic candidate needs; unset means the value calibrated for the embedder.")] = None
     ttl_s: Annotated[Annotated[float, Meta(gt=0)] | None, _help(
-        "How long answers in this scenario stay valid; unset means store.default_ttl_s.")] = None
+        "How long answers in this scenario stay valid; unset lets the TTL tier classifier decide.")] = None
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     profile: Annotated[str, _help("The profile's name.")] = "custom"
     description: Annotated[str, _help("One line saying what box the profile is for.")] = ""
     data_dir: Annotated[str, _help(
-        "Where the result store (and later the indexes) live; survives restarts.")] = ""
+        "Where the result stores and the semantic indexes live; survives restarts.")] = ""
+    tenants_file: Annotated[str | None, _help(
+        "TOML file of plans, tenants and their API keys (see README); unset means one open `default` tenant, "
+        "and serve refuses a non-loopback host unless told --insecure.")] = None
     hardware: HardwareSettings = HardwareSettings()
     server: ServerSettings = ServerSettings()
     engine: EngineSettings = EngineSettings()
     store: StoreSettings = StoreSettings()
     semantic: SemanticSettings = SemanticSettings()
+    admission: AdmissionSettings = AdmissionSettings()
+    ttl_tiers: TtlTierSettings = TtlTierSettings()
     scenarios: Annotated[dict[str, ScenarioSettings], _help(
         "Named scenarios (callers pick one with X-EdgeCache-Scenario or body edgecache.scenario), each with its "
         "semantic threshold and TTL; `default` always exists.")] = msgspec.field(
@@ -158,9 +196,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     def __post_init__(self) -> None:
         if "default" not in self.scenarios:
             raise SettingsError("scenarios must include `default`")
-
-    def scenario_ttl_s(self, scenario: str) -> float:
-        return self.scenarios[scenario].ttl_s or self.store.default_ttl_s
 
     @property
     def data_path(self) -> Path:

@@ -44,9 +44,9 @@ def test_equal_requests_get_equal_keys() -> None:
     assert key(a) == key(b)
 
 
-def test_the_salt_does_not_change_the_key_the_tenant_does() -> None:
-    # The engine's prefix-cache salt is framing; the tenant namespace is what keeps tenants apart.
-    assert key(msgspec.structs.replace(chat(), salt="acme")) == key(chat())
+def test_the_salt_changes_the_key() -> None:
+    # The salt is the tenant, plus a caller's own cache_salt: a caller who salts asks for a namespace of its own.
+    assert key(msgspec.structs.replace(chat(), salt="acme:session-1")) != key(chat())
 
 
 @pytest.mark.parametrize("change", [

@@ -15,6 +15,7 @@ from edgecache.inflight import InflightTable
 from edgecache.keys import request_key
 from edgecache.metrics import Metrics
 from edgecache.pipeline import Call, RequestPipeline
+from edgecache.admission import AdmissionGate
 from edgecache.result_store import DiskResultStore
 from tests.fakes import FakeEngine
 
@@ -38,8 +39,14 @@ def engine() -> FakeEngine:
 
 @pytest.fixture
 def pipeline(engine: FakeEngine, store: DiskResultStore) -> RequestPipeline:
-    return RequestPipeline(engine=engine, store=store, inflight=InflightTable(), metrics=Metrics(),
-                           ttl_for=lambda scenario: 3600.0)
+    return make_pipeline(engine, store)
+
+
+def make_pipeline(engine: FakeEngine, store: DiskResultStore) -> RequestPipeline:
+    # Every tenant shares this one store here; tenant isolation of stores is tested in test_tenants.py.
+    return RequestPipeline(engine=engine, stores=lambda tenant: store, inflight=InflightTable(), metrics=Metrics(),
+                           ttl_for=lambda call: 3600.0,
+                           admission=AdmissionGate(max_running=64, max_queue=64, queue_timeout_s=5, retry_after_s=1))
 
 
 async def collect(stream: AsyncIterator[Chunk]) -> list[Chunk]:
@@ -93,8 +100,7 @@ async def test_an_exact_hit_comes_from_disk_after_the_memory_tier_is_gone(
     for expected in ("miss", "exact"):
         store = DiskResultStore(directory, disk_bytes=64 * 2**20, memory_bytes=4 * 2**20)
         try:
-            p = RequestPipeline(engine=engine, store=store, inflight=InflightTable(), metrics=Metrics(),
-                                ttl_for=lambda scenario: 3600.0)
+            p = make_pipeline(engine, store)
             served, chunks = await serve_all(p, call)
             assert served == expected
             assert text_of(chunks) == engine.answer_for(call.request)

@@ -58,7 +58,7 @@ def test_cpu_profile_values(tmp_path: Path) -> None:
     assert s.engine.default_max_tokens == 256
     assert s.store.disk_bytes == 2 * 10**9
     assert s.store.memory_bytes == 64 * 2**20
-    assert s.store.default_ttl_s == 86400.0
+    assert s.ttl_tiers.static_s == 86400.0 and s.ttl_tiers.realtime_s == 30.0
     assert isinstance(s.store.disk_bytes, ByteSize)
     assert s.data_path == tmp_path
 
@@ -95,11 +95,11 @@ def test_environment_overrides_the_profile(tmp_path: Path) -> None:
 
 
 def test_environment_strings_become_byte_sizes_and_floats(tmp_path: Path) -> None:
-    env = {"EDGECACHE_STORE__DISK_BYTES": "3GB", "EDGECACHE_STORE__DEFAULT_TTL_S": "30",
+    env = {"EDGECACHE_STORE__DISK_BYTES": "3GB", "EDGECACHE_TTL_TIERS__STATIC_S": "30",
            "EDGECACHE_DATA_DIR": str(tmp_path)}
     s = resolve_settings("cpu", environ=env)
     assert s.store.disk_bytes == 3 * 10**9
-    assert s.store.default_ttl_s == 30.0
+    assert s.ttl_tiers.static_s == 30.0
 
 
 def test_environment_can_name_the_profile(tmp_path: Path) -> None:
@@ -256,7 +256,7 @@ def test_iter_fields_lists_every_leaf_setting() -> None:
     paths = [p for p, _ in iter_fields()]
     assert len(paths) == len(set(paths))
     for expected in ("data_dir", "server.port", "server.max_body_bytes", "engine.kind",
-                     "engine.prefix_cache_bytes", "store.disk_bytes", "store.memory_bytes", "store.default_ttl_s",
+                     "engine.prefix_cache_bytes", "store.disk_bytes", "store.memory_bytes",
                      "hardware.gpu_memory_gb"):
         assert expected in paths
     # Sections are not leaves.

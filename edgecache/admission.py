@@ -1,0 +1,106 @@
+"""Admission control in front of the engine: a cold cache must not send every request to the model at once.
+
+At most ``max_running`` engine calls run at once in total, and at most the plan's limit per tenant; up to
+``max_queue`` more wait for a slot (first come, first served) for at most ``queue_timeout_s``. Beyond that a call
+is refused at once with :class:`~edgecache.errors.Overloaded` (429 + Retry-After), which is better for everyone
+than a queue whose wait outgrows the client's patience ("all misses, GPU saturated, TTFT over 3 s, then an
+avalanche").
+
+Only engine calls take a slot. Hits (exact, semantic, shared) never pass through here, so they never queue behind
+misses. Event-loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from edgecache.errors import Overloaded
+
+
+class AdmissionGate:
+    def __init__(self, *, max_running: int, max_queue: int, queue_timeout_s: float, retry_after_s: int) -> None:
+        self.max_running = max_running
+        self.max_queue = max_queue
+        self.queue_timeout_s = queue_timeout_s
+        self.retry_after_s = retry_after_s
+        self.running = 0
+        self.running_by_tenant: dict[str, int] = {}
+        self._waiters: deque[tuple[str, int | None, asyncio.Future[None]]] = deque()
+        self.rejected = 0
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
+
+    def _may_run(self, tenant: str, tenant_limit: int | None) -> bool:
+        return self.running < self.max_running and (
+            tenant_limit is None or self.running_by_tenant.get(tenant, 0) < tenant_limit)
+
+    def _take(self, tenant: str) -> None:
+        self.running += 1
+        self.running_by_tenant[tenant] = self.running_by_tenant.get(tenant, 0) + 1
+
+    def _reject(self, why: str) -> Overloaded:
+        self.rejected += 1
+        return Overloaded(f"the model is busy ({why}); retry after {self.retry_after_s} s",
+                          retry_after_s=self.retry_after_s)
+
+    @asynccontextmanager
+    async def slot(self, tenant: str, tenant_limit: int | None = None) -> AsyncIterator[None]:
+        """Hold one engine slot for ``tenant`` for the body of the ``async with``."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (tenant, tenant_limit, future)
+        self._waiters.append(entry)
+        self._grant()  # in queue order: this call runs now if nobody who may run is ahead of it
+        if not future.done():
+            if len(self._waiters) > self.max_queue:
+                self._remove(entry)
+                raise self._reject(f"{self.running} generating, {len(self._waiters)} waiting")
+            try:
+                await asyncio.wait_for(asyncio.shield(future), self.queue_timeout_s)
+            except (TimeoutError, asyncio.CancelledError) as exc:
+                if future.done() and not future.cancelled():
+                    self._release(tenant)  # granted just as we gave up: hand the slot on
+                else:
+                    future.cancel()
+                    self._remove(entry)
+                if isinstance(exc, TimeoutError):
+                    raise self._reject(f"waited {self.queue_timeout_s:.0f} s for a slot") from None
+                raise
+        try:
+            yield
+        finally:
+            self._release(tenant)
+
+    def _remove(self, entry: tuple[str, int | None, asyncio.Future[None]]) -> None:
+        try:
+            self._waiters.remove(entry)
+        except ValueError:
+            pass
+
+    def _release(self, tenant: str) -> None:
+        self.running -= 1
+        left = self.running_by_tenant.get(tenant, 1) - 1
+        if left:
+            self.running_by_tenant[tenant] = left
+        else:
+            self.running_by_tenant.pop(tenant, None)
+        self._grant()
+
+    def _grant(self) -> None:
+        # First come, first served, except that a waiter held back only by its own tenant's limit does not block
+        # other tenants behind it (one tenant's burst must not stall everyone).
+        for entry in list(self._waiters):
+            tenant, limit, future = entry
+            if self.running >= self.max_running:
+                return
+            if future.done():
+                self._remove(entry)
+                continue
+            if self._may_run(tenant, limit):
+                self._remove(entry)
+                self._take(tenant)
+                future.set_result(None)

@@ -1,0 +1,110 @@
+"""From an HTTP request to the pipeline's :class:`~edgecache.pipeline.Call`: decode, validate, apply the caller's
+cache options (body field ``edgecache`` and the ``X-EdgeCache-*`` headers) and the tenant's plan.
+
+A repeated request is the common case on a cache (that is what a hit is), and its body is byte-for-byte the same:
+:class:`ParsedRequests` maps (tenant, route, body) straight to the parsed result, so an exact hit costs a hash of
+the body instead of a decode, a validation and the building of a call.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+
+import msgspec
+
+from edgecache.engines.base import GenerationRequest
+from edgecache.errors import BadRequest, Forbidden, PayloadTooLarge
+from edgecache.openai_api import ChatCompletionRequest, CompletionRequest, decode_request
+from edgecache.pipeline import POLICIES, Call
+from edgecache.settings import Settings
+from edgecache.tenants import Tenant
+
+
+class Parsed(msgspec.Struct, frozen=True, kw_only=True):
+    """A validated request: the pipeline's Call plus how to render the answer."""
+
+    call: Call
+    model: str
+    chat: bool
+    stream: bool
+    include_usage: bool
+
+
+def parse(chat: bool, body: bytes, tenant: Tenant, settings: Settings) -> Parsed:
+    req: ChatCompletionRequest | CompletionRequest
+    salt = tenant.id
+    if chat:
+        req = decode_request(body, ChatCompletionRequest)  # type: ignore[assignment]
+        assert isinstance(req, ChatCompletionRequest)
+        if len(req.messages) > settings.server.max_messages:
+            raise PayloadTooLarge(f"at most {settings.server.max_messages} messages per request")
+        params = req.sampling(settings.engine.default_max_tokens, req.max_completion_tokens)
+        generation = GenerationRequest(messages=tuple(m.to_message() for m in req.messages), params=params,
+                                       salt=salt)
+    else:
+        req = decode_request(body, CompletionRequest)  # type: ignore[assignment]
+        assert isinstance(req, CompletionRequest)
+        generation = GenerationRequest(prompt=req.prompt, params=req.sampling(settings.engine.default_max_tokens),
+                                       salt=salt)
+    if req.cache_salt:
+        # A caller's own salt namespaces within its tenant: the tenant always leads the engine's salt.
+        generation = msgspec.structs.replace(generation, salt=f"{tenant.id}:{req.cache_salt}")
+    options = req.edgecache
+    call = Call(request=generation, tenant=tenant.id, tenant_limit=tenant.plan.max_concurrent_misses,
+                scenario=(options.scenario if options else None) or "default",
+                policy=(options.policy if options else None) or "default",
+                ttl_s=options.ttl if options else None, ttl_tier=options.ttl_tier if options else None)
+    return Parsed(call=call, model=req.model, chat=chat, stream=req.stream,
+                  include_usage=bool(req.stream_options and req.stream_options.include_usage))
+
+
+def apply_headers(parsed: Parsed, headers: Mapping[str, str], tenant: Tenant, settings: Settings) -> Parsed:
+    """``X-EdgeCache-Scenario`` and ``X-EdgeCache-Policy`` override the body; then both are checked."""
+    scenario = headers.get("x-edgecache-scenario")
+    policy = headers.get("x-edgecache-policy")
+    call = parsed.call
+    if (scenario is not None and scenario != call.scenario) or (policy is not None and policy != call.policy):
+        call = msgspec.structs.replace(call, scenario=scenario or call.scenario, policy=policy or call.policy)
+        parsed = msgspec.structs.replace(parsed, call=call)
+    if call.scenario not in settings.scenarios:
+        raise BadRequest(f"unknown scenario {call.scenario!r}; this server has: "
+                         f"{', '.join(sorted(settings.scenarios))}", param="edgecache.scenario")
+    if call.policy not in POLICIES:
+        raise BadRequest(f"unknown cache policy {call.policy!r}; policies: {', '.join(POLICIES)}",
+                         param="edgecache.policy")
+    if call.policy not in tenant.plan.policies:
+        raise Forbidden(f"the {tenant.plan_name!r} plan does not allow the cache policy {call.policy!r}",
+                        param="edgecache.policy")
+    return parsed
+
+
+class ParsedRequests:
+    """Recently seen (tenant, route, body) -> parsed request, bounded by count.
+
+    Only valid bodies are kept, so an invalid one is re-checked (and refused) every time; bodies over
+    ``MAX_BODY_BYTES`` are not kept, so the memo's memory stays bounded.
+    """
+
+    MAX_BODY_BYTES = 16_384
+
+    def __init__(self, settings: Settings, max_entries: int = 4096) -> None:
+        self.settings = settings
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[str, bool, bytes], Parsed] = OrderedDict()
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def parse(self, chat: bool, body: bytes, tenant: Tenant) -> Parsed:
+        key = (tenant.id, chat, body)
+        parsed = self._entries.get(key)
+        if parsed is not None:
+            self._entries.move_to_end(key)
+            return parsed
+        parsed = parse(chat, body, tenant, self.settings)
+        if len(body) <= self.MAX_BODY_BYTES:
+            self._entries[key] = parsed
+            if len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        return parsed

@@ -1,0 +1,167 @@
+"""Tenants and plans: who is calling (API key -> tenant), and what their plan allows.
+
+The tenants file is TOML::
+
+    [plans.basic]
+    store_bytes = "2GB"
+    max_concurrent_misses = 2
+    policies = ["default", "no-store", "no-cache", "exact-only", "bypass"]
+
+    [[tenants]]
+    id = "acme"
+    plan = "basic"
+    keys = ["sk-acme-1"]
+
+    [admin]
+    keys = ["sk-admin-1"]          # for the admin routes (flush, warmup)
+
+Keys are never kept in clear: the directory holds their SHA-256 digests, a presented key is hashed and compared
+with every digest by ``hmac.compare_digest``, so neither timing nor a memory dump gives a key away. Keys are never logged; errors name the tenant, never the key.
+
+With no tenants file there is one tenant, ``default``, with no key and the default plan (see :data:`OPEN`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from edgecache.errors import Unauthorized
+from edgecache.settings import ByteSize, SettingsError, _dec_hook
+
+Policy = Literal["default", "no-store", "no-cache", "exact-only", "bypass", "reuse"]
+ALL_POLICIES: tuple[Policy, ...] = ("default", "no-store", "no-cache", "exact-only", "bypass", "reuse")
+TenantId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
+
+
+class Plan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    store_bytes: ByteSize = ByteSize(2 * 10**9)
+    """The tenant's result-store quota; past it the tenant's own least recently used entries go."""
+    semantic_max_vectors: Annotated[int, Meta(ge=1)] = 100_000
+    """Most vectors one of the tenant's semantic indexes keeps."""
+    max_concurrent_misses: Annotated[int, Meta(ge=1)] | None = None
+    """Most of the tenant's misses computing at once (unset: only the profile's global limit)."""
+    policies: tuple[Policy, ...] = ALL_POLICIES
+    """The cache policies the tenant may ask for."""
+
+
+class TenantEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    id: TenantId
+    plan: str
+    keys: Annotated[list[Annotated[str, Meta(min_length=8)]], Meta(min_length=1)]
+
+
+class AdminEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    keys: list[Annotated[str, Meta(min_length=8)]] = []
+
+
+class TenantsFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    plans: dict[str, Plan] = {}
+    tenants: list[TenantEntry] = []
+    admin: AdminEntry = AdminEntry()
+
+
+class Tenant(msgspec.Struct, frozen=True):
+    id: str
+    plan_name: str
+    plan: Plan
+
+
+DEFAULT_TENANT = Tenant("default", "default", Plan())
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+class TenantDirectory:
+    """API key -> tenant. ``open`` directories (no tenants file) answer every request as the default tenant."""
+
+    def __init__(self, tenants: list[tuple[Tenant, list[str]]], admin_keys: list[str], *, open_: bool) -> None:
+        self.open = open_
+        self._by_digest: dict[bytes, Tenant] = {}
+        self._tenants: dict[str, Tenant] = {}
+        for tenant, keys in tenants:
+            self._tenants[tenant.id] = tenant
+            for key in keys:
+                digest = _digest(key)
+                if digest in self._by_digest:
+                    raise SettingsError(f"tenants: a key of {tenant.id!r} is also a key of "
+                                        f"{self._by_digest[digest].id!r}")
+                self._by_digest[digest] = tenant
+        self._admin_digests = [_digest(k) for k in admin_keys]
+        if open_:
+            self._tenants[DEFAULT_TENANT.id] = DEFAULT_TENANT
+
+    @classmethod
+    def open_directory(cls) -> TenantDirectory:
+        return cls([], [], open_=True)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> TenantDirectory:
+        try:
+            parsed = msgspec.toml.decode(Path(path).read_bytes(), type=TenantsFile, dec_hook=_dec_hook)
+        except FileNotFoundError as exc:
+            raise SettingsError(f"tenants file not found: {path}") from exc
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            # msgspec's message names the field and the value's position, never echoing a key's text.
+            raise SettingsError(f"tenants file {path}: {exc}") from exc
+        entries = []
+        seen: set[str] = set()
+        for entry in parsed.tenants:
+            if entry.id in seen:
+                raise SettingsError(f"tenants file {path}: tenant {entry.id!r} appears twice")
+            seen.add(entry.id)
+            if entry.plan not in parsed.plans:
+                raise SettingsError(f"tenants file {path}: tenant {entry.id!r} has unknown plan {entry.plan!r}; "
+                                    f"plans: {', '.join(sorted(parsed.plans)) or 'none'}")
+            entries.append((Tenant(entry.id, entry.plan, parsed.plans[entry.plan]), entry.keys))
+        return cls(entries, parsed.admin.keys, open_=False)
+
+    @property
+    def tenants(self) -> dict[str, Tenant]:
+        return dict(self._tenants)
+
+    def get(self, tenant_id: str) -> Tenant | None:
+        return self._tenants.get(tenant_id)
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        """The tenant a request's ``Authorization: Bearer <key>`` header names; 401 when there is none."""
+        if self.open:
+            return DEFAULT_TENANT
+        key = _bearer(authorization)
+        if key is None:
+            raise Unauthorized("missing API key: send Authorization: Bearer <key>")
+        digest = _digest(key)
+        found: Tenant | None = None
+        # Every digest is compared, in constant time, with no early exit: how long this takes says nothing about
+        # which key, or how much of one, was right.
+        for candidate, tenant in self._by_digest.items():
+            if hmac.compare_digest(digest, candidate):
+                found = tenant
+        if found is None:
+            raise Unauthorized("invalid API key")
+        return found
+
+    def authenticate_admin(self, authorization: str | None) -> None:
+        """Admin routes: open when there is no tenants file (loopback only), else an admin key is needed."""
+        if self.open:
+            return
+        key = _bearer(authorization)
+        digest = _digest(key) if key is not None else b""
+        if not any(hmac.compare_digest(digest, d) for d in self._admin_digests):
+            raise Unauthorized("an admin key is needed for this route")
+
+
+def _bearer(authorization: str | None) -> str | None:
+    if not authorization:
+        return None
+    scheme, _, value = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        return None
+    return value.strip()
