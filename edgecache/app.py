@@ -71,6 +71,7 @@ class Runtime:
         self.admission = AdmissionGate(max_running=adm.max_concurrent_misses, max_queue=adm.max_queue,
                                        queue_timeout_s=adm.queue_timeout_s, retry_after_s=adm.retry_after_s)
         self.metrics.track_admission(self.admission)
+        self.metrics.ttft_p99_target_seconds.set(settings.slo.ttft_p99_s)
         self.ttl = TtlClassifier(settings.ttl_tiers)
         self.semantic: SemanticCache | None = None
         self.pipeline: RequestPipeline | None = None
@@ -96,8 +97,7 @@ class Runtime:
         self.pipeline = RequestPipeline(engine=self.engine, stores=self.stores, inflight=self.inflight,
                                         metrics=self.metrics, ttl_for=self.ttl_for, admission=self.admission,
                                         semantic=self.semantic)
-        if self.semantic is not None:
-            self._background.append(asyncio.create_task(self._save_indexes_periodically(), name="index-saver"))
+        self._background.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
         self.ready = True
         log.info("model %s ready (%s)%s", self.engine.model_id, self.engine.version,
                  f", embedder {self.semantic.embedder.version}" if self.semantic else "")
@@ -128,19 +128,32 @@ class Runtime:
         self.parsed.clear()
         return {"result_entries": dropped}
 
-    async def _save_indexes_periodically(self) -> None:
-        # The vectors are committed to SQLite as they are added; the index files are a rebuildable copy, written
-        # every few seconds so a restart does not have to rebuild them.
-        assert self.semantic is not None
+    async def _housekeeping(self) -> None:
+        # Every few seconds: write changed index files (the vectors are committed to SQLite as they are added; the
+        # index files are a rebuildable copy, saved so a restart need not rebuild them), and refresh the gauges
+        # that cost a disk read (store bytes, index sizes) so a scrape never waits on disk.
         while True:
             await asyncio.sleep(self.settings.semantic.save_interval_s)
-            await self.semantic.save()
-            await self.refresh_index_gauge()
+            if self.semantic is not None:
+                await self.semantic.save()
+            await self.refresh_gauges()
 
-    async def refresh_index_gauge(self) -> None:
+    async def refresh_gauges(self) -> dict[str, dict[str, int]]:
+        """Store bytes against quota per tenant and index sizes per (tenant, scenario); returns the store stats."""
+        stores = {}
+        for name in self.stores.existing_tenants():
+            stats = stores[name] = await self.stores(name).stats()
+            self.metrics.store_bytes.labels(name).set(stats["bytes"])
+            self.metrics.store_quota_bytes.labels(name).set(stats["budget_bytes"])
+            self.metrics.store_entries.labels(name).set(stats["entries"])
         if self.semantic is not None:
             for (tenant, scenario), count in (await self.semantic.sizes()).items():
                 self.metrics.semantic_index_vectors.labels(tenant, scenario).set(count)
+        if self.ready:
+            usage = (await self.engine.stats()).get("kv_usage_ratio")
+            if isinstance(usage, (int, float)):
+                self.metrics.engine_kv_usage.set(usage)
+        return stores
 
     async def close(self) -> None:
         # 1. let in-flight answers finish (they may still be stored), 2. close the engine, 3. save the indexes,
@@ -312,14 +325,11 @@ async def metrics(state: State) -> Response[Any]:
 async def stats(request: Request[Any, Any, Any]) -> Response[Any]:
     rt = _runtime(request.app.state)
     rt.tenants.authenticate_admin(request.headers.get("authorization"))
+    stores = await rt.refresh_gauges()
     body = rt.metrics.snapshot()
-    stores = {}
-    for name in rt.stores.existing_tenants():
-        stores[name] = await rt.stores(name).stats()
     body["stores"] = stores
     body["store"] = {field: sum(s[field] for s in stores.values())
                      for field in ("entries", "bytes", "budget_bytes", "memory_entries", "memory_bytes")}
-    await rt.refresh_index_gauge()
     body["admission"] = {"running": rt.admission.running, "queued": rt.admission.queued,
                          "rejected": rt.admission.rejected, "max_running": rt.admission.max_running}
     body["engine_state"] = await rt.engine.stats() if rt.ready else {}

@@ -50,6 +50,18 @@ class Metrics:
         self.semantic_guard_rejections = Counter(
             "edgecache_semantic_guard_rejections", "Semantic candidates over the threshold that the guard refused.",
             ["rule"], registry=self.registry)
+        self.store_bytes = Gauge("edgecache_store_bytes", "Bytes in a tenant's result store.", ["tenant"],
+                                 registry=self.registry)
+        self.store_quota_bytes = Gauge("edgecache_store_quota_bytes", "A tenant's result-store quota.", ["tenant"],
+                                       registry=self.registry)
+        self.store_entries = Gauge("edgecache_store_entries", "Entries in a tenant's result store.", ["tenant"],
+                                   registry=self.registry)
+        self.engine_kv_usage = Gauge("edgecache_engine_kv_usage_ratio",
+                                     "Share of the engine's KV / prefix-cache budget in use, where it reports it.",
+                                     registry=self.registry)
+        self.ttft_p99_target_seconds = Gauge(
+            "edgecache_ttft_p99_target_seconds", "The profile's p99 TTFT target (slo.ttft_p99_s), for alert rules.",
+            registry=self.registry)
         self.admission_rejections = Counter(
             "edgecache_admission_rejections", "Misses refused with 429 because the engine was saturated.",
             registry=self.registry)

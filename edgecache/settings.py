@@ -173,6 +173,12 @@ class ScenarioSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         "How long answers in this scenario stay valid; unset lets the TTL tier classifier decide.")] = None
 
 
+class SloSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    ttft_p99_s: Annotated[float, Meta(gt=0), _help(
+        "The p99 time to first token this box should hold; exported as a metric that the alert rules compare "
+        "against.")] = 2.0
+
+
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     profile: Annotated[str, _help("The profile's name.")] = "custom"
     description: Annotated[str, _help("One line saying what box the profile is for.")] = ""
@@ -188,6 +194,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     semantic: SemanticSettings = SemanticSettings()
     admission: AdmissionSettings = AdmissionSettings()
     ttl_tiers: TtlTierSettings = TtlTierSettings()
+    slo: SloSettings = SloSettings()
     scenarios: Annotated[dict[str, ScenarioSettings], _help(
         "Named scenarios (callers pick one with X-EdgeCache-Scenario or body edgecache.scenario), each with its "
         "semantic threshold and TTL; `default` always exists.")] = msgspec.field(

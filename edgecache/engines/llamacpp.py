@@ -141,6 +141,11 @@ class PrefixStateCache:
         return sum(self._bytes.values())
 
     @property
+    def usage_ratio(self) -> float:
+        """The fullest salt's share of its budget (each salt has a budget of its own)."""
+        return max(self._bytes.values(), default=0) / self.max_bytes if self.max_bytes else 0.0
+
+    @property
     def entries(self) -> int:
         return sum(len(e) for e in self._by_salt.values())
 
@@ -218,6 +223,7 @@ class LlamaCppEngine:
         cache = self.prefix_cache
         return {"engine": "llamacpp", "model": self.model_id, "prefix_cache_entries": cache.entries,
                 "prefix_cache_bytes": cache.total_bytes, "prefix_cache_lookups": cache.lookups,
+                "kv_usage_ratio": cache.usage_ratio,
                 "prefix_cache_hits": cache.hits}
 
     # --- generation -------------------------------------------------------------------------------------------
