@@ -42,6 +42,7 @@ from edgecache.semantic_cache import SemanticCache
 from edgecache.settings import Settings
 from edgecache.tenants import TenantDirectory
 from edgecache.ttl_tiers import TtlClassifier
+from edgecache.warmup import WarmupBatch, warm_lines
 
 log = logging.getLogger("edgecache")
 
@@ -369,6 +370,23 @@ async def admin_flush(request: Request[Any, Any, Any]) -> Response[Any]:
                     media_type=JSON)
 
 
+@post("/admin/warmup", status_code=200)
+async def admin_warmup(request: Request[Any, Any, Any]) -> Response[Any]:
+    """Warm the caches with a batch of prompts-file lines (see :mod:`edgecache.warmup`); one result per line."""
+    rt = _runtime(request.app.state)
+    rt.tenants.authenticate_admin(request.headers.get("authorization"))
+    try:
+        batch = msgspec.json.decode(await request.body(), type=WarmupBatch)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise BadRequest(f"invalid warmup batch: {exc}") from exc
+    if not rt.ready:
+        raise NotReady("the server is still loading")
+    assert rt.pipeline is not None
+    results = await warm_lines(rt.pipeline, batch.lines, tenants=rt.tenants, settings=rt.settings,
+                               tenant=batch.tenant)
+    return Response(_json.encode({"results": results}), media_type=JSON)
+
+
 def _error_response(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     if isinstance(exc, EdgeCacheError):
         err = exc
@@ -411,7 +429,8 @@ def create_app(settings: Settings, engine: Engine | None = None,
             await rt.close()
 
     return Litestar(
-        route_handlers=[chat_completions, completions, list_models, health, metrics, stats, admin_flush],
+        route_handlers=[chat_completions, completions, list_models, health, metrics, stats, admin_flush,
+                        admin_warmup],
         lifespan=[lifespan],
         exception_handlers={Exception: _error_response},
         request_max_body_size=settings.server.max_body_bytes,

@@ -166,6 +166,24 @@ class RequestPipeline:
         flight = self.inflight.lead(key, lambda f: self._compute_and_store(call, key, ttl_s, f, probe, lookup))
         return Reply(served="miss", chunks=flight.follow(), ttl_s=ttl_s)
 
+    async def store_known_answer(self, call: Call, text: str) -> bool:
+        """Warmup: keep ``text`` as the answer to ``call``, in the store and (first-turn chat) the semantic index,
+        as if the engine had written it. False when the call already has an answer. Token counts are unknown for
+        such an answer and are reported as 0."""
+        key = request_key(call.request, model_version=self.engine.version, tenant=call.tenant,
+                          scenario=call.scenario)
+        store = self.stores(call.tenant)
+        if await store.get(key) is not None:
+            return False
+        now = time.time()
+        await store.put(key, CachedAnswer(text=text, finish_reason="stop", prompt_tokens=0, completion_tokens=0,
+                                          created_at=now, expires_at=now + self.ttl_for(call)), tag=call.scenario)
+        probe = probe_for(call.request, self.engine.version) if self.semantic is not None else None
+        if probe is not None and self.semantic is not None:
+            vector = await self.semantic.batcher.embed(probe.text)
+            await self.semantic.remember(call.tenant, call.scenario, probe, vector, key)
+        return True
+
     async def _semantic_lookup(self, call: Call, probe: Probe) -> Lookup:
         assert self.semantic is not None
         lookup = await self.semantic.lookup(call.tenant, call.scenario, probe)

@@ -1,0 +1,99 @@
+"""Warmup: answered lines land in the store and the index, unanswered ones go through the engine, shared system
+prompts are prefilled, bad lines are reported by number and skipped."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from rich.console import Console
+
+from edgecache.app import create_app
+from edgecache.cli.warmup import warm_offline
+from edgecache.warmup import LineResult, NumberedLine, read_lines
+from tests.conftest import chat_body, serve_in_process
+from tests.fakes import FakeEngine
+
+SYSTEM = "You are the help desk of ACME Rockets. " + " ".join(
+    f"Rule {i}: rockets of series {i} ship in {i % 5 + 1} days." for i in range(40))
+
+
+def lines_file(path: Path) -> Path:
+    rows = [
+        json.dumps({"messages": [{"role": "user", "content": "How do I reset my password?"}],
+                    "answer": "Click 'Forgot password' on the sign-in page.", "max_tokens": 16}),
+        "{not json at all",
+        json.dumps({"messages": [{"role": "user", "content": "What is your refund policy?"}], "max_tokens": 16}),
+        json.dumps({"prompt": "x", "messages": [{"role": "user", "content": "both"}]}),
+        "",
+        json.dumps({"messages": [{"role": "user", "content": "Where is my card?"}], "scenario": "support",
+                    "answer": "It ships in 3 days.", "max_tokens": 16}),
+        json.dumps({"messages": [{"role": "user", "content": "odd"}], "scenario": "nonexistent", "answer": "x"}),
+    ]
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_read_lines_reports_bad_lines_by_number(tmp_path: Path) -> None:
+    items = list(read_lines(lines_file(tmp_path / "p.jsonl").read_text().splitlines()))
+    bad = {i.line: i.detail for i in items if isinstance(i, LineResult)}
+    good = [i.line for i in items if isinstance(i, NumberedLine)]
+    assert set(bad) == {2, 4}
+    assert "exactly one of" in bad[4]
+    assert good == [1, 3, 6, 7]
+
+
+async def test_warmup_over_the_admin_route(make_settings: Any, tmp_path: Path) -> None:
+    engine = FakeEngine()
+    items = list(read_lines(lines_file(tmp_path / "p.jsonl").read_text().splitlines()))
+    good = [i for i in items if isinstance(i, NumberedLine)]
+    async with serve_in_process(create_app(make_settings(semantic__enabled=True), engine=engine)) as c:
+        body = msgspec.json.encode({"lines": good})
+        resp = await c.post("/admin/warmup", content=body, headers={"content-type": "application/json"})
+        assert resp.status_code == 200, resp.text
+        results = {r["line"]: r["outcome"] for r in resp.json()["results"]}
+        assert results == {1: "written", 3: "written", 6: "written", 7: "failed"}
+        assert engine.calls == 1  # only the unanswered line reached the engine
+        exact = await c.post("/v1/chat/completions", json=chat_body("How do I reset my password?"))
+        assert exact.headers["x-edgecache"] == "exact"
+        assert exact.json()["choices"][0]["message"]["content"] == "Click 'Forgot password' on the sign-in page."
+        para = await c.post("/v1/chat/completions", json=chat_body("How can I reset my password?"))
+        assert para.headers["x-edgecache"] == "semantic"
+        support = await c.post("/v1/chat/completions", json=chat_body("Where is my card?"),
+                               headers={"X-EdgeCache-Scenario": "support"})
+        assert support.headers["x-edgecache"] == "exact"
+        assert (await c.post("/v1/chat/completions", json=chat_body("What is your refund policy?"))
+                ).headers["x-edgecache"] == "exact"
+        again = await c.post("/admin/warmup", content=body, headers={"content-type": "application/json"})
+        assert {r["line"]: r["outcome"] for r in again.json()["results"]} == \
+            {1: "skipped", 3: "skipped", 6: "skipped", 7: "failed"}
+
+
+async def test_warmup_prefills_a_shared_system_prompt_in_the_real_engine(make_settings: Any) -> None:
+    line = {"line": 1, "request": {"messages": [{"role": "system", "content": SYSTEM},
+                                                {"role": "user", "content": "Which series ships fastest?"}],
+                                   "answer": "Series 4, 9, 14 ..."}}
+    async with serve_in_process(create_app(make_settings())) as c:  # the real llama.cpp engine and SmolLM2
+        resp = await c.post("/admin/warmup", json={"lines": [line]})
+        assert resp.json()["results"][0]["outcome"] == "written"
+        first = await c.post("/v1/chat/completions", json={
+            "model": "SmolLM2-135M-Instruct", "max_tokens": 2, "temperature": 0,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "How long for series 3?"}]})
+        assert first.headers["x-edgecache"] == "miss"
+        use = first.json()["usage"]
+        assert use["prompt_tokens"] > 500
+        assert use["prompt_tokens_details"]["cached_tokens"] > 0.9 * use["prompt_tokens"] - 30
+
+
+def test_warmup_offline_on_a_data_dir(make_settings: Any, tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "What is EdgeCache?"}],
+                                "answer": "An inference cache."}) + "\n" + "[]\n")
+    settings = make_settings()
+    out = io.StringIO()
+    summary = warm_offline(path, settings, None, Console(file=out, width=120))
+    assert (summary.written, summary.failed) == (1, 1)
+    assert "line 2" in out.getvalue()
