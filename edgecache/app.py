@@ -28,7 +28,7 @@ from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
-from edgecache.engines.base import Chunk, Engine, GenerationRequest
+from edgecache.engines.base import Chunk, Engine
 from edgecache.admission import AdmissionGate
 from edgecache.calls import Parsed, ParsedRequests, apply_headers
 from edgecache.errors import (BadRequest, EdgeCacheError, ModelNotFound, NotFound, NotReady, Overloaded,

@@ -1,7 +1,8 @@
 """The request key: a canonical hash of everything that decides what the model writes.
 
 Two requests get the same key exactly when the engine would be asked the same thing: same model version, same
-tenant and scenario namespace, same salt (the tenant plus a caller's own ``cache_salt``), same messages (system prompt included) or prompt, same output-affecting parameters.
+tenant and scenario namespace, same salt (the tenant plus a caller's own ``cache_salt``), same messages (system
+prompt included) or prompt, same output-affecting parameters.
 Fields that only change the framing of the answer (``stream``, ``stream_options``, ``user``) are left out, so a
 streaming request can be answered from a non-streaming one and the other way round.
 """

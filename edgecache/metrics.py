@@ -69,7 +69,7 @@ class Metrics:
         self._ttft_by_outcome = {o: self.ttft.labels(o) for o in OUTCOMES}
         self._requests_children: dict[tuple[str, str, str], Counter] = {}
 
-    def track_admission(self, gate: "AdmissionGate") -> None:
+    def track_admission(self, gate: AdmissionGate) -> None:
         """Queue depth and running misses, read from the gate at scrape time."""
         running = Gauge("edgecache_admission_running", "Misses computing in the engine now.",
                         registry=self.registry)
@@ -77,7 +77,6 @@ class Metrics:
                        registry=self.registry)
         running.set_function(lambda: gate.running)
         queued.set_function(lambda: gate.queued)
-        self._gate = gate
 
     def observe_request(self, tenant: str, scenario: str, outcome: Outcome, ttft_s: float | None) -> None:
         labels = (tenant, scenario, outcome)

@@ -2,8 +2,8 @@
 
 What is matched. Only first-turn chat requests: system messages (any) followed by exactly one user message. The
 user's text is embedded; everything else must be identical, so it goes into the index's namespace: the model
-version, the salt, the system prompt and the output-affecting parameters are hashed into :attr:`Probe.namespace`, and each
-(tenant, scenario, namespace) has an index of its own. A later turn of a conversation, a raw completion, or a
+version, the salt, the system prompt and the output-affecting parameters are hashed into
+:attr:`Probe.namespace`, and each (tenant, scenario, namespace) has an index of its own. A later turn of a conversation, a raw completion, or a
 request whose system prompt differs never meets another's vectors.
 
 When a candidate serves. The nearest stored prompt only (falling through to the second-nearest served more wrong
@@ -52,8 +52,8 @@ def probe_for(request: GenerationRequest, model_version: str) -> Probe | None:
     if len(rest) != 1 or rest[0].role != "user" or not rest[0].content.strip():
         return None
     p = request.params
-    context = (model_version, request.salt, [(m.role, m.content) for m in systems], p.max_tokens, p.temperature, p.top_p,
-               list(p.stop), p.seed, p.presence_penalty, p.frequency_penalty)
+    context = (model_version, request.salt, [(m.role, m.content) for m in systems], p.max_tokens, p.temperature,
+               p.top_p, list(p.stop), p.seed, p.presence_penalty, p.frequency_penalty)
     return Probe(text=rest[0].content, namespace=hashlib.blake2b(_encoder.encode(context), digest_size=8).hexdigest())
 
 

@@ -16,9 +16,10 @@ The tenants file is TOML::
     keys = ["sk-admin-1"]          # for the admin routes (flush, warmup)
 
 Keys are never kept in clear: the directory holds their SHA-256 digests, a presented key is hashed and compared
-with every digest by ``hmac.compare_digest``, so neither timing nor a memory dump gives a key away. Keys are never logged; errors name the tenant, never the key.
+with every digest by ``hmac.compare_digest``, so neither timing nor a memory dump gives a key away. Keys are never
+logged; errors name the tenant, never the key.
 
-With no tenants file there is one tenant, ``default``, with no key and the default plan (see :data:`OPEN`).
+With no tenants file there is one tenant, ``default``, with no key and the default plan (:data:`DEFAULT_TENANT`).
 """
 
 from __future__ import annotations
