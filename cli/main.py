@@ -35,10 +35,16 @@ def serve(
     port: Annotated[Optional[int], typer.Option(help="Port to bind (server.port).")] = None,
     data_dir: Annotated[Optional[str], typer.Option(help="Where caches live (data_dir).")] = None,
     model: Annotated[Optional[str], typer.Option(help="Model: a GGUF path or a shipped name (engine.model).")] = None,
+    upstream: Annotated[Optional[str], typer.Option(
+        metavar="URL", help="Use an upstream OpenAI-compatible server as the engine, e.g. http://HOST:PORT/v1 "
+        "(engine.kind=openai, engine.upstream_url).")] = None,
+    upstream_key: Annotated[Optional[str], typer.Option(
+        metavar="KEY", help="API key sent to the upstream (engine.upstream_key).")] = None,
 ) -> None:
     """Serve the OpenAI API with the caches and the model runtime in this one process."""
     settings = _settings(profile, {"server.host": host, "server.port": port, "data_dir": data_dir,
-                                   "engine.model": model})
+                                   "engine.model": model, "engine.kind": "openai" if upstream else None,
+                                   "engine.upstream_url": upstream, "engine.upstream_key": upstream_key})
     import uvicorn
 
     from edgecache.app import create_app
@@ -88,10 +94,69 @@ def profiles_list() -> None:
 
 
 @profiles_app.command("show")
-def profiles_show(name: Annotated[str, typer.Argument(help="Profile name or .toml path.")]) -> None:
-    """The resolved settings of a profile (with EDGECACHE_* overrides applied)."""
-    import json
-    typer.echo(json.dumps(settings_to_dict(_settings(name, {})), indent=2))
+def profiles_show(
+    name: Annotated[str, typer.Argument(help="Profile name or .toml path.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the settings and the split as JSON.")] = False,
+) -> None:
+    """The resolved settings of a profile (with EDGECACHE_* overrides applied) and the GPU memory split they imply:
+    weights, KV pool, the KV tokens it buys, the embedder's share and the headroom. Exits 2 when the profile is
+    invalid or its split cannot work."""
+    import msgspec
+
+    from edgecache.hardware import memory_split, split_inputs_missing, split_rows
+
+    settings = _settings(name, {})
+    split = memory_split(settings)
+    if as_json:
+        import json
+        typer.echo(json.dumps({"settings": settings_to_dict(settings),
+                               "memory_split": msgspec.to_builtins(split) if split is not None else None}, indent=2))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        console = Console()
+        resolved = Table(title=f"Profile {settings.profile}: {settings.description}")
+        resolved.add_column("setting")
+        resolved.add_column("value")
+        for key, value in _flatten(settings_to_dict(settings)):
+            resolved.add_row(key, _show_value(value))
+        console.print(resolved)
+        if split is not None:
+            table = Table(title=f"GPU memory split ({settings.engine.model})")
+            for column in ("figure", "value", "from"):
+                table.add_column(column, justify="right" if column == "value" else "left")
+            for row in split_rows(split):
+                table.add_row(*row)
+            console.print(table)
+            for warning in split.warnings:
+                console.print(f"[yellow]warning:[/yellow] {warning}", markup=True, highlight=False)
+        elif settings.engine.kind == "sglang":
+            console.print("no GPU memory split: set " + ", ".join(split_inputs_missing(settings)))
+        else:
+            console.print(f"no GPU memory split: the {settings.engine.kind} engine keeps no model on this GPU")
+    if split is not None and split.errors:
+        for error in split.errors:
+            typer.secho(f"error: {error}", fg="red", err=True)
+        raise typer.Exit(2)
+
+
+def _show_value(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, list) and len(value) > 6:  # the TTL tier term lists run to dozens of entries
+        return f"{len(value)} entries: {', '.join(map(str, value[:4]))}, ..."
+    return str(value)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    rows: list[tuple[str, Any]] = []
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            rows.extend(_flatten(value, f"{prefix}{key}."))
+        else:
+            rows.append((f"{prefix}{key}", value))
+    return rows
 
 
 def main() -> None:

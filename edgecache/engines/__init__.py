@@ -14,6 +14,8 @@ if TYPE_CHECKING:
 # name -> "module:attribute" of a function that takes Settings and returns an Engine.
 ENGINE_FACTORIES: dict[str, str] = {
     "llamacpp": "edgecache.engines.factories:llamacpp_from_settings",
+    "sglang": "edgecache.engines.factories:sglang_from_settings",
+    "openai": "edgecache.engines.factories:openai_from_settings",
 }
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from edgecache.settings import SettingsError
+
 if TYPE_CHECKING:
     from edgecache.engines.base import Engine
     from edgecache.settings import Settings
@@ -19,3 +21,31 @@ def llamacpp_from_settings(settings: Settings) -> Engine:
     return LlamaCppEngine(model=e.model, model_id=e.model_id, context_tokens=e.context_tokens, threads=e.threads,
                           batch_tokens=e.batch_tokens, prefix_cache_bytes=e.prefix_cache_bytes,
                           prefix_cache_min_tokens=e.prefix_cache_min_tokens)
+
+
+def sglang_from_settings(settings: Settings) -> Engine:
+    """SGLang in this process. Builds the adapter only: sglang itself is imported by ``start()``, which says
+    ``pip install "edgecache[gpu]"`` when it is missing."""
+    from edgecache.engines.sglang import SGLangEngine, SGLangOptions
+
+    e = settings.engine
+    try:
+        options = SGLangOptions(model_path=e.model, served_model_name=e.model_id,
+                                mem_fraction_static=e.mem_fraction_static, max_running_requests=e.max_running_requests,
+                                chunked_prefill_size=e.chunked_prefill_size, context_length=e.context_tokens,
+                                radix_eviction_policy=e.radix_eviction_policy,
+                                enable_hierarchical_cache=e.hierarchical_cache)
+    except ValueError as exc:
+        raise SettingsError(f"engine: {exc}") from exc
+    return SGLangEngine(options)
+
+
+def openai_from_settings(settings: Settings) -> Engine:
+    """An upstream OpenAI-compatible server (``serve --upstream URL``). ``engine.model_id`` names the upstream
+    model; unset, the first one the upstream's ``/models`` lists is used."""
+    from edgecache.engines.openai_upstream import OpenAIUpstreamEngine
+
+    e = settings.engine
+    if not e.upstream_url:
+        raise SettingsError("engine.kind is openai but engine.upstream_url is unset: pass --upstream http://HOST:PORT/v1")
+    return OpenAIUpstreamEngine(e.upstream_url, api_key=e.upstream_key, model=e.model_id)

@@ -1,0 +1,309 @@
+"""The ``openai`` engine: generation delegated to an upstream OpenAI-compatible server.
+
+Any server that speaks ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models`` works: an SGLang server or
+router, vLLM, llama.cpp's server, or another EdgeCache. This is how EdgeCache fronts a fleet.
+
+The upstream is asked to stream (SSE) with ``stream_options.include_usage`` so the last event carries token counts;
+``usage.prompt_tokens_details.cached_tokens`` is read when the upstream reports its prefix-cache hit. Servers that
+ignore ``include_usage`` (llama-cpp-python's) leave the counts at 0. Every failure (connection, timeout, an HTTP
+error status, an ``error`` event in the stream, a malformed body) becomes one :class:`EngineError` whose message
+names the upstream and the reason, never a traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from typing import Any
+
+import httpx
+import msgspec
+
+from edgecache.engines.base import Chunk, FinishReason, GenerationRequest
+from edgecache.errors import EngineError, NotReady
+
+_DONE = "[DONE]"
+# Upstream error messages sometimes embed a Python traceback (llama-cpp-python's do); keep what precedes it.
+_TRACEBACK = re.compile(r"\n\s*(File \"|Traceback \(most recent call last\))")
+_MAX_MESSAGE = 500
+
+
+class OpenAIUpstreamEngine:
+    """The :class:`~edgecache.engines.base.Engine` backed by an OpenAI-compatible HTTP server."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        model: str | None = None,
+        version: str | None = None,
+        stream: bool = True,
+        salt_field: str | None = "cache_salt",
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 5.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        """
+        :param base_url: the upstream's API root, e.g. ``http://10.0.0.5:30000/v1``.
+        :param model: the upstream model to call; by default the first one ``/models`` lists.
+        :param version: what goes into cache keys. The upstream cannot tell us its weights, so the default is
+            ``model@base_url``: change it when the upstream's model changes under the same name.
+        :param stream: ask the upstream to stream. ``False`` suits upstreams whose streaming is broken; the engine
+            then yields the whole answer as one chunk.
+        :param salt_field: the request field that carries the tenant salt (SGLang and vLLM call it ``cache_salt``);
+            ``None`` for upstreams that reject unknown fields, such as api.openai.com.
+        :param transport: an httpx transport, for tests that inject failures.
+        """
+        self.base_url = base_url.rstrip("/")
+        self.model_id = model or ""
+        self.version = version or ""
+        self._api_key = api_key
+        self._stream = stream
+        self._salt_field = salt_field
+        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._closed = False
+        self._requests = 0
+        self._errors = 0
+        self._prompt_tokens = 0
+        self._cached_tokens = 0
+        self._completion_tokens = 0
+
+    async def start(self) -> None:
+        """Open the connection pool and learn the model from ``/models`` when none was given."""
+        if self._client is not None:
+            return
+        if self._closed:
+            raise EngineError("the upstream engine was closed and cannot be started again")
+        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        client = httpx.AsyncClient(
+            base_url=self.base_url + "/", headers=headers, timeout=self._timeout, transport=self._transport
+        )
+        try:
+            if not self.model_id:
+                self.model_id = await self._first_model(client)
+        except BaseException:
+            await client.aclose()
+            raise
+        self.version = self.version or f"{self.model_id}@{self.base_url}"
+        self._client = client
+
+    async def _first_model(self, client: httpx.AsyncClient) -> str:
+        body = await self._request_json(client, "GET", "models")
+        models = body.get("data") if isinstance(body, Mapping) else None
+        ids = [str(m["id"]) for m in models or () if isinstance(m, Mapping) and m.get("id")]
+        if not ids:
+            raise EngineError(f"upstream {self.base_url} lists no models")
+        return ids[0]
+
+    async def _request_json(self, client: httpx.AsyncClient, method: str, path: str, body: Any = None) -> Any:
+        try:
+            response = await client.request(method, path, json=body)
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc) from exc
+        if response.status_code >= 400:
+            raise self._status_error(response.status_code, response.content)
+        return self._decode(response.content)
+
+    def _running(self) -> httpx.AsyncClient:
+        if self._client is None:
+            raise NotReady(
+                "the upstream engine is not started" if not self._closed else "the upstream engine is closed"
+            )
+        return self._client
+
+    def _payload(self, request: GenerationRequest) -> tuple[str, dict[str, Any]]:
+        params = request.params
+        payload: dict[str, Any] = {
+            "model": self.model_id,
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "presence_penalty": params.presence_penalty,
+            "frequency_penalty": params.frequency_penalty,
+            "stream": self._stream,
+        }
+        if params.stop:
+            payload["stop"] = list(params.stop)
+        if params.seed is not None:
+            payload["seed"] = params.seed
+        if self._stream:
+            payload["stream_options"] = {"include_usage": True}
+        if request.salt and self._salt_field:
+            payload[self._salt_field] = request.salt
+        if request.messages is not None:
+            payload["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+            return "chat/completions", payload
+        payload["prompt"] = request.prompt or ""
+        return "completions", payload
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        """Stream one generation; leaving early closes the upstream response, which stops the upstream's work."""
+        client = self._running()
+        path, payload = self._payload(request)
+        try:
+            if self._stream:
+                # aclosing: when our consumer leaves early, close the inner generator (and with it the upstream
+                # response) now, not whenever the garbage collector finalizes it.
+                async with contextlib.aclosing(self._stream_events(client, path, payload)) as events:
+                    async for chunk in events:
+                        yield chunk
+            else:
+                body = await self._request_json(client, "POST", path, payload)
+                yield self._whole_answer(body)
+        except EngineError:
+            self._errors += 1
+            raise
+
+    async def _stream_events(
+        self, client: httpx.AsyncClient, path: str, payload: dict[str, Any]
+    ) -> AsyncGenerator[Chunk, None]:
+        finish: FinishReason | None = None
+        usage: Mapping[str, Any] | None = None
+        try:
+            async with client.stream("POST", path, json=payload) as response:
+                if response.status_code >= 400:
+                    raise self._status_error(response.status_code, await response.aread())
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue  # blank separators, comments (": ping"), event names
+                    data = line[5:].strip()
+                    if data == _DONE:
+                        break
+                    event = self._decode(data)
+                    if not isinstance(event, Mapping):
+                        raise EngineError(f"upstream {self.base_url} sent an event that is not an object")
+                    if "error" in event:
+                        raise EngineError(f"upstream {self.base_url} failed mid-stream: {_error_message(event)}")
+                    usage = event.get("usage") or usage
+                    text, reason = _choice(event)
+                    if reason is not None:
+                        finish = self._finish_reason(reason)
+                    if text:
+                        yield Chunk(text=text)
+        except httpx.HTTPError as exc:
+            raise self._transport_error(exc) from exc
+        if finish is None:
+            raise EngineError(f"upstream {self.base_url} ended the stream without a finish reason")
+        last = _with_usage(Chunk(finish_reason=finish), usage)
+        self._count(last)
+        yield last
+
+    def _whole_answer(self, body: Any) -> Chunk:
+        if not isinstance(body, Mapping):
+            raise EngineError(f"upstream {self.base_url} answered with something that is not an object")
+        choices = body.get("choices") or []
+        choice = choices[0] if choices and isinstance(choices[0], Mapping) else {}
+        message = choice.get("message")
+        text = message.get("content") if isinstance(message, Mapping) else choice.get("text")
+        reason = choice.get("finish_reason")
+        if reason is None:
+            raise EngineError(f"upstream {self.base_url} answered without a finish reason")
+        chunk = _with_usage(Chunk(text=text or "", finish_reason=self._finish_reason(reason)), body.get("usage"))
+        self._count(chunk)
+        return chunk
+
+    def _finish_reason(self, reason: object) -> FinishReason:
+        if reason == "stop":
+            return "stop"
+        if reason == "length":
+            return "length"
+        # tool_calls, content_filter, ...: not an answer EdgeCache knows how to store and replay.
+        raise EngineError(f"upstream {self.base_url} finished with {reason!r}, which EdgeCache does not serve")
+
+    def _decode(self, data: str | bytes) -> Any:
+        try:
+            return msgspec.json.decode(data)
+        except msgspec.DecodeError as exc:
+            raise EngineError(f"upstream {self.base_url} sent malformed JSON: {_clean(str(data)[:80])}") from exc
+
+    def _status_error(self, status: int, body: bytes) -> EngineError:
+        try:
+            detail = _error_message(msgspec.json.decode(body))
+        except msgspec.DecodeError:
+            detail = _clean(body.decode(errors="replace"))
+        return EngineError(f"upstream {self.base_url} answered HTTP {status}: {detail or 'no detail'}")
+
+    def _transport_error(self, exc: httpx.HTTPError) -> EngineError:
+        if isinstance(exc, httpx.TimeoutException):
+            reason = f"timed out ({type(exc).__name__})"
+        elif isinstance(exc, httpx.ConnectError):
+            reason = f"is unreachable ({_clean(str(exc)) or 'connection refused'})"
+        else:
+            reason = f"failed: {type(exc).__name__} {_clean(str(exc))}".rstrip()
+        return EngineError(f"upstream {self.base_url} {reason}")
+
+    def _count(self, chunk: Chunk) -> None:
+        self._requests += 1
+        self._prompt_tokens += chunk.prompt_tokens
+        self._cached_tokens += chunk.cached_tokens
+        self._completion_tokens += chunk.completion_tokens
+
+    async def flush(self) -> None:
+        """Nothing to do: the OpenAI API has no cache flush, and an upstream's prefix cache is exact (it can make
+        answers faster, never different)."""
+
+    async def stats(self) -> dict[str, float | int | str]:
+        return {
+            "engine": "openai",
+            "upstream": self.base_url,
+            "model": self.model_id,
+            "requests": self._requests,
+            "errors": self._errors,
+            "prompt_tokens": self._prompt_tokens,
+            "cached_tokens": self._cached_tokens,
+            "completion_tokens": self._completion_tokens,
+            "prefix_hit_ratio": self._cached_tokens / self._prompt_tokens if self._prompt_tokens else 0.0,
+        }
+
+    async def close(self) -> None:
+        """Close the connection pool; safe to call twice."""
+        client, self._client = self._client, None
+        self._closed = True
+        if client is not None:
+            await client.aclose()
+
+
+def _choice(event: Mapping[str, Any]) -> tuple[str, object]:
+    """The text and finish reason of a stream event's first choice (chat ``delta.content`` or completion ``text``).
+    The usage-only event at the end has no choices."""
+    choices = event.get("choices") or []
+    if not choices or not isinstance(choices[0], Mapping):
+        return "", None
+    choice = choices[0]
+    delta = choice.get("delta")
+    text = delta.get("content") if isinstance(delta, Mapping) else choice.get("text")
+    return (text if isinstance(text, str) else ""), choice.get("finish_reason")
+
+
+def _with_usage(chunk: Chunk, usage: object) -> Chunk:
+    if isinstance(usage, Mapping):
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+        chunk.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        chunk.completion_tokens = int(usage.get("completion_tokens") or 0)
+        chunk.cached_tokens = int(cached or 0)
+    return chunk
+
+
+def _error_message(body: object) -> str:
+    """The message of an OpenAI error body (``{"error": {"message"}}``), FastAPI's ``{"detail"}`` or a bare
+    ``{"message"}``; anything else is shown as it came."""
+    if isinstance(body, Mapping):
+        error = body.get("error")
+        if isinstance(error, Mapping) and error.get("message"):
+            return _clean(str(error["message"]))
+        for key in ("error", "detail", "message"):
+            if body.get(key):
+                return _clean(str(body[key]))
+    return _clean(str(body))
+
+
+def _clean(message: str) -> str:
+    """One tidy line: no embedded traceback, no runs of whitespace, bounded length."""
+    message = _TRACEBACK.split(message, maxsplit=1)[0]
+    message = " ".join(message.split())
+    return message if len(message) <= _MAX_MESSAGE else message[: _MAX_MESSAGE - 1] + "…"

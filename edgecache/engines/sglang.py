@@ -1,0 +1,406 @@
+"""The ``sglang`` engine: an ``sglang.Engine`` in this process, with its radix prefix cache (GPU profiles).
+
+SGLang is an optional extra (``pip install "edgecache[gpu]"``) and is imported only when :meth:`SGLangEngine.start`
+runs, so the package imports, and every other engine works, on a machine without it.
+
+What this adapter relies on in SGLang (``python/sglang/srt/entrypoints/engine.py`` and
+``python/sglang/srt/managers/tokenizer_manager.py``):
+
+- ``sglang.Engine(**server_args)``: the keyword arguments are ``ServerArgs`` fields.
+- ``await engine.async_generate(prompt=... | input_ids=..., sampling_params={...}, stream=True, rid=...,
+  cache_salt=...)`` returns an async generator of dicts ``{"text", "output_ids", "meta_info"}``. ``text`` is the
+  whole output so far, unless the engine runs with ``incremental_streaming_output``, when it is the new piece.
+  ``meta_info`` carries ``prompt_tokens``, ``completion_tokens``, ``cached_tokens`` and ``finish_reason``: ``None``
+  while running, then ``{"type": "stop" | "length" | "abort", ...}`` (an abort also has ``message``).
+- ``engine.flush_cache()`` and ``engine.get_server_info()`` call ``loop.run_until_complete`` and therefore fail
+  inside a running event loop; their bodies await ``engine.tokenizer_manager.flush_cache()`` and
+  ``engine.tokenizer_manager.get_internal_state()``, which is what this adapter awaits instead.
+- ``engine.tokenizer_manager.abort_request(rid)`` stops a request; closing the output generator alone does not
+  tell the scheduler, so the adapter calls it when a consumer stops reading early.
+- ``engine.shutdown()`` kills the engine's child processes (scheduler, detokenizer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import msgspec
+
+from edgecache.engines.base import Chunk, FinishReason, GenerationRequest, SamplingParams
+from edgecache.errors import EngineError, NotReady
+
+INSTALL_HINT = 'pip install "edgecache[gpu]" (sglang + onnxruntime-gpu), on a machine with a CUDA GPU'
+
+# Files whose change changes what the model writes: the weights, the architecture, the tokenizer and its chat
+# template. Their names, sizes and modification times (not their bytes: weights are gigabytes) feed the version.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json")
+
+
+class SGLangOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """How to build the in-process SGLang engine. The hardware profile fills these in.
+
+    ``None`` leaves the choice to SGLang, which sizes it from the GPU it finds.
+    """
+
+    model_path: str
+    """A local model directory or a Hugging Face model id."""
+    served_model_name: str | None = None
+    """The name clients use; defaults to the last part of ``model_path``."""
+    mem_fraction_static: float | None = None
+    """Share of GPU memory for weights plus the KV pool."""
+    max_running_requests: int | None = None
+    chunked_prefill_size: int | None = None
+    context_length: int | None = None
+    radix_eviction_policy: Literal["lru", "lfu"] = "lru"
+    enable_hierarchical_cache: bool = False
+    """Spill evicted KV prefixes to host memory instead of dropping them."""
+    incremental_streaming_output: bool = False
+    """Ask SGLang for text deltas instead of cumulative text (saves O(n^2) copying on long outputs)."""
+    chat_template: str | None = None
+    """A Jinja chat template that replaces the tokenizer's own."""
+    log_level: str = "error"
+
+    def __post_init__(self) -> None:
+        if not self.model_path:
+            raise ValueError("sglang: model_path is empty")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"sglang: mem_fraction_static must be between 0 and 1, got {self.mem_fraction_static}")
+        for name in ("max_running_requests", "chunked_prefill_size", "context_length"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"sglang: {name} must be positive, got {value}")
+
+    def model_id(self) -> str:
+        return self.served_model_name or Path(self.model_path.rstrip("/")).name
+
+    def server_args(self) -> dict[str, object]:
+        """The keyword arguments for ``sglang.Engine``.
+
+        Optional settings and settings left at SGLang's own default are omitted rather than passed: older SGLang
+        releases reject unknown arguments (``radix_eviction_policy`` and ``incremental_streaming_output`` are
+        recent), and leaving a default out means the same thing on every release.
+        """
+        args: dict[str, object] = {"model_path": self.model_path, "log_level": self.log_level}
+        if self.served_model_name is not None:
+            args["served_model_name"] = self.served_model_name
+        optional = {
+            "mem_fraction_static": self.mem_fraction_static,
+            "max_running_requests": self.max_running_requests,
+            "chunked_prefill_size": self.chunked_prefill_size,
+            "context_length": self.context_length,
+        }
+        args.update({name: value for name, value in optional.items() if value is not None})
+        if self.radix_eviction_policy != "lru":
+            args["radix_eviction_policy"] = self.radix_eviction_policy
+        if self.enable_hierarchical_cache:
+            args["enable_hierarchical_cache"] = True
+        if self.incremental_streaming_output:
+            args["incremental_streaming_output"] = True
+        return args
+
+
+class SGLangRuntime(Protocol):
+    """The part of ``sglang.Engine`` this adapter uses (the test double implements the same)."""
+
+    tokenizer_manager: Any
+
+    async def async_generate(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def shutdown(self) -> None: ...
+
+
+EngineFactory = Callable[..., SGLangRuntime]
+"""Builds the runtime from ``SGLangOptions.server_args()``; the default imports sglang."""
+
+
+def load_sglang_engine(**server_args: object) -> SGLangRuntime:
+    """The default factory: ``sglang.Engine(**server_args)``, importing sglang only now."""
+    try:
+        import sglang
+    except ImportError as exc:
+        if exc.name is not None and exc.name != "sglang" and not exc.name.startswith("sglang."):
+            # sglang is there but one of its own dependencies (torch, CUDA libraries, ...) is not.
+            raise EngineError(
+                f"sglang is installed but failed to import ({exc}); reinstall with {INSTALL_HINT}"
+            ) from exc
+        raise EngineError(f"the sglang engine needs SGLang, which is not installed: {INSTALL_HINT}") from exc
+    engine: SGLangRuntime = sglang.Engine(**server_args)
+    return engine
+
+
+def model_fingerprint(model_dir: Path, *, extra: str = "") -> str:
+    """A short hash of a model directory: config and tokenizer files by content, weight files by name, size and
+    modification time. ``extra`` folds in anything else that changes outputs (e.g. a chat template override)."""
+    digest = hashlib.sha256(extra.encode())
+    for name in _CONFIG_FILES:
+        path = model_dir / name
+        if path.is_file():
+            digest.update(name.encode() + b"\0" + path.read_bytes())
+    for path in sorted(p for p in model_dir.rglob("*") if p.suffix in _WEIGHT_SUFFIXES):
+        stat = path.stat()  # follows the symlinks of a Hugging Face snapshot to the blobs
+        digest.update(f"{path.relative_to(model_dir)}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+    return digest.hexdigest()[:16]
+
+
+def _local_model_dir(model_path: str) -> Path | None:
+    """The directory holding the model: the path itself, or the local snapshot of a hub id (SGLang has just
+    downloaded it, so no network is needed)."""
+    path = Path(model_path).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from huggingface_hub import snapshot_download  # a dependency of sglang
+    except ImportError:
+        return None
+    try:
+        return Path(snapshot_download(model_path, local_files_only=True))
+    except Exception:  # noqa: BLE001 - any failure means "no local snapshot"; the caller falls back to the id
+        return None
+
+
+def _sampling_params(params: SamplingParams) -> dict[str, object]:
+    """Our sampling parameters in SGLang's names (``python/sglang/srt/sampling/sampling_params.py``)."""
+    out: dict[str, object] = {
+        "max_new_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+    }
+    if params.stop:
+        out["stop"] = list(params.stop)
+    if params.seed is not None:
+        out["sampling_seed"] = params.seed
+    return out
+
+
+def _finish_reason(meta_info: Mapping[str, Any]) -> FinishReason | None:
+    """Map SGLang's finish reason; an abort (or anything we do not know) is an error, never a quiet end."""
+    reason = meta_info.get("finish_reason")
+    if reason is None:
+        return None
+    kind = reason.get("type") if isinstance(reason, Mapping) else reason
+    if kind == "stop":
+        return "stop"
+    if kind == "length":
+        return "length"
+    if kind == "abort":
+        message = reason.get("message") if isinstance(reason, Mapping) else None
+        raise EngineError(f"SGLang aborted the generation: {message or 'no reason given'}")
+    raise EngineError(f"SGLang finished with an unknown reason: {reason!r}")
+
+
+class _TextDeltas:
+    """Turns SGLang's output texts into deltas, whichever way the engine streams them."""
+
+    def __init__(self, *, incremental: bool) -> None:
+        self._incremental = incremental
+        self._sent = ""
+
+    def delta(self, text: str | None, *, final: bool) -> str:
+        text = text or ""
+        if self._incremental:
+            return text
+        # Hold back a trailing U+FFFD until the final chunk: it stands for a multi-byte character whose remaining
+        # bytes have not been decoded yet, and the next cumulative text replaces it with the real character.
+        stable = text if final else text.rstrip("\ufffd")
+        if not stable.startswith(self._sent):
+            raise EngineError("SGLang rewrote text it had already streamed")
+        piece = stable[len(self._sent) :]
+        self._sent = stable
+        return piece
+
+
+class SGLangEngine:
+    """The :class:`~edgecache.engines.base.Engine` backed by an in-process ``sglang.Engine``."""
+
+    def __init__(self, options: SGLangOptions, *, engine_factory: EngineFactory = load_sglang_engine) -> None:
+        self.options = options
+        self.model_id = options.model_id()
+        self.version = ""  # known once start() has found the weights
+        self._factory = engine_factory
+        self._engine: SGLangRuntime | None = None
+        self._closed = False
+        self._requests = 0
+        self._prompt_tokens = 0
+        self._cached_tokens = 0
+        self._completion_tokens = 0
+
+    async def start(self) -> None:
+        """Load the model into the GPU (minutes), then fingerprint it.
+
+        ``sglang.Engine`` is built on the event loop's thread on purpose: SGLang installs signal handlers at launch
+        (possible only in the main thread) and binds to the running loop it finds. The lifespan runs this before
+        the server takes traffic, so the blocked loop serves nobody meanwhile.
+        """
+        if self._engine is not None:
+            return
+        if self._closed:
+            raise EngineError("the sglang engine was closed and cannot be started again")
+        try:
+            engine = self._factory(**self.options.server_args())
+        except EngineError:
+            raise
+        except Exception as exc:  # the boundary: SGLang's launch errors become one clean error
+            raise EngineError(f"SGLang failed to start {self.options.model_path!r}: {exc}") from exc
+        if "cache_salt" not in inspect.signature(engine.async_generate).parameters:
+            # Without a per-request salt, tenants would share KV prefixes; refuse rather than leak.
+            await asyncio.to_thread(engine.shutdown)
+            raise EngineError(
+                f"this SGLang has no per-request cache_salt, which tenant isolation needs: {INSTALL_HINT}"
+            )
+        self._engine = engine
+        self.version = await asyncio.to_thread(self._compute_version)
+
+    def _compute_version(self) -> str:
+        extra = self.options.chat_template or ""
+        model_dir = _local_model_dir(self.options.model_path)
+        if model_dir is None:
+            fingerprint = hashlib.sha256(f"{self.options.model_path}\0{extra}".encode()).hexdigest()[:16]
+        else:
+            fingerprint = model_fingerprint(model_dir, extra=extra)
+        return f"{self.model_id}@{fingerprint}"
+
+    def _running(self) -> SGLangRuntime:
+        if self._engine is None:
+            raise NotReady("the sglang engine is not started" if not self._closed else "the sglang engine is closed")
+        return self._engine
+
+    def _chat_input_ids(self, engine: SGLangRuntime, request: GenerationRequest) -> list[int]:
+        """Render the chat with the model's template and tokenize it, as SGLang's own chat route does.
+
+        Token ids rather than rendered text: the template already writes the special tokens, and tokenizing its
+        text again would add a second BOS. Rendering stays on the loop thread because HF fast tokenizers are not
+        safe to share across threads, and a prompt takes well under a millisecond.
+        """
+        tokenizer = engine.tokenizer_manager.tokenizer
+        if tokenizer is None:
+            raise EngineError("the SGLang engine has no tokenizer, so it cannot apply a chat template")
+        messages = [{"role": m.role, "content": m.content} for m in request.messages or ()]
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, chat_template=self.options.chat_template
+            )
+            ids: list[int] = list(tokenizer.encode(text, add_special_tokens=False))
+        except Exception as exc:  # template errors (e.g. a role the template refuses) are the request's failure
+            raise EngineError(f"the chat template failed: {exc}") from exc
+        return ids
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        """Stream one generation as deltas; the last chunk carries counts and the finish reason."""
+        engine = self._running()
+        rid = f"edgecache-{uuid.uuid4().hex}"
+        inputs: dict[str, object]
+        if request.messages is not None:
+            inputs = {"input_ids": self._chat_input_ids(engine, request)}
+        else:
+            inputs = {"prompt": request.prompt or ""}
+        deltas = _TextDeltas(incremental=self.options.incremental_streaming_output)
+        finished = False
+        stream: Any = None
+        try:
+            try:
+                stream = await engine.async_generate(
+                    **inputs,
+                    sampling_params=_sampling_params(request.params),
+                    stream=True,
+                    rid=rid,
+                    cache_salt=request.salt or None,
+                )
+                async for out in stream:
+                    meta = out.get("meta_info") or {}
+                    reason = _finish_reason(meta)
+                    piece = deltas.delta(out.get("text"), final=reason is not None)
+                    if reason is None:
+                        if piece:
+                            yield Chunk(text=piece)
+                        continue
+                    finished = True
+                    chunk = Chunk(
+                        text=piece,
+                        finish_reason=reason,
+                        prompt_tokens=int(meta.get("prompt_tokens") or 0),
+                        completion_tokens=int(meta.get("completion_tokens") or 0),
+                        cached_tokens=int(meta.get("cached_tokens") or 0),
+                    )
+                    self._count(chunk)
+                    yield chunk
+                    return
+            except EngineError:
+                raise
+            except Exception as exc:  # the boundary: whatever SGLang raises mid-request becomes an EngineError
+                raise EngineError(f"SGLang failed during generation: {exc}") from exc
+            raise EngineError("SGLang ended the stream without a finish reason")
+        finally:
+            if not finished:
+                # The consumer stopped early, or the request failed: free the scheduler slot and KV now instead of
+                # letting the request decode to max_tokens for nobody. Abort before closing the stream: closing it
+                # drops the request's state in the tokenizer manager, after which abort_request ignores the rid.
+                engine.tokenizer_manager.abort_request(rid)
+            if stream is not None:
+                await stream.aclose()
+
+    def _count(self, chunk: Chunk) -> None:
+        self._requests += 1
+        self._prompt_tokens += chunk.prompt_tokens
+        self._cached_tokens += chunk.cached_tokens
+        self._completion_tokens += chunk.completion_tokens
+
+    async def flush(self) -> None:
+        """Drop the radix prefix cache. SGLang refuses while requests are running; that refusal is an error."""
+        engine = self._running()
+        try:
+            result = await engine.tokenizer_manager.flush_cache()
+        except Exception as exc:  # the boundary
+            raise EngineError(f"SGLang failed to flush its cache: {exc}") from exc
+        if not getattr(result, "success", False):
+            reason = getattr(result, "message", "") or "it refuses while requests are running"
+            raise EngineError(f"SGLang did not flush its prefix cache: {reason}")
+
+    async def stats(self) -> dict[str, float | int | str]:
+        """Our own counts of what the prefix cache saved, plus SGLang's scheduler figures (first DP rank)."""
+        engine = self._running()
+        try:
+            states = await engine.tokenizer_manager.get_internal_state()
+        except Exception as exc:  # the boundary
+            raise EngineError(f"SGLang failed to report its state: {exc}") from exc
+        out: dict[str, float | int | str] = {
+            "engine": "sglang",
+            "model": self.model_id,
+            "version": self.version,
+            "requests": self._requests,
+            "prompt_tokens": self._prompt_tokens,
+            "cached_tokens": self._cached_tokens,
+            "completion_tokens": self._completion_tokens,
+            "prefix_hit_ratio": self._cached_tokens / self._prompt_tokens if self._prompt_tokens else 0.0,
+        }
+        state: Mapping[str, Any] = states[0] if states else {}
+        # internal_state also repeats every server argument; only these figures describe the running engine.
+        for key in ("last_gen_throughput", "waiting_queue_size", "running_batch_size", "avg_spec_accept_length"):
+            value = state.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                out[f"sglang_{key}"] = value
+        memory = state.get("memory_usage")
+        if isinstance(memory, Mapping):
+            for key, value in memory.items():
+                if isinstance(value, int | float) and not isinstance(value, bool):
+                    out[f"sglang_memory_{key}"] = value
+        return out
+
+    async def close(self) -> None:
+        """Shut SGLang down once; later calls do nothing.
+
+        ``shutdown()`` kills every child process of this process (SGLang's scheduler and detokenizer, and anything
+        else this process started) and waits for them, so it runs in a thread to keep the loop responsive.
+        """
+        engine, self._engine = self._engine, None
+        self._closed = True
+        if engine is not None:
+            await asyncio.to_thread(engine.shutdown)

@@ -1,0 +1,116 @@
+"""ENGINE_FACTORIES: each engine kind builds its class from Settings, and choosing sglang never imports sglang."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import typing
+from collections.abc import Iterator
+from importlib.abc import MetaPathFinder
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edgecache.engines import ENGINE_FACTORIES, engine_from_settings
+from edgecache.engines.llamacpp import LlamaCppEngine
+from edgecache.engines.openai_upstream import OpenAIUpstreamEngine
+from edgecache.engines.sglang import SGLangEngine
+from edgecache.errors import EngineError
+from edgecache.settings import EngineSettings, Settings, SettingsError, resolve_settings
+
+
+def settings(tmp_path: Path, profile: str = "cpu", **overrides: Any) -> Settings:
+    dotted = {k.replace("__", "."): v for k, v in overrides.items()}
+    return resolve_settings(profile, {"data_dir": str(tmp_path), **dotted}, environ={})
+
+
+class _RefuseSglang(MetaPathFinder):
+    """Fails any import of sglang, as on a machine without it, and records the attempt."""
+
+    def __init__(self) -> None:
+        self.attempts: list[str] = []
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+        if fullname == "sglang" or fullname.startswith("sglang."):
+            self.attempts.append(fullname)
+            raise ModuleNotFoundError(f"No module named {fullname!r}", name=fullname)
+
+
+@pytest.fixture
+def no_sglang(monkeypatch: pytest.MonkeyPatch) -> Iterator[_RefuseSglang]:
+    finder = _RefuseSglang()
+    for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
+        monkeypatch.delitem(sys.modules, name)
+    sys.meta_path.insert(0, finder)
+    try:
+        yield finder
+    finally:
+        sys.meta_path.remove(finder)
+
+
+def test_every_engine_kind_has_a_factory() -> None:
+    annotated = typing.get_type_hints(EngineSettings, include_extras=True)["kind"]  # Annotated[Literal[...], Meta]
+    kinds = set(typing.get_args(typing.get_args(annotated)[0]))
+    assert kinds == {"llamacpp", "sglang", "openai"}
+    assert set(ENGINE_FACTORIES) == kinds
+    for target in ENGINE_FACTORIES.values():
+        module_name, _, attribute = target.partition(":")
+        assert callable(getattr(importlib.import_module(module_name), attribute))
+
+
+def test_llamacpp_kind_builds_the_cpu_engine(tmp_path: Path) -> None:
+    engine = engine_from_settings(settings(tmp_path))
+    assert isinstance(engine, LlamaCppEngine)
+
+
+@pytest.mark.parametrize("profile", ["t4", "a100", "h100"])
+def test_gpu_profiles_build_sglang_without_importing_it(profile: str, tmp_path: Path,
+                                                       no_sglang: _RefuseSglang) -> None:
+    s = settings(tmp_path, profile)
+    engine = engine_from_settings(s)
+    assert isinstance(engine, SGLangEngine)
+    assert no_sglang.attempts == []
+    args = engine.options.server_args()
+    e = s.engine
+    assert args["model_path"] == e.model
+    assert args["mem_fraction_static"] == e.mem_fraction_static
+    assert args["max_running_requests"] == e.max_running_requests
+    assert args["chunked_prefill_size"] == e.chunked_prefill_size
+    assert args["context_length"] == e.context_tokens
+    assert engine.model_id == e.model.rsplit("/", 1)[-1]
+
+
+def test_sglang_options_follow_the_settings(tmp_path: Path, no_sglang: _RefuseSglang) -> None:
+    engine = engine_from_settings(settings(
+        tmp_path, "t4", engine__model="/models/qwen", engine__model_id="qwen", engine__radix_eviction_policy="lfu",
+        engine__hierarchical_cache=True, engine__mem_fraction_static=0.5))
+    assert isinstance(engine, SGLangEngine)
+    assert engine.model_id == "qwen"
+    args = engine.options.server_args()
+    assert args["served_model_name"] == "qwen"
+    assert args["radix_eviction_policy"] == "lfu"
+    assert args["enable_hierarchical_cache"] is True
+    assert args["mem_fraction_static"] == 0.5
+
+
+async def test_missing_sglang_says_what_to_install(tmp_path: Path, no_sglang: _RefuseSglang) -> None:
+    engine = engine_from_settings(settings(tmp_path, "t4"))
+    with pytest.raises(EngineError, match=r'pip install "edgecache\[gpu\]"'):
+        await engine.start()
+    assert no_sglang.attempts and no_sglang.attempts[0] == "sglang"  # the import happened at start(), not before
+
+
+def test_openai_kind_builds_the_upstream_engine(tmp_path: Path) -> None:
+    engine = engine_from_settings(settings(tmp_path, engine__kind="openai",
+                                           engine__upstream_url="http://10.0.0.5:30000/v1/",
+                                           engine__upstream_key="sk-test", engine__model_id="served"))
+    assert isinstance(engine, OpenAIUpstreamEngine)
+    assert engine.base_url == "http://10.0.0.5:30000/v1"
+    assert engine.model_id == "served"
+    assert engine._api_key == "sk-test"
+
+
+def test_openai_kind_without_a_url_is_a_settings_error(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="upstream_url"):
+        engine_from_settings(settings(tmp_path, engine__kind="openai"))

