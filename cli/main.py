@@ -1,4 +1,7 @@
-"""The ``edgecache`` command: serve, stats, profiles. Flags become dotted overrides of one Settings object."""
+"""The ``edgecache`` command: serve, warmup, stats, flush, profiles.
+
+Flags become dotted overrides of one Settings object (the same road as ``EDGECACHE_*`` variables and the profile).
+"""
 
 from __future__ import annotations
 
@@ -40,50 +43,204 @@ def serve(
         "(engine.kind=openai, engine.upstream_url).")] = None,
     upstream_key: Annotated[Optional[str], typer.Option(
         metavar="KEY", help="API key sent to the upstream (engine.upstream_key).")] = None,
+    tenants: Annotated[Optional[str], typer.Option(
+        metavar="FILE", help="Tenants, plans and API keys (tenants_file); without it, one open tenant.")] = None,
+    insecure: Annotated[bool, typer.Option(
+        help="Allow a non-loopback address without a tenants file (anyone who reaches it may use it).")] = False,
 ) -> None:
     """Serve the OpenAI API with the caches and the model runtime in this one process."""
     settings = _settings(profile, {"server.host": host, "server.port": port, "data_dir": data_dir,
                                    "engine.model": model, "engine.kind": "openai" if upstream else None,
-                                   "engine.upstream_url": upstream, "engine.upstream_key": upstream_key})
+                                   "engine.upstream_url": upstream, "engine.upstream_key": upstream_key,
+                                   "tenants_file": tenants})
+    if settings.tenants_file is None and not insecure and not _is_loopback(settings.server.host):
+        typer.secho(f"error: refusing to serve on {settings.server.host} with no tenants file: anyone who reaches "
+                    "it could use the model and read the cache. Give --tenants FILE, or --insecure.",
+                    fg="red", err=True)
+        raise typer.Exit(2)
     import uvicorn
 
     from edgecache.app import create_app
+    from edgecache.hardware import validate_memory
+
+    try:
+        split = validate_memory(settings)  # a GPU split that cannot work fails here, before any model loads
+    except SettingsError as exc:
+        typer.secho(f"error: {exc}", fg="red", err=True)
+        raise typer.Exit(2) from exc
+    for warning in split.warnings if split is not None else ():
+        typer.secho(f"warning: {warning}", fg="yellow", err=True)
+    try:
+        application = create_app(settings)
+    except SettingsError as exc:  # a bad tenants file
+        typer.secho(f"error: {exc}", fg="red", err=True)
+        raise typer.Exit(2) from exc
 
     logging.basicConfig(level=settings.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    typer.echo(f"edgecache: profile {settings.profile}, engine {settings.engine.kind} ({settings.engine.model}), "
+    engine = settings.engine.upstream_url if settings.engine.kind == "openai" else settings.engine.model
+    typer.echo(f"edgecache: profile {settings.profile}, engine {settings.engine.kind} ({engine}), "
                f"data in {settings.data_dir}, serving on http://{settings.server.host}:{settings.server.port}/v1",
                err=True)
-    config = uvicorn.Config(create_app(settings), host=settings.server.host, port=settings.server.port,
+    config = uvicorn.Config(application, host=settings.server.host, port=settings.server.port,
                             loop="uvloop" if sys.platform != "win32" else "asyncio", http="httptools",
                             log_level=settings.server.log_level, access_log=False, lifespan="on")
     uvicorn.Server(config).run()
 
 
-@app.command()
-def stats(
-    url: Annotated[str, typer.Option(help="The server's base URL.")] = "http://127.0.0.1:8000",
-    as_json: Annotated[bool, typer.Option("--json", help="Print the raw JSON.")] = False,
-) -> None:
-    """Show hit rates, engine figures and store size of a running server."""
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+UrlOpt = Annotated[str, typer.Option(help="The server's base URL.")]
+KeyOpt = Annotated[Optional[str], typer.Option(
+    "--key", envvar="EDGECACHE_ADMIN_KEY", help="An admin key from the tenants file (env EDGECACHE_ADMIN_KEY).")]
+
+
+def _admin_client(url: str, key: str | None):
     import httpx
 
-    try:
-        body = httpx.get(url.rstrip("/") + "/stats", timeout=10).json()
-    except httpx.HTTPError as exc:
-        typer.secho(f"error: cannot reach {url}: {exc}", fg="red", err=True)
-        raise typer.Exit(1) from exc
-    if as_json:
-        import json
-        typer.echo(json.dumps(body, indent=2))
-        return
-    from rich.console import Console
+    return httpx.Client(base_url=url.rstrip("/"), timeout=30,
+                        headers={"Authorization": f"Bearer {key}"} if key else {})
+
+
+def _fail_http(url: str, exc: Exception) -> typer.Exit:
+    typer.secho(f"error: cannot reach {url}: {exc}", fg="red", err=True)
+    return typer.Exit(1)
+
+
+def _check(resp) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    if resp.status_code != 200:
+        try:
+            message = resp.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = resp.text
+        typer.secho(f"error: {resp.status_code}: {message}", fg="red", err=True)
+        raise typer.Exit(1)
+    return resp.json()  # type: ignore[no-any-return]
+
+
+@app.command()
+def stats(
+    url: UrlOpt = "http://127.0.0.1:8000",
+    key: KeyOpt = None,
+    tenant: Annotated[Optional[str], typer.Option(help="Only this tenant's figures.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the /stats JSON once, for scripts.")] = False,
+    watch: Annotated[bool, typer.Option(help="A live view, refreshed every --interval seconds.")] = False,
+    interval: Annotated[float, typer.Option(help="Refresh interval of --watch.")] = 2.0,
+) -> None:
+    """Hit rates by layer, TTFT, engine and store figures of a running server, per tenant."""
+    import json
+    import time
+
+    import httpx
+    from rich.console import Console, Group
+    from rich.live import Live
 
     from edgecache.cli.render import stats_tables
 
-    console = Console()
-    for table in stats_tables(body):
-        console.print(table)
+    def fetch(client: httpx.Client) -> dict[str, Any]:
+        try:
+            body = _check(client.get("/stats"))
+        except httpx.HTTPError as exc:
+            raise _fail_http(url, exc) from exc
+        return body
+
+    with _admin_client(url, key) as client:
+        body = fetch(client)
+        if as_json:
+            if tenant is not None:
+                body["by_tenant"] = {tenant: body.get("by_tenant", {}).get(tenant, {})}
+                body["stores"] = {k: v for k, v in body.get("stores", {}).items() if k == tenant}
+            typer.echo(json.dumps(body, indent=2))
+            return
+        console = Console()
+        if not watch:
+            for table in stats_tables(body, tenant=tenant):
+                console.print(table)
+            return
+        previous, previous_at = body, time.monotonic()
+        with Live(Group(*stats_tables(body, tenant=tenant)), console=console, refresh_per_second=4) as live:
+            try:
+                while True:
+                    time.sleep(interval)
+                    body, now = fetch(client), time.monotonic()
+                    live.update(Group(*stats_tables(body, tenant=tenant, previous=previous,
+                                                    seconds=now - previous_at)))
+                    previous, previous_at = body, now
+            except KeyboardInterrupt:
+                pass
+
+
+@app.command()
+def flush(
+    url: UrlOpt = "http://127.0.0.1:8000",
+    key: KeyOpt = None,
+    tenant: Annotated[Optional[str], typer.Option(help="Drop this tenant's entries.")] = None,
+    scenario: Annotated[Optional[str], typer.Option(help="Drop this scenario's entries (of --tenant, or of all).")]
+    = None,
+    all_: Annotated[bool, typer.Option("--all", help="Drop everything, the engine's prefix cache included.")] = False,
+) -> None:
+    """Drop cached entries across every layer of a running server."""
+    import httpx
+
+    if not (all_ or tenant or scenario):
+        typer.secho("error: name --tenant, --scenario, or --all", fg="red", err=True)
+        raise typer.Exit(2)
+    with _admin_client(url, key) as client:
+        try:
+            body = _check(client.post("/admin/flush", json={"tenant": tenant, "scenario": scenario, "all": all_}))
+        except httpx.HTTPError as exc:
+            raise _fail_http(url, exc) from exc
+    typer.echo(f"flushed tenant={tenant or '*'} scenario={scenario or '*'}: "
+               f"{body['result_entries']} stored answers dropped")
+
+
+@app.command()
+def warmup(
+    prompts: Annotated[str, typer.Argument(help="JSON lines: messages or prompt, and optional scenario, tenant, "
+                                                "ttl, max_tokens, temperature, seed, answer.")],
+    url: Annotated[Optional[str], typer.Option(help="Warm a running server (its /admin/warmup route).")] = None,
+    key: KeyOpt = None,
+    profile: ProfileOpt = None,
+    data_dir: Annotated[Optional[str], typer.Option(help="Warm this data dir offline (no server running on it).")]
+    = None,
+    tenant: Annotated[Optional[str], typer.Option(help="Tenant for lines that name none.")] = None,
+    tenants: Annotated[Optional[str], typer.Option(metavar="FILE", help="Tenants file, offline.")] = None,
+) -> None:
+    """Fill the result store, the semantic index and the engine's prefix cache before traffic arrives."""
+    from pathlib import Path
+
+    import httpx
+    from rich.console import Console
+
+    from edgecache.cli.warmup import warm_offline, warm_over_http
+
+    path = Path(prompts)
+    if not path.is_file():
+        typer.secho(f"error: no such file: {prompts}", fg="red", err=True)
+        raise typer.Exit(2)
+    console = Console(stderr=True)
+    if url is not None:
+        try:
+            summary = warm_over_http(path, url, key, tenant, console)
+        except httpx.HTTPError as exc:
+            raise _fail_http(url, exc) from exc
+    else:
+        settings = _settings(profile, {"data_dir": data_dir, "tenants_file": tenants})
+        logging.basicConfig(level="WARNING")
+        summary = warm_offline(path, settings, tenant, console)
+    typer.echo(f"warmup: {summary.written} written, {summary.skipped} skipped, {summary.failed} failed "
+               f"in {summary.seconds:.1f} s")
+    if summary.failed and not (summary.written or summary.skipped):
+        raise typer.Exit(1)
 
 
 @profiles_app.command("list")

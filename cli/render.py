@@ -1,4 +1,4 @@
-"""Rich tables for ``edgecache stats``: the /stats JSON made readable."""
+"""Rich tables for ``edgecache stats``: the /stats JSON made readable, once or as a live view."""
 
 from __future__ import annotations
 
@@ -6,43 +6,90 @@ from typing import Any
 
 from rich.table import Table
 
+LAYERS = ("exact", "semantic", "shared")
+
 
 def _pct(x: float) -> str:
     return f"{100 * x:.1f} %"
 
 
-def stats_tables(body: dict[str, Any]) -> list[Table]:
+def _ms(seconds: float) -> str:
+    return f"{1000 * seconds:.1f} ms"
+
+
+def _served(counts: dict[str, int]) -> int:
+    return sum(v for k, v in counts.items() if k not in ("error", "rejected"))
+
+
+def _merge(scenarios: dict[str, dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for counts in scenarios.values():
+        for outcome, n in counts.items():
+            out[outcome] = out.get(outcome, 0) + n
+    return out
+
+
+def stats_tables(body: dict[str, Any], *, tenant: str | None = None, previous: dict[str, Any] | None = None,
+                 seconds: float | None = None) -> list[Table]:
+    """Overview, TTFT, and per tenant/scenario tables. With ``previous`` and ``seconds`` (the live view) the
+    overview also shows requests/s since the previous sample."""
+    by_tenant: dict[str, dict[str, dict[str, int]]] = body.get("by_tenant", {})
+    stores: dict[str, dict[str, int]] = body.get("stores", {})
+    if tenant is not None:
+        by_tenant = {tenant: by_tenant.get(tenant, {})}
+        stores = {tenant: stores[tenant]} if tenant in stores else {}
     model = body.get("model", {})
-    overview = Table(title=f"EdgeCache: {model.get('id', '?')} (profile {body.get('profile', '?')})")
+    title = f"EdgeCache: {model.get('id', '?')} (profile {body.get('profile', '?')})"
+    overview = Table(title=title + (f", tenant {tenant}" if tenant else ""))
     overview.add_column("figure")
     overview.add_column("value", justify="right")
-    requests = body.get("requests", {})
-    overview.add_row("requests", str(sum(requests.values())))
-    for outcome, count in requests.items():
-        overview.add_row(f"  {outcome}", str(count))
-    overview.add_row("hit rate", _pct(body.get("hit_rate", 0.0)))
-    engine = body.get("engine", {})
-    overview.add_row("engine calls", str(engine.get("calls", 0)))
-    prompt = engine.get("prompt_tokens", 0)
-    overview.add_row("engine prefix-cache hit", _pct(engine.get("cached_tokens", 0) / prompt if prompt else 0.0))
-    store = body.get("store", {})
-    overview.add_row("store entries", str(store.get("entries", 0)))
-    overview.add_row("store bytes / budget", f"{store.get('bytes', 0):,} / {store.get('budget_bytes', 0):,}")
-    overview.add_row("in flight", str(body.get("inflight", 0)))
+    counts = _merge({f"{t}/{s}": c for t, sc in by_tenant.items() for s, c in sc.items()})
+    total = sum(counts.values())
+    overview.add_row("requests", f"{total:,}")
+    if previous is not None and seconds:
+        before = sum(sum(c.values()) for t, sc in previous.get("by_tenant", {}).items()
+                     if tenant in (None, t) for c in sc.values())
+        overview.add_row("requests/s", f"{(total - before) / seconds:.1f}")
+    served = _served(counts)
+    overview.add_row("hit rate", _pct(sum(counts.get(k, 0) for k in LAYERS) / served if served else 0.0))
+    for layer in LAYERS:
+        overview.add_row(f"  {layer}", _pct(counts.get(layer, 0) / served if served else 0.0))
+    for outcome in ("miss", "error", "rejected"):
+        overview.add_row(outcome, f"{counts.get(outcome, 0):,}")
+    if tenant is None:
+        engine = body.get("engine", {})
+        overview.add_row("engine calls", f"{engine.get('calls', 0):,}")
+        prompt = engine.get("prompt_tokens", 0)
+        overview.add_row("engine prefix-cache hit", _pct(engine.get("cached_tokens", 0) / prompt if prompt else 0.0))
+        admission = body.get("admission", {})
+        overview.add_row("admission running / queued / rejected",
+                         f"{admission.get('running', 0)} / {admission.get('queued', 0)} / "
+                         f"{admission.get('rejected', 0)}")
+        overview.add_row("in flight", str(body.get("inflight", 0)))
 
-    ttft = Table(title="TTFT by outcome")
-    for col in ("outcome", "count", "mean"):
-        ttft.add_column(col, justify="right" if col != "outcome" else "left")
+    ttft = Table(title="TTFT by outcome (all tenants)")
+    for col in ("outcome", "count", "p50", "p99", "mean"):
+        ttft.add_column(col, justify="left" if col == "outcome" else "right")
     for outcome, figures in body.get("ttft", {}).items():
-        ttft.add_row(outcome, str(figures.get("count", 0)), f"{1000 * figures.get('mean_s', 0.0):.2f} ms")
+        if figures.get("count"):
+            ttft.add_row(outcome, f"{figures['count']:,}", _ms(figures.get("p50_s", 0.0)),
+                         _ms(figures.get("p99_s", 0.0)), _ms(figures.get("mean_s", 0.0)))
 
     tenants = Table(title="By tenant and scenario")
-    for col in ("tenant", "scenario", "exact", "shared", "miss", "error", "hit rate"):
-        tenants.add_column(col)
-    for tenant, scenarios in body.get("by_tenant", {}).items():
-        for scenario, counts in scenarios.items():
-            served = sum(v for k, v in counts.items() if k not in ("error", "rejected"))
-            hits = sum(counts.get(k, 0) for k in ("exact", "semantic", "shared"))
-            tenants.add_row(tenant, scenario, *(str(counts.get(k, 0)) for k in ("exact", "shared", "miss", "error")),
-                            _pct(hits / served if served else 0.0))
-    return [overview, ttft, tenants]
+    for col in ("tenant", "scenario", "requests", "exact", "semantic", "shared", "miss", "hit rate"):
+        tenants.add_column(col, justify="left" if col in ("tenant", "scenario") else "right")
+    for name, scenarios in sorted(by_tenant.items()):
+        for scenario, c in sorted(scenarios.items()):
+            s = _served(c)
+            tenants.add_row(name, scenario, f"{sum(c.values()):,}", *(f"{c.get(k, 0):,}" for k in
+                                                                     ("exact", "semantic", "shared", "miss")),
+                            _pct(sum(c.get(k, 0) for k in LAYERS) / s if s else 0.0))
+
+    store = Table(title="Result stores")
+    for col in ("tenant", "entries", "bytes", "quota", "used"):
+        store.add_column(col, justify="left" if col == "tenant" else "right")
+    for name, st in sorted(stores.items()):
+        quota = st.get("budget_bytes", 0)
+        store.add_row(name, f"{st.get('entries', 0):,}", f"{st.get('bytes', 0):,}", f"{quota:,}",
+                      _pct(st.get("bytes", 0) / quota if quota else 0.0))
+    return [overview, ttft, tenants, store]

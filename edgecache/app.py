@@ -180,7 +180,8 @@ def build_semantic_cache(settings: Settings, metrics: Metrics) -> SemanticCache:
     from edgecache.semantic_index import SemanticIndex
 
     sem = settings.semantic
-    embedder = load_embedder(sem.embedder, model_dir=sem.model_dir, device=sem.device, threads=sem.threads)
+    embedder = load_embedder(sem.embedder, model_dir=sem.model_dir, device=sem.device, threads=sem.threads,
+                             gpu_mem_limit=sem.gpu_mem_limit)
     index = SemanticIndex(settings.data_path / "semantic", dim=embedder.dim, embedder_version=embedder.version,
                           dtype=sem.vector_dtype, max_vectors=sem.max_vectors_per_index)
 

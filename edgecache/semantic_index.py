@@ -16,7 +16,7 @@ Layout under ``data_dir``::
 Everything here blocks (disk, SQLite, graph search); callers run it off the event loop. One lock serialises all
 calls: a search at 1M vectors takes well under a millisecond, so finer locking would buy little.
 
-usearch 2.26.2-2.26.6 segfault when imported before onnxruntime; the pin in notes/semantic.md avoids those releases
+usearch 2.26.2-2.26.6 segfault when imported before onnxruntime; the pin in docs/notes/semantic.md avoids those releases
 and tests/test_import_order.py proves both orders work.
 """
 

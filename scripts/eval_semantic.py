@@ -77,7 +77,7 @@ def serve(index: SemanticIndex, tenant: str, scenario: str, vec: np.ndarray, que
     """(ours, baseline) served candidates: the top-1 candidate, ours only if the guard allows it.
 
     A refused top candidate is a miss, not a reason to try the next one: the next is less similar still, and
-    falling through measurably served more wrong answers (notes/semantic.md).
+    falling through measurably served more wrong answers (docs/notes/semantic.md).
     """
     cands = index.search(tenant, scenario, vec, K)
     base = cands[0] if cands else None
