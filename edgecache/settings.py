@@ -71,7 +71,8 @@ def _help(text: str) -> Meta:
 
 class HardwareSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     gpu_memory_gb: Annotated[float, Meta(ge=0), _help(
-        "GPU memory this profile is sized for; 0 means no GPU. With no --profile, serve picks the largest "
+        "GPU memory this profile is sized for, in GiB as nvidia-smi reports it; 0 means no GPU. With no "
+        "--profile, serve picks the largest "
         "profile whose gpu_memory_gb fits the GPU it sees (cpu when it sees none).")] = 0.0
 
 
@@ -114,7 +115,7 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     hierarchical_cache: Annotated[bool, _help(
         "sglang: spill evicted KV prefixes to host memory instead of dropping them.")] = False
     weights_gb: Annotated[Annotated[float, Meta(gt=0)] | None, _help(
-        "Size of the model's weights in GB (for the KV budget `profiles show` prints).")] = None
+        "Size of the model's weights in GiB (for the KV budget `profiles show` prints).")] = None
     layers: Annotated[Annotated[int, Meta(ge=1)] | None, _help("The model's layer count (KV budget).")] = None
     kv_heads: Annotated[Annotated[int, Meta(ge=1)] | None, _help("The model's KV heads (KV budget).")] = None
     head_dim: Annotated[Annotated[int, Meta(ge=1)] | None, _help("The model's head dimension (KV budget).")] = None
