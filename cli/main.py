@@ -141,10 +141,9 @@ def stats(
     import time
 
     import httpx
+    from edgecache.cli.render import stats_tables
     from rich.console import Console, Group
     from rich.live import Live
-
-    from edgecache.cli.render import stats_tables
 
     def fetch(client: httpx.Client) -> dict[str, Any]:
         try:
@@ -219,9 +218,8 @@ def warmup(
     from pathlib import Path
 
     import httpx
-    from rich.console import Console
-
     from edgecache.cli.warmup import warm_offline, warm_over_http
+    from rich.console import Console
 
     path = Path(prompts)
     if not path.is_file():

@@ -1,15 +1,17 @@
 """The HTTP front: an app factory that builds the litestar app from one :class:`~edgecache.settings.Settings`.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (OpenAI), ``GET /health``
-(503 while the model loads), ``GET /metrics`` (Prometheus), ``GET /stats`` (JSON).
+(503 while the model loads), ``GET /metrics`` (Prometheus), ``GET /stats`` (JSON), ``POST /admin/flush`` and
+``POST /admin/warmup`` (admin key when there is a tenants file). The state they share is a
+:class:`~edgecache.runtime.Runtime`.
 
 Handlers take the raw body and decode it with msgspec themselves: the strict request structs are the validation,
 and skipping litestar's signature modelling keeps the cache-hit path short. Every error leaves through one handler
 that renders the OpenAI error shape; a bug becomes a logged traceback and a plain 500, never a traceback on the wire.
 
-Resources live in the lifespan: the result store opens first, the engine loads in the background (so /health can
-say 503 until it is ready), and shutdown runs in reverse: finish in-flight answers, close the engine, close the
-store.
+Resources live in the lifespan: the result stores open first, the engine and the embedder load in the background
+(so /health can say 503 until they are ready), and shutdown runs in reverse: finish in-flight answers, close the
+engine, save the indexes, close the stores.
 """
 
 from __future__ import annotations
@@ -28,170 +30,20 @@ from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
+from edgecache.calls import Parsed, apply_headers
 from edgecache.engines.base import Chunk, Engine
-from edgecache.admission import AdmissionGate
-from edgecache.calls import Parsed, ParsedRequests, apply_headers
-from edgecache.errors import (BadRequest, EdgeCacheError, ModelNotFound, NotFound, NotReady, Overloaded,
-                              error_body)
-from edgecache.inflight import InflightTable
-from edgecache.metrics import Metrics
-from edgecache.openai_api import IdSource, ModelCard, ModelList, ResponseWriter, usage
-from edgecache.pipeline import Call, RequestPipeline
-from edgecache.result_store import TenantStores
-from edgecache.semantic_cache import SemanticCache
+from edgecache.errors import BadRequest, EdgeCacheError, ModelNotFound, NotFound, NotReady, Overloaded, error_body
+from edgecache.openai_api import ModelCard, ModelList, ResponseWriter, usage
+from edgecache.pipeline import Call
+from edgecache.runtime import Runtime
 from edgecache.settings import Settings
 from edgecache.tenants import TenantDirectory
-from edgecache.ttl_tiers import TtlClassifier
 from edgecache.warmup import WarmupBatch, warm_lines
 
 log = logging.getLogger("edgecache")
 
 _json = msgspec.json.Encoder()
 JSON = "application/json"
-SHUTDOWN_GRACE_S = 30.0
-
-
-class Runtime:
-    """Everything one running app holds, on ``app.state.runtime``. Built by the lifespan, closed in reverse.
-
-    The store opens at once; the engine and the embedder load in the background (:meth:`load`), and the request
-    pipeline is assembled when both are ready. Until then every model route answers 503.
-    """
-
-    def __init__(self, settings: Settings, engine: Engine, tenants: TenantDirectory) -> None:
-        self.settings = settings
-        self.engine = engine
-        self.tenants = tenants
-        self.metrics = Metrics()
-        self.inflight = InflightTable()
-        self.ids = IdSource()
-        self.parsed = ParsedRequests(settings)
-        self.stores = TenantStores(settings.data_path / "results", quota_for=self.quota_for,
-                                   memory_bytes=settings.store.memory_bytes)
-        adm = settings.admission
-        self.admission = AdmissionGate(max_running=adm.max_concurrent_misses, max_queue=adm.max_queue,
-                                       queue_timeout_s=adm.queue_timeout_s, retry_after_s=adm.retry_after_s)
-        self.metrics.track_admission(self.admission)
-        self.metrics.ttft_p99_target_seconds.set(settings.slo.ttft_p99_s)
-        self.ttl = TtlClassifier(settings.ttl_tiers)
-        self.semantic: SemanticCache | None = None
-        self.pipeline: RequestPipeline | None = None
-        self.ready = False
-        self.load_error: str | None = None
-        self.started_at = int(time.time())
-        self._background: list[asyncio.Task[None]] = []
-
-    async def load(self) -> None:
-        try:
-            await self.engine.start()
-            if self.settings.semantic.enabled:
-                self.semantic = await asyncio.get_running_loop().run_in_executor(
-                    None, build_semantic_cache, self.settings, self.metrics)
-        except EdgeCacheError as exc:
-            self.load_error = exc.message
-            log.error("loading failed: %s", exc.message)
-            return
-        except Exception as exc:  # a load failure must show on /health, not kill the server silently
-            self.load_error = f"{type(exc).__name__}: {exc}"
-            log.exception("loading failed")
-            return
-        self.pipeline = RequestPipeline(engine=self.engine, stores=self.stores, inflight=self.inflight,
-                                        metrics=self.metrics, ttl_for=self.ttl_for, admission=self.admission,
-                                        semantic=self.semantic)
-        self._background.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
-        self.ready = True
-        log.info("model %s ready (%s)%s", self.engine.model_id, self.engine.version,
-                 f", embedder {self.semantic.embedder.version}" if self.semantic else "")
-
-    def quota_for(self, tenant_id: str) -> int:
-        """A tenant's result-store quota: its plan's, within the profile's disk budget."""
-        tenant = self.tenants.get(tenant_id)
-        plan_bytes = tenant.plan.store_bytes if tenant else self.settings.store.disk_bytes
-        return min(plan_bytes, self.settings.store.disk_bytes)
-
-    def ttl_for(self, call: Call) -> float:
-        """The caller's explicit TTL or tier, else the scenario's TTL, else the tier the prompt reads as."""
-        request = call.request
-        text = request.prompt or (request.messages[-1].content if request.messages else "")
-        return self.ttl.choose(call.ttl_s, call.ttl_tier, self.settings.scenarios[call.scenario].ttl_s, text)[1]
-
-    async def flush(self, tenant: str | None, scenario: str | None) -> dict[str, int]:
-        """Drop entries across every layer: the tenant's (or everyone's) result store, scenario-tagged entries
-        only when a scenario is named, the semantic vectors, and the engine's prefix cache when flushing all."""
-        stores = [tenant] if tenant is not None else self.stores.existing_tenants()
-        dropped = 0
-        for name in stores:
-            dropped += await self.stores(name).clear(tag=scenario)
-        if self.semantic is not None:
-            await self.semantic.drop(tenant=tenant, scenario=scenario)
-        if tenant is None and scenario is None:
-            await self.engine.flush()
-        self.parsed.clear()
-        return {"result_entries": dropped}
-
-    async def _housekeeping(self) -> None:
-        # Every few seconds: write changed index files (the vectors are committed to SQLite as they are added; the
-        # index files are a rebuildable copy, saved so a restart need not rebuild them), and refresh the gauges
-        # that cost a disk read (store bytes, index sizes) so a scrape never waits on disk.
-        while True:
-            await asyncio.sleep(self.settings.semantic.save_interval_s)
-            if self.semantic is not None:
-                await self.semantic.save()
-            await self.refresh_gauges()
-
-    async def refresh_gauges(self) -> dict[str, dict[str, int]]:
-        """Store bytes against quota per tenant and index sizes per (tenant, scenario); returns the store stats."""
-        stores = {}
-        for name in self.stores.existing_tenants():
-            stats = stores[name] = await self.stores(name).stats()
-            self.metrics.store_bytes.labels(name).set(stats["bytes"])
-            self.metrics.store_quota_bytes.labels(name).set(stats["budget_bytes"])
-            self.metrics.store_entries.labels(name).set(stats["entries"])
-        if self.semantic is not None:
-            for (tenant, scenario), count in (await self.semantic.sizes()).items():
-                self.metrics.semantic_index_vectors.labels(tenant, scenario).set(count)
-        if self.ready:
-            usage = (await self.engine.stats()).get("kv_usage_ratio")
-            if isinstance(usage, (int, float)):
-                self.metrics.engine_kv_usage.set(usage)
-        return stores
-
-    async def close(self) -> None:
-        # 1. let in-flight answers finish (they may still be stored), 2. close the engine, 3. save the indexes,
-        # 4. close the store.
-        self.ready = False
-        for task in self._background:
-            task.cancel()
-        try:
-            await self.inflight.drain(SHUTDOWN_GRACE_S)
-            await self.engine.close()
-        finally:
-            try:
-                if self.semantic is not None:
-                    self.semantic.close()
-            finally:
-                self.stores.close()
-
-
-def build_semantic_cache(settings: Settings, metrics: Metrics) -> SemanticCache:
-    """Load the embedder and open the indexes (blocking: model load). Thresholds: the scenario's own, else the
-    value calibrated for this embedder."""
-    from edgecache.embedders import default_threshold, load_embedder
-    from edgecache.semantic_index import SemanticIndex
-
-    sem = settings.semantic
-    embedder = load_embedder(sem.embedder, model_dir=sem.model_dir, device=sem.device, threads=sem.threads,
-                             gpu_mem_limit=sem.gpu_mem_limit)
-    index = SemanticIndex(settings.data_path / "semantic", dim=embedder.dim, embedder_version=embedder.version,
-                          dtype=sem.vector_dtype, max_vectors=sem.max_vectors_per_index)
-
-    def threshold_for(scenario: str) -> float:
-        configured = settings.scenarios[scenario].threshold
-        return configured if configured is not None else default_threshold(embedder.version, scenario)
-
-    return SemanticCache(embedder=embedder, index=index, threshold_for=threshold_for, max_batch=sem.batch_max,
-                         max_wait_s=sem.batch_wait_ms / 1000, observe_embed=metrics.embed_seconds.observe,
-                         observe_search=metrics.semantic_search_seconds.observe)
 
 
 def _runtime(state: State) -> Runtime:

@@ -22,12 +22,12 @@ from typing import Literal
 
 import msgspec
 
+from edgecache.admission import AdmissionGate
 from edgecache.engines.base import Chunk, Engine, GenerationRequest
 from edgecache.errors import EngineError
 from edgecache.inflight import Flight, InflightTable
 from edgecache.keys import is_cacheable, request_key
 from edgecache.metrics import Metrics
-from edgecache.admission import AdmissionGate
 from edgecache.result_store import CachedAnswer, DiskResultStore
 from edgecache.semantic_cache import Lookup, Probe, SemanticCache, probe_for
 

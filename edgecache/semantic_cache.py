@@ -3,8 +3,8 @@
 What is matched. Only first-turn chat requests: system messages (any) followed by exactly one user message. The
 user's text is embedded; everything else must be identical, so it goes into the index's namespace: the model
 version, the salt, the system prompt and the output-affecting parameters are hashed into
-:attr:`Probe.namespace`, and each (tenant, scenario, namespace) has an index of its own. A later turn of a conversation, a raw completion, or a
-request whose system prompt differs never meets another's vectors.
+:attr:`Probe.namespace`, and each (tenant, scenario, namespace) has an index of its own. A later turn of a
+conversation, a raw completion, or a request whose system prompt differs never meets another's vectors.
 
 When a candidate serves. The nearest stored prompt only (falling through to the second-nearest served more wrong
 answers in the measurements), when its cosine similarity reaches the scenario's threshold and the guard
