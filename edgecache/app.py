@@ -30,9 +30,17 @@ from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 from litestar.response import Stream
 
-from edgecache.calls import Parsed, apply_headers
+from edgecache.calls import Parsed, apply_headers, read_headers
 from edgecache.engines.base import Chunk, Engine
-from edgecache.errors import BadRequest, EdgeCacheError, ModelNotFound, NotFound, NotReady, Overloaded, error_body
+from edgecache.errors import (
+    BadRequest,
+    EdgeCacheError,
+    ModelNotFound,
+    NotFound,
+    NotReady,
+    Overloaded,
+    error_body,
+)
 from edgecache.openai_api import ModelCard, ModelList, ResponseWriter, usage
 from edgecache.pipeline import Call
 from edgecache.runtime import Runtime
@@ -136,8 +144,8 @@ async def _sse(rt: Runtime, call: Call, served: str, writer: ResponseWriter, fir
 async def _generate(request: Request[Any, Any, Any], chat: bool) -> Response[Any]:
     started = time.perf_counter()
     rt = _runtime(request.app.state)
-    headers = request.headers
-    tenant = rt.tenants.authenticate(headers.get("authorization"))                     # 401 on an unknown key
+    headers = read_headers(request.scope["headers"])
+    tenant = rt.tenants.authenticate(headers.authorization)                            # 401 on an unknown key
     parsed = rt.parsed.parse(chat, await request.body(), tenant)                       # 400 / 413
     _check_ready(rt, parsed.model)                                                     # 503 / 404
     return await _respond(rt, apply_headers(parsed, headers, tenant, rt.settings), started)

@@ -9,13 +9,18 @@ the body instead of a decode, a validation and the building of a call.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable
+from typing import NamedTuple
 
 import msgspec
 
 from edgecache.engines.base import GenerationRequest
 from edgecache.errors import BadRequest, Forbidden, PayloadTooLarge
-from edgecache.openai_api import ChatCompletionRequest, CompletionRequest, decode_request
+from edgecache.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    decode_request,
+)
 from edgecache.pipeline import POLICIES, Call
 from edgecache.settings import Settings
 from edgecache.tenants import Tenant
@@ -59,10 +64,31 @@ def parse(chat: bool, body: bytes, tenant: Tenant, settings: Settings) -> Parsed
                   include_usage=bool(req.stream_options and req.stream_options.include_usage))
 
 
-def apply_headers(parsed: Parsed, headers: Mapping[str, str], tenant: Tenant, settings: Settings) -> Parsed:
+class CallHeaders(NamedTuple):
+    """The request headers a call depends on."""
+
+    authorization: str | None = None
+    scenario: str | None = None
+    policy: str | None = None
+
+
+_HEADER_FIELDS = {b"authorization": 0, b"x-edgecache-scenario": 1, b"x-edgecache-policy": 2}
+
+
+def read_headers(raw: Iterable[tuple[bytes, bytes]]) -> CallHeaders:
+    """One pass over the ASGI scope's raw headers for the three that matter (names arrive lower-cased). Cheaper
+    than building a full case-insensitive header map on every request, which showed on the hit path."""
+    found: list[str | None] = [None, None, None]
+    for name, value in raw:
+        index = _HEADER_FIELDS.get(name)
+        if index is not None:
+            found[index] = value.decode("latin-1")
+    return CallHeaders(*found)
+
+
+def apply_headers(parsed: Parsed, headers: CallHeaders, tenant: Tenant, settings: Settings) -> Parsed:
     """``X-EdgeCache-Scenario`` and ``X-EdgeCache-Policy`` override the body; then both are checked."""
-    scenario = headers.get("x-edgecache-scenario")
-    policy = headers.get("x-edgecache-policy")
+    scenario, policy = headers.scenario, headers.policy
     call = parsed.call
     if (scenario is not None and scenario != call.scenario) or (policy is not None and policy != call.policy):
         call = msgspec.structs.replace(call, scenario=scenario or call.scenario, policy=policy or call.policy)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from edgecache.engines.base import Chunk, Engine, GenerationRequest, Message, SamplingParams
+from edgecache.engines.base import (
+    Chunk,
+    Engine,
+    GenerationRequest,
+    Message,
+    SamplingParams,
+)
 from edgecache.errors import EngineError
 
 if TYPE_CHECKING:

@@ -32,7 +32,12 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
-from edgecache.engines.base import Chunk, FinishReason, GenerationRequest, SamplingParams
+from edgecache.engines.base import (
+    Chunk,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+)
 from edgecache.errors import EngineError, NotReady
 
 INSTALL_HINT = 'pip install "edgecache[gpu]" (sglang + onnxruntime-gpu), on a machine with a CUDA GPU'
