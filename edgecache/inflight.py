@@ -32,6 +32,7 @@ class Flight:
         self.key = key
         self.chunks: list[Chunk] = []
         self.done = False
+        self.answered = False  # the final chunk (the one with a finish reason) has been published
         self.error: EdgeCacheError | None = None
         self.listeners = 0
         self.task: asyncio.Task[None] | None = None
@@ -39,6 +40,8 @@ class Flight:
 
     def publish(self, chunk: Chunk) -> None:
         self.chunks.append(chunk)
+        if chunk.finish_reason is not None:
+            self.answered = True
         self._wake()
 
     def finish(self, error: EdgeCacheError | None = None) -> None:
@@ -74,9 +77,11 @@ class Flight:
                 await self._changed.wait()
         finally:
             self.listeners -= 1
-            if self.listeners == 0 and not self.done and self.task is not None:
+            if self.listeners == 0 and not self.answered and not self.done and self.task is not None:
                 # Nobody is listening to an unfinished answer: abort the engine call. The partial answer is
-                # never stored because the producer only stores after the engine's final chunk.
+                # never stored because the producer only stores after the engine's final chunk. Once the final
+                # chunk is out the answer is whole: a listener that leaves then (every streaming client does, on
+                # the last frame) must not cancel the producer while it winds the engine down and stores it.
                 self.task.cancel()
 
 

@@ -75,8 +75,9 @@ def client(server: Server) -> openai.OpenAI:
 
 
 def ask(c: openai.OpenAI, question: str, **kw: object) -> tuple[str, object]:
+    kw.setdefault("max_tokens", 12)
     raw = c.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=12, temperature=0, **kw)
+        model=MODEL, messages=[{"role": "user", "content": question}], temperature=0, **kw)
     return raw.headers["x-edgecache"], raw.parse()
 
 
@@ -127,6 +128,19 @@ def test_shared_system_prompt_skips_prefill(server: Server) -> None:
     assert cold.usage.prompt_tokens_details.cached_tokens < 100
     # Everything up to the user's question comes from the engine's prefix cache.
     assert warm.usage.prompt_tokens_details.cached_tokens > 0.9 * warm.usage.prompt_tokens
+
+
+def test_a_streaming_miss_is_stored(server: Server) -> None:
+    c = client(server)
+    with c.chat.completions.with_streaming_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=6, temperature=0,
+            stream=True) as resp:
+        assert resp.headers["x-edgecache"] == "miss"
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in resp.parse() if chunk.choices)
+    time.sleep(0.5)  # the flight stores the answer just after the client has it
+    served, again = ask(c, "Name a fruit.", max_tokens=6)
+    assert served == "exact"
+    assert again.choices[0].message.content == streamed
 
 
 def test_disconnect_mid_stream_stores_nothing(server: Server) -> None:

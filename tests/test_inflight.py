@@ -322,3 +322,28 @@ async def test_drain_cancels_flights_that_outlast_the_grace_period() -> None:
 
 async def test_drain_with_nothing_in_flight_returns() -> None:
     await InflightTable().drain(timeout_s=0.01)
+
+
+async def test_the_last_listener_leaving_after_the_final_chunk_does_not_cancel_the_store() -> None:
+    """A streaming client closes on the last frame, before the producer has stored the answer: that must not
+    abort the producer (regression: every streaming miss was lost this way)."""
+    table = InflightTable()
+    stored = asyncio.Event()
+    release = asyncio.Event()
+
+    async def produce(flight: Flight) -> None:
+        flight.publish(Chunk(text="whole answer"))
+        flight.publish(Chunk(finish_reason="stop"))
+        await release.wait()  # the engine winding down, then the store write
+        flight.finish()
+        stored.set()
+
+    flight = table.lead("k", produce)
+    async with aclosing(flight.follow()) as chunks:
+        async for chunk in chunks:
+            if chunk.finish_reason is not None:
+                break
+    await asyncio.sleep(0)
+    assert flight.task is not None and not flight.task.cancelling()
+    release.set()
+    await asyncio.wait_for(stored.wait(), 5)
