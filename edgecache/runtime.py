@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from edgecache.admission import AdmissionGate
 from edgecache.calls import ParsedRequests
@@ -66,7 +67,7 @@ class Runtime:
             await self.engine.start()
             if self.settings.semantic.enabled:
                 self.semantic = await asyncio.get_running_loop().run_in_executor(
-                    None, build_semantic_cache, self.settings, self.metrics)
+                    None, build_semantic_cache, self.settings, self.metrics, self.vector_cap_for)
         except EdgeCacheError as exc:
             self.load_error = exc.message
             log.error("loading failed: %s", exc.message)
@@ -88,6 +89,11 @@ class Runtime:
         tenant = self.tenants.get(tenant_id)
         plan_bytes = tenant.plan.store_bytes if tenant else self.settings.store.disk_bytes
         return min(plan_bytes, self.settings.store.disk_bytes)
+
+    def vector_cap_for(self, tenant_id: str) -> int | None:
+        """Most vectors one of a tenant's semantic indexes keeps: its plan's."""
+        tenant = self.tenants.get(tenant_id)
+        return tenant.plan.semantic_max_vectors if tenant else None
 
     def ttl_for(self, call: Call) -> float:
         """The caller's explicit TTL or tier, else the scenario's TTL, else the tier the prompt reads as."""
@@ -153,7 +159,8 @@ class Runtime:
                 self.stores.close()
 
 
-def build_semantic_cache(settings: Settings, metrics: Metrics) -> SemanticCache:
+def build_semantic_cache(settings: Settings, metrics: Metrics,
+                         cap_for: Callable[[str], int | None] = lambda tenant: None) -> SemanticCache:
     """Load the embedder and open the indexes (blocking: model load). Thresholds: the scenario's own, else the
     value calibrated for this embedder."""
     from edgecache.embedders import default_threshold, load_embedder
@@ -169,6 +176,7 @@ def build_semantic_cache(settings: Settings, metrics: Metrics) -> SemanticCache:
         configured = settings.scenarios[scenario].threshold
         return configured if configured is not None else default_threshold(embedder.version, scenario)
 
-    return SemanticCache(embedder=embedder, index=index, threshold_for=threshold_for, max_batch=sem.batch_max,
+    return SemanticCache(embedder=embedder, index=index, threshold_for=threshold_for, cap_for=cap_for,
+                         max_batch=sem.batch_max,
                          max_wait_s=sem.batch_wait_ms / 1000, observe_embed=metrics.embed_seconds.observe,
                          observe_search=metrics.semantic_search_seconds.observe)

@@ -124,12 +124,14 @@ class SemanticCache:
     """Embedder + per-namespace indexes + thresholds + guard, behind lookup / remember / forget."""
 
     def __init__(self, *, embedder: Embedder, index: SemanticIndex, threshold_for: Callable[[str], float],
+                 cap_for: Callable[[str], int | None] = lambda tenant: None,
                  max_batch: int = 32, max_wait_s: float = 0.002, guard_rules: Sequence[str] | None = None,
                  observe_embed: Callable[[float], None] | None = None,
                  observe_search: Callable[[float], None] | None = None) -> None:
         self.embedder = embedder
         self.index = index
         self.threshold_for = threshold_for
+        self.cap_for = cap_for  # tenant -> most vectors one of its indexes keeps (its plan)
         self._guard_rules = tuple(guard_rules) if guard_rules is not None else DEFAULT_RULES
         self._observe_search = observe_search
         self._embed_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed")
@@ -175,7 +177,7 @@ class SemanticCache:
 
     async def remember(self, tenant: str, scenario: str, probe: Probe, vector: np.ndarray, store_key: str) -> None:
         await self._in_index_thread(self.index.add, tenant, self.index_scenario(scenario, probe.namespace), vector,
-                                    store_key, probe.text)
+                                    store_key, probe.text, self.cap_for(tenant))
 
     async def forget(self, tenant: str, scenario: str, probe: Probe, vector_key: int) -> None:
         """Drop a vector whose result-store entry is gone (expired or evicted)."""

@@ -102,15 +102,18 @@ class SemanticIndex:
 
     # ---- public API ----
 
-    def add(self, tenant: str, scenario: str, vector: np.ndarray, store_key: str, text: str) -> int:
+    def add(self, tenant: str, scenario: str, vector: np.ndarray, store_key: str, text: str,
+            max_vectors: int | None = None) -> int:
         """Store ``vector`` (L2-normalised, shape (dim,)) pointing at ``store_key``; return its vector key.
 
-        At the cap, the oldest vectors of that index are removed first (FIFO).
+        At the cap (``max_vectors``, e.g. the tenant's plan, else the index's own), the oldest vectors of that
+        index are removed first (FIFO).
         """
         vec = self._as_vector(vector)
+        cap = min(max_vectors, self.max_vectors) if max_vectors is not None else self.max_vectors
         with self._lock:
             index = self._open(tenant, scenario)
-            overflow = len(index) + 1 - self.max_vectors
+            overflow = len(index) + 1 - cap
             if overflow > 0:
                 oldest = [
                     row[0]

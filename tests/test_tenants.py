@@ -332,3 +332,20 @@ async def test_stats_report_per_tenant_figures(make_settings: Any, tenants_file:
         assert stats["stores"]["t01"]["entries"] == 1 and stats["stores"]["t01"]["budget_bytes"] == 2 * 10**9
         metrics = (await c.get("/metrics")).text
         assert 'edgecache_requests_total{outcome="exact",scenario="default",tenant="t01"} 1.0' in metrics
+
+
+async def test_a_plan_caps_its_tenants_semantic_indexes(make_settings: Any, tmp_path: Path) -> None:
+    path = tmp_path / "tenants.toml"
+    path.write_text('[plans.tiny]\nsemantic_max_vectors = 2\n[plans.roomy]\n'
+                    '[[tenants]]\nid = "small"\nplan = "tiny"\nkeys = ["sk-small-000001"]\n'
+                    '[[tenants]]\nid = "big"\nplan = "roomy"\nkeys = ["sk-big-00000001"]\n')
+    async with serve_in_process(create_app(make_settings(tenants_file=str(path), semantic__enabled=True),
+                                           engine=FakeEngine())) as c:
+        for who, key in (("small", "sk-small-000001"), ("big", "sk-big-00000001")):
+            for question in ("How do I reset my password?", "Where is my card?", "What is the refund policy?"):
+                resp = await c.post("/v1/chat/completions", json=chat_body(question),
+                                    headers={"Authorization": f"Bearer {key}"})
+                assert resp.status_code == 200
+        await settle(c)
+        sizes = await c.app.state.runtime.semantic.sizes()  # type: ignore[attr-defined]
+        assert sizes == {("small", "default"): 2, ("big", "default"): 3}
