@@ -28,7 +28,7 @@ from edgecache.errors import EngineError
 from edgecache.inflight import Flight, InflightTable
 from edgecache.keys import is_cacheable, request_key
 from edgecache.metrics import Metrics
-from edgecache.result_store import CachedAnswer, DiskResultStore
+from edgecache.result_store import CachedAnswer, ResultStore
 from edgecache.semantic_cache import Lookup, Probe, SemanticCache, probe_for
 
 Served = Literal["exact", "shared", "semantic", "miss"]
@@ -103,7 +103,7 @@ class RequestPipeline:
     """The request path. Its collaborators are handed in: ``stores`` gives a tenant's own result store,
     ``ttl_for`` decides an answer's lifetime, ``admission`` guards the engine, ``semantic`` may be None."""
 
-    def __init__(self, *, engine: Engine, stores: Callable[[str], DiskResultStore], inflight: InflightTable,
+    def __init__(self, *, engine: Engine, stores: Callable[[str], ResultStore], inflight: InflightTable,
                  metrics: Metrics, ttl_for: Callable[[Call], float], admission: AdmissionGate,
                  semantic: SemanticCache | None = None) -> None:
         self.engine = engine
