@@ -16,6 +16,7 @@ layer is an instance handed in by the app factory, so tests pass fakes without p
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Literal
@@ -99,6 +100,29 @@ def replay(answer: CachedAnswer) -> AsyncIterator[Chunk]:
     return chunks()
 
 
+class CallKeys:
+    """Request keys of recently served calls, by call identity.
+
+    The HTTP layer hands the same :class:`Call` object back for a body it has seen before, so a repeated request
+    (the cache's common case) finds its key here instead of hashing its messages again. Entries hold their call, so
+    an id is never reused while its entry lives; bounded by count.
+    """
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[int, tuple[Call, str, str]] = OrderedDict()
+
+    def key(self, call: Call, model_version: str) -> str:
+        entry = self._entries.get(id(call))
+        if entry is not None and entry[0] is call and entry[1] == model_version:
+            return entry[2]
+        key = request_key(call.request, model_version=model_version, tenant=call.tenant, scenario=call.scenario)
+        self._entries[id(call)] = (call, model_version, key)
+        if len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        return key
+
+
 class RequestPipeline:
     """The request path. Its collaborators are handed in: ``stores`` gives a tenant's own result store,
     ``ttl_for`` decides an answer's lifetime, ``admission`` guards the engine, ``semantic`` may be None."""
@@ -113,6 +137,7 @@ class RequestPipeline:
         self.ttl_for = ttl_for
         self.admission = admission
         self.semantic = semantic
+        self._keys = CallKeys()
 
     async def serve(self, call: Call) -> Reply:
         policy = POLICIES[call.policy]
@@ -121,10 +146,9 @@ class RequestPipeline:
             return Reply(served="miss", chunks=self._engine_stream(call))
         if not (policy.read or policy.write):
             return Reply(served="miss", chunks=self._engine_stream(call))  # bypass
-        key = request_key(call.request, model_version=self.engine.version, tenant=call.tenant,
-                          scenario=call.scenario)
+        key = self._keys.key(call, self.engine.version)
         store = self.stores(call.tenant)  # the tenant's own store: its own quota, its own LRU
-        probe = probe_for(call.request, self.engine.version) if self.semantic and policy.semantic else None
+        probe: Probe | None = None
         lookup: Lookup | None = None
 
         if policy.read:
@@ -139,6 +163,7 @@ class RequestPipeline:
                 return Reply(served="shared", chunks=flight.follow())
 
             # 3. semantic cache: first-turn chat prompts only, nearest neighbour over threshold, past the guard
+            probe = probe_for(call.request, self.engine.version) if self.semantic and policy.semantic else None
             if probe is not None:
                 lookup = await self._semantic_lookup(call, probe)
                 if lookup.hit is not None:
@@ -160,6 +185,8 @@ class RequestPipeline:
             return Reply(served="miss", chunks=self._engine_stream(call))  # no-store: compute, keep nothing
 
         # 4. engine: lead a flight that streams to every listener and stores the complete answer.
+        if probe is None and self.semantic and policy.semantic:
+            probe = probe_for(call.request, self.engine.version)  # no-cache skipped the read: index the answer
         ttl_s = self.ttl_for(call)
         if lookup is None and probe is not None:
             lookup = Lookup(vector=None)  # no-cache: the vector is computed after the answer, for the write
