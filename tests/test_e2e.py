@@ -29,18 +29,22 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, data_dir: Path) -> None:
+    """`edgecache serve --profile cpu` in a subprocess on a free port; ``extra`` flags and ``env`` are added."""
+
+    def __init__(self, data_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
+        self.extra = extra
+        self.extra_env = env or {}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Server:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("EDGECACHE_")}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EDGECACHE_")} | self.extra_env
         self.log = open(self.data_dir.parent / f"server-{self.port}.log", "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "edgecache.cli.main", "serve", "--profile", "cpu", "--port", str(self.port),
-             "--data-dir", str(self.data_dir)], env=env, stdout=self.log, stderr=subprocess.STDOUT)
+             "--data-dir", str(self.data_dir), *self.extra], env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -3,10 +3,6 @@ and a front `edgecache serve --upstream URL` caches in front of it. The official
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,30 +16,7 @@ pytestmark = pytest.mark.e2e
 
 
 class Instance(Server):
-    """The e2e Server helper with extra `serve` flags and environment."""
-
-    def __init__(self, data_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
-        super().__init__(data_dir)
-        self.extra = extra
-        self.extra_env = env or {}
-
-    def start(self) -> Instance:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("EDGECACHE_")} | self.extra_env
-        self.log = open(self.data_dir.parent / f"server-{self.port}.log", "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "edgecache.cli.main", "serve", "--profile", "cpu", "--port", str(self.port),
-             "--data-dir", str(self.data_dir), *self.extra], env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 120  # a guard against hanging forever, not a performance assertion
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early; see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"server did not become ready; see {self.log.name}")
+    """The e2e Server helper, with the upstream's engine-call count."""
 
     def engine_calls(self) -> int:
         return int(self.stats()["engine"]["calls"])
