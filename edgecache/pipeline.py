@@ -170,7 +170,7 @@ class RequestPipeline:
                     answer = await store.get(lookup.hit.store_key)
                     if answer is not None:
                         if policy.write:  # kept under this request's own key too: its repeats are exact hits
-                            await store.put(key, answer)
+                            await store.put(key, answer, tag=call.scenario)
                         return Reply(served="semantic", answer=answer, similarity=lookup.hit.similarity,
                                      ttl_s=answer.expires_at - time.time())
                     # The answer expired or was evicted: its vector goes too, and this is a miss.
