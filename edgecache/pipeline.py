@@ -26,10 +26,10 @@ import msgspec
 from edgecache.admission import AdmissionGate
 from edgecache.engines.base import Chunk, Engine, GenerationRequest
 from edgecache.errors import EngineError
-from edgecache.inflight import Flight, InflightTable
+from edgecache.inflight.local import Flight, InflightTable
 from edgecache.keys import is_cacheable, request_key
 from edgecache.metrics import Metrics
-from edgecache.result_store import CachedAnswer, ResultStore
+from edgecache.stores.disk import CachedAnswer, ResultStore
 from edgecache.semantic_cache import Lookup, Probe, SemanticCache, probe_for
 
 Served = Literal["exact", "shared", "semantic", "miss"]
