@@ -11,7 +11,9 @@ import diskcache
 import msgspec
 import pytest
 
-from edgecache.stores.disk import CachedAnswer, DiskResultStore, MemoryLRU
+from edgecache.stores import CachedAnswer
+from edgecache.stores.disk import DiskResultStore
+from edgecache.stores.memory import MemoryLRU
 
 MiB = 2**20
 
