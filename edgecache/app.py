@@ -201,6 +201,9 @@ async def health(state: State) -> Response[Any]:
     body = {"status": status, "model": rt.engine.model_id, "version": rt.engine.version}
     if rt.load_error:
         body["error"] = rt.load_error
+    if rt.fleet is not None:
+        # Redis down is a detail, not a failure: the node serves from its memory tier and its engine.
+        body["redis"] = rt.fleet.health()
     return Response(_json.encode(body), media_type=JSON, status_code=200 if rt.ready else 503)
 
 
