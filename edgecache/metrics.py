@@ -76,6 +76,10 @@ class Metrics:
                               "(store.backend = redis only).", registry=self.registry)
         self.redis_disconnects = Counter("edgecache_redis_disconnects",
                                          "Times this node lost the fleet's Redis.", registry=self.registry)
+        self.storage_failures = Counter(
+            "edgecache_storage_failures", "Failed storage operations (a write skipped, a read served as a miss, a "
+            "damaged file moved aside), by component and kind (disk_full, damaged, io).", ["component", "kind"],
+            registry=self.registry)
         # Label children are cached: .labels() takes a lock and hashes on every call, which shows on the hit path.
         self._ttft_by_outcome = {o: self.ttft.labels(o) for o in OUTCOMES}
         self._requests_children: dict[tuple[str, str, str], Counter] = {}

@@ -15,6 +15,7 @@ from typing import Any
 
 from edgecache.fleet.events import FleetEvents, FlushHandler
 from edgecache.fleet.link import RedisLink
+from edgecache.health import READY, Health
 from edgecache.metrics import Metrics
 from edgecache.settings import Settings
 
@@ -34,7 +35,15 @@ class Fleet:
         await self.events.start()
 
     def health(self) -> dict[str, Any]:
+        """The /health detail: this node, the fleet's epoch, the link's state."""
         return {"node": self.node_id, "epoch": self.events.epoch, **self.link.state()}
+
+    def health_check(self) -> Health:
+        """Redis away is ``degraded``, never ``failed``: the node still serves from its memory tier and engine."""
+        if self.link.up:
+            return READY
+        return Health("degraded", f"redis unreachable ({self.link.error}); serving from this node's memory tier "
+                                  "and engine, reconnecting")
 
     async def close(self) -> None:
         await self.events.close()
