@@ -21,6 +21,7 @@ from edgecache.embedders import Embedder
 from edgecache.engines.base import Engine
 from edgecache.errors import EdgeCacheError, NotReady
 from edgecache.health import READY, STORAGE_ERRORS, Health, HealthChecks, StorageFaults
+from edgecache.inflight import FlightTable
 from edgecache.inflight.local import InflightTable
 from edgecache.metrics import Metrics
 from edgecache.openai_api import IdSource
@@ -56,7 +57,7 @@ class Runtime:
         self.health = HealthChecks()
         self.storage_faults = StorageFaults(self.metrics.storage_failures)
         self.damaged_dir = settings.data_path / "damaged"
-        self.inflight = InflightTable()
+        self.inflight: FlightTable = InflightTable()
         self.ids = IdSource()
         self.parsed = ParsedRequests(settings)
         self.fleet: Fleet | None = None
@@ -67,6 +68,11 @@ class Runtime:
 
             self.fleet = Fleet(settings, self.metrics, on_flush=self.apply_remote_flush)
             self.health.register("redis", self.fleet.health_check)
+            from edgecache.inflight.redis import RedisFlightTable
+
+            fleet = self.fleet
+            self.inflight = RedisFlightTable(fleet.link, node_id=fleet.node_id, epoch=lambda: fleet.events.epoch,
+                                             lease_s=settings.store.redis_lease_s)
             self.stores = RedisTenantStores(self.fleet.link, quota_for=self.quota_for,
                                             memory_bytes=settings.store.memory_bytes,
                                             model_version=lambda: self.engine.version)

@@ -4,6 +4,7 @@ flushes, tenants and Redis outages across the fleet. tests/test_fleet_e2e.py cov
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -131,3 +132,83 @@ async def test_redis_killed_and_restarted_mid_run(make_settings: Any, tmp_path: 
         assert "edgecache_redis_disconnects_total 1.0" in (await b.get("/metrics")).text
         await ask(b, "after the outage")
         assert served(await ask(a, "after the outage")) == "exact"
+
+
+def sse_text(resp: httpx.Response) -> str:
+    """The content of an SSE chat stream; an error event fails the caller's comparison with its message."""
+    out = []
+    for line in resp.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            event = json.loads(line[6:])
+            if "error" in event:
+                return f"ERROR: {event['error']['message']}"
+            out.extend(choice["delta"].get("content") or "" for choice in event["choices"])
+    return "".join(out)
+
+
+def listeners(node: httpx.AsyncClient) -> int:
+    """Clients listening to this node's flights (a leader's own mirror to Redis counts as one)."""
+    flights = node.app.state.runtime.inflight._local._flights.values()  # type: ignore[attr-defined]
+    return sum(f.listeners for f in flights)
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the condition never held")
+
+
+async def test_concurrent_identical_requests_across_nodes_make_one_engine_call(
+        make_settings: Any, tmp_path: Path, redis_url: str) -> None:
+    engines = [FakeEngine(pieces=6), FakeEngine(pieces=6), FakeEngine(pieces=6)]
+    gate = asyncio.Event()
+    for engine in engines:
+        engine.gate = gate
+    async with fleet(make_settings, tmp_path, redis_url, engines) as nodes:
+        async def one(i: int) -> str:
+            stream = i % 2 == 1
+            resp = await nodes[i % 3].post("/v1/chat/completions",
+                                           json=chat_body("Tell me a story", stream=stream))
+            assert resp.status_code == 200, resp.text
+            return sse_text(resp) if stream else text(resp)
+
+        tasks = [asyncio.create_task(one(i)) for i in range(30)]
+        # Every request is attached to the one flight before the engine produces anything.
+        await until(lambda: sum(listeners(n) for n in nodes) == 30 + 1)
+        gate.set()
+        answers = await asyncio.gather(*tasks)
+        assert sum(e.calls for e in engines) == 1
+        assert set(answers) == {"answer to: Tell me a story"}
+        assert sum(n.app.state.runtime.inflight.followed for n in nodes) == 2  # type: ignore[attr-defined]
+
+
+async def test_a_leader_failing_mid_stream_fails_every_follower_and_stores_nothing(
+        make_settings: Any, tmp_path: Path, redis_url: str) -> None:
+    engines = [FakeEngine(pieces=6, fail_after=2) for _ in range(3)]
+    gate = asyncio.Event()
+    for engine in engines:
+        engine.gate = gate
+    async with fleet(make_settings, tmp_path, redis_url, engines) as nodes:
+        async def one(i: int) -> tuple[int, str]:
+            stream = i % 2 == 1
+            resp = await nodes[i % 3].post("/v1/chat/completions", json=chat_body("Fail please", stream=stream))
+            return resp.status_code, sse_text(resp) if stream and resp.status_code == 200 else resp.text
+
+        tasks = [asyncio.create_task(one(i)) for i in range(6)]
+        await until(lambda: sum(listeners(n) for n in nodes) == 6 + 1)
+        gate.set()
+        outcomes = await asyncio.gather(*tasks)
+        assert sum(e.calls for e in engines) == 1
+        for status, body in outcomes:
+            # Before the first byte the error keeps its status (502); a stream already under way ends in an
+            # error event. Never a complete answer.
+            assert status == 502 or body.startswith("ERROR:"), (status, body)
+            assert "failed mid-stream" in body
+        for engine in engines:
+            engine.fail_after = None
+        for node in nodes:  # nothing was stored anywhere: each node's next request computes
+            resp = await ask(node, "Fail please")
+            assert served(resp) in ("miss", "exact")
+        assert sum(e.calls for e in engines) == 2
