@@ -14,7 +14,7 @@ import pytest
 
 from edgecache.app import create_app
 from edgecache.engines.base import Choice, Chunk, GenerationRequest, TokenLogprob, ToolCall, TopLogprob
-from edgecache.result_store import CachedAnswer
+from edgecache.stores import CachedAnswer
 from tests.conftest import chat_body, serve_in_process
 from tests.fakes import FakeEngine
 from tests.test_app import assert_openai_error, sse_events
