@@ -6,7 +6,6 @@ Flags become dotted overrides of one Settings object (the same road as ``EDGECAC
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Annotated, Any, Optional
 
 import typer
@@ -62,6 +61,7 @@ def serve(
 
     from edgecache.app import create_app
     from edgecache.hardware import validate_memory
+    from edgecache.http_server import uvicorn_config
 
     try:
         split = validate_memory(settings)  # a GPU split that cannot work fails here, before any model loads
@@ -82,10 +82,7 @@ def serve(
     typer.echo(f"edgecache: profile {settings.profile}, engine {settings.engine.kind} ({engine}), "
                f"data in {settings.data_dir}, serving on http://{settings.server.host}:{settings.server.port}/v1",
                err=True)
-    config = uvicorn.Config(application, host=settings.server.host, port=settings.server.port,
-                            loop="uvloop" if sys.platform != "win32" else "asyncio", http="httptools",
-                            log_level=settings.server.log_level, access_log=False, lifespan="on")
-    uvicorn.Server(config).run()
+    uvicorn.Server(uvicorn_config(application, settings)).run()
 
 
 def _is_loopback(host: str) -> bool:

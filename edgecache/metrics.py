@@ -71,6 +71,9 @@ class Metrics:
         self.admission_rejections = Counter(
             "edgecache_admission_rejections", "Misses refused with 429 because the engine was saturated.",
             registry=self.registry)
+        self.refused_requests = Counter(
+            "edgecache_refused_requests", "Requests refused (4xx, or the client gone before its answer), by reason.",
+            ["reason"], registry=self.registry)
         # Label children are cached: .labels() takes a lock and hashes on every call, which shows on the hit path.
         self._ttft_by_outcome = {o: self.ttft.labels(o) for o in OUTCOMES}
         self._requests_children: dict[tuple[str, str, str], Counter] = {}

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from edgecache.access_log import AccessLog
 from edgecache.admission import AdmissionGate
 from edgecache.calls import ParsedRequests
 from edgecache.engines.base import Engine
@@ -54,6 +55,8 @@ class Runtime:
                                        queue_timeout_s=adm.queue_timeout_s, retry_after_s=adm.retry_after_s)
         self.metrics.track_admission(self.admission)
         self.metrics.ttft_p99_target_seconds.set(settings.slo.ttft_p99_s)
+        self.access_log = AccessLog(enabled=settings.server.access_log,
+                                    count_refusal=lambda reason: self.metrics.refused_requests.labels(reason).inc())
         self.ttl = TtlClassifier(settings.ttl_tiers)
         self.semantic: SemanticCache | None = None
         self.pipeline: RequestPipeline | None = None
@@ -148,6 +151,7 @@ class Runtime:
         self.ready = False
         for task in self._background:
             task.cancel()
+        self.access_log.flush()
         try:
             await self.inflight.drain(SHUTDOWN_GRACE_S)
             await self.engine.close()
