@@ -27,10 +27,10 @@ import msgspec
 from edgecache.admission import AdmissionGate
 from edgecache.engines.base import Chunk, Engine, GenerationRequest
 from edgecache.errors import EngineError
-from edgecache.inflight import Flight, InflightTable
+from edgecache.inflight import FlightTable, SharedFlight
 from edgecache.keys import is_cacheable, request_key
 from edgecache.metrics import Metrics
-from edgecache.result_store import CachedAnswer, ResultStore
+from edgecache.stores import CachedAnswer, ResultStore
 from edgecache.semantic_cache import Lookup, Probe, SemanticCache, probe_for
 
 Served = Literal["exact", "shared", "semantic", "miss"]
@@ -144,7 +144,7 @@ class RequestPipeline:
     """The request path. Its collaborators are handed in: ``stores`` gives a tenant's own result store,
     ``ttl_for`` decides an answer's lifetime, ``admission`` guards the engine, ``semantic`` may be None."""
 
-    def __init__(self, *, engine: Engine, stores: Callable[[str], ResultStore], inflight: InflightTable,
+    def __init__(self, *, engine: Engine, stores: Callable[[str], ResultStore], inflight: FlightTable,
                  metrics: Metrics, ttl_for: Callable[[Call], float], admission: AdmissionGate,
                  semantic: SemanticCache | None = None) -> None:
         self.engine = engine
@@ -298,7 +298,7 @@ class RequestPipeline:
                                                          chunk.completion_tokens)
                     yield chunk
 
-    async def _compute_and_store(self, call: Call, key: str, ttl_s: float, flight: Flight,
+    async def _compute_and_store(self, call: Call, key: str, ttl_s: float, flight: SharedFlight,
                                  probe: Probe | None = None, lookup: Lookup | None = None) -> None:
         final: Chunk | None = None
         async with aclosing(self._engine_stream(call)) as stream:

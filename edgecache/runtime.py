@@ -18,11 +18,11 @@ from edgecache.admission import AdmissionGate
 from edgecache.calls import ParsedRequests
 from edgecache.engines.base import Engine
 from edgecache.errors import EdgeCacheError
-from edgecache.inflight import InflightTable
+from edgecache.inflight.local import InflightTable
 from edgecache.metrics import Metrics
 from edgecache.openai_api import IdSource
 from edgecache.pipeline import Call, RequestPipeline
-from edgecache.result_store import TenantStores
+from edgecache.stores.disk import TenantStores
 from edgecache.semantic_cache import SemanticCache
 from edgecache.settings import Settings
 from edgecache.tenants import TenantDirectory
