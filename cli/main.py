@@ -60,21 +60,36 @@ def serve(
     import uvicorn
 
     from edgecache.app import create_app
+    from edgecache.data_dir import ensure_free
+    from edgecache.engines import engine_from_settings
+    from edgecache.errors import EdgeCacheError
     from edgecache.hardware import validate_memory
     from edgecache.http_server import uvicorn_config
 
+    def refuse(message: str) -> typer.Exit:
+        typer.secho(f"error: {message}", fg="red", err=True)
+        return typer.Exit(2)
+
+    # Every check that can refuse runs before the banner and before any model loads, each as one line: the
+    # memory split, the data dir (one server per dir), the port (bound here and handed to uvicorn, so nothing can
+    # take it in between), the model file, the tenants file.
     try:
-        split = validate_memory(settings)  # a GPU split that cannot work fails here, before any model loads
+        split = validate_memory(settings)
+        ensure_free(settings.data_path)
     except SettingsError as exc:
-        typer.secho(f"error: {exc}", fg="red", err=True)
-        raise typer.Exit(2) from exc
+        raise refuse(str(exc)) from exc
     for warning in split.warnings if split is not None else ():
         typer.secho(f"warning: {warning}", fg="yellow", err=True)
     try:
-        application = create_app(settings)
-    except SettingsError as exc:  # a bad tenants file
-        typer.secho(f"error: {exc}", fg="red", err=True)
-        raise typer.Exit(2) from exc
+        listening = _bind(settings.server.host, settings.server.port)
+    except OSError as exc:
+        raise refuse(f"cannot listen on {settings.server.host}:{settings.server.port}: {exc.strerror or exc} "
+                     "(another server on that port? give --port another)") from exc
+    try:
+        application = create_app(settings, engine=engine_from_settings(settings))
+    except (SettingsError, EdgeCacheError) as exc:  # a bad tenants file, a model that is not there
+        listening.close()
+        raise refuse(str(exc)) from exc
 
     logging.basicConfig(level=settings.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -82,7 +97,25 @@ def serve(
     typer.echo(f"edgecache: profile {settings.profile}, engine {settings.engine.kind} ({engine}), "
                f"data in {settings.data_dir}, serving on http://{settings.server.host}:{settings.server.port}/v1",
                err=True)
-    uvicorn.Server(uvicorn_config(application, settings)).run()
+    uvicorn.Server(uvicorn_config(application, settings)).run(sockets=[listening])
+
+
+def _bind(host: str, port: int):  # type: ignore[no-untyped-def]
+    """A listening socket on (host, port), as uvicorn would make it: bound now, so a busy port is found before
+    the model loads."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def _is_loopback(host: str) -> bool:

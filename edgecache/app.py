@@ -21,7 +21,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
-from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
@@ -33,6 +32,7 @@ from litestar.types import ASGIApp
 
 from edgecache.access_log import TENANT_SCOPE_KEY, AccessLog, AccessLogMiddleware
 from edgecache.calls import Parsed, apply_headers, read_headers
+from edgecache.data_dir import DataDirLock
 from edgecache.engines.base import Chunk, Engine
 from edgecache.errors import (
     BadRequest,
@@ -241,12 +241,18 @@ async def list_models(state: State) -> Response[Any]:
 
 @get("/health")
 async def health(state: State) -> Response[Any]:
+    """The worst of the component checks (:mod:`edgecache.health`): 200 when ready or degraded (serving, with the
+    reason), 503 while loading or when failed. Each component's status and reason is listed."""
     rt = _runtime(state)
-    status = "ready" if rt.ready else ("failed" if rt.load_error else "loading")
-    body = {"status": status, "model": rt.engine.model_id, "version": rt.engine.version}
+    overall, components = rt.health.report()
+    body: dict[str, Any] = {"status": overall.status, "model": rt.engine.model_id, "version": rt.engine.version,
+                            "components": {name: {"status": h.status, **({"reason": h.reason} if h.reason else {})}
+                                           for name, h in components.items()}}
+    if overall.reason:
+        body["reason"] = overall.reason
     if rt.load_error:
         body["error"] = rt.load_error
-    return Response(_json.encode(body), media_type=JSON, status_code=200 if rt.ready else 503)
+    return Response(_json.encode(body), media_type=JSON, status_code=200 if overall.serving else 503)
 
 
 PROMETHEUS_TEXT = b"text/plain; version=0.0.4; charset=utf-8"
@@ -356,17 +362,21 @@ def create_app(settings: Settings, engine: Engine | None = None,
         else:
             from edgecache.engines import engine_from_settings
             chosen = (engine_factory or engine_from_settings)(settings)
-        Path(settings.data_path).mkdir(parents=True, exist_ok=True)
-        rt = Runtime(settings, chosen, tenants)
-        app.state.runtime = rt
-        loading = asyncio.create_task(rt.load(), name="load")
+        # One process per data dir: a second one refuses here, before it opens a store (DataDirBusy).
+        lock = DataDirLock(settings.data_path).acquire()
         try:
-            yield
+            rt = Runtime(settings, chosen, tenants)
+            app.state.runtime = rt
+            loading = asyncio.create_task(rt.load(), name="load")
+            try:
+                yield
+            finally:
+                if not loading.done():
+                    loading.cancel()
+                    await asyncio.wait([loading])
+                await rt.close()
         finally:
-            if not loading.done():
-                loading.cancel()
-                await asyncio.wait([loading])
-            await rt.close()
+            lock.release()
 
     app = Litestar(
         route_handlers=[chat_completions, completions, list_models, health, metrics, stats, admin_flush,

@@ -74,6 +74,10 @@ class Metrics:
         self.refused_requests = Counter(
             "edgecache_refused_requests", "Requests refused (4xx, or the client gone before its answer), by reason.",
             ["reason"], registry=self.registry)
+        self.storage_failures = Counter(
+            "edgecache_storage_failures", "Failed storage operations (a write skipped, a read served as a miss, a "
+            "damaged file moved aside), by component and kind (disk_full, damaged, io).", ["component", "kind"],
+            registry=self.registry)
         # Label children are cached: .labels() takes a lock and hashes on every call, which shows on the hit path.
         self._ttft_by_outcome = {o: self.ttft.labels(o) for o in OUTCOMES}
         self._requests_children: dict[tuple[str, str, str], Counter] = {}

@@ -12,12 +12,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from edgecache.access_log import AccessLog
 from edgecache.admission import AdmissionGate
 from edgecache.calls import ParsedRequests
+from edgecache.embedders import Embedder
 from edgecache.engines.base import Engine
 from edgecache.errors import EdgeCacheError
+from edgecache.health import READY, STORAGE_ERRORS, Health, HealthChecks, StorageFaults
 from edgecache.inflight.local import InflightTable
 from edgecache.metrics import Metrics
 from edgecache.openai_api import IdSource
@@ -45,6 +48,10 @@ class Runtime:
         self.engine = engine
         self.tenants = tenants
         self.metrics = Metrics()
+        # /health is the worst of these checks; a layer added later (a shared store) registers its own.
+        self.health = HealthChecks()
+        self.storage_faults = StorageFaults(self.metrics.storage_failures)
+        self.damaged_dir = settings.data_path / "damaged"
         self.inflight = InflightTable()
         self.ids = IdSource()
         self.parsed = ParsedRequests(settings)
@@ -59,26 +66,33 @@ class Runtime:
                                     count_refusal=lambda reason: self.metrics.refused_requests.labels(reason).inc())
         self.ttl = TtlClassifier(settings.ttl_tiers)
         self.semantic: SemanticCache | None = None
+        self.semantic_error: str | None = None  # why the (optional) semantic layer is off, while it is
+        self._embedder: Embedder | None = None
         self.pipeline: RequestPipeline | None = None
         self.ready = False
         self.load_error: str | None = None
+        self.health.register("model", self._model_health)
+        self.health.register("results", self.storage_faults.check("results"))
+        if settings.semantic.enabled:
+            self.health.register("semantic", self._semantic_health)
         self.started_at = int(time.time())
         self._background: list[asyncio.Task[None]] = []
 
     async def load(self) -> None:
         try:
             await self.engine.start()
-            if self.settings.semantic.enabled:
-                self.semantic = await asyncio.get_running_loop().run_in_executor(
-                    None, build_semantic_cache, self.settings, self.metrics, self.vector_cap_for)
         except EdgeCacheError as exc:
             self.load_error = exc.message
-            log.error("loading failed: %s", exc.message)
+            log.error("loading the model failed: %s", exc.message)
             return
         except Exception as exc:  # a load failure must show on /health, not kill the server silently
             self.load_error = f"{type(exc).__name__}: {exc}"
-            log.exception("loading failed")
+            # One line for the operator; the traceback only at debug level (it is llama.cpp's, not theirs).
+            log.error("loading the model failed: %s", self.load_error)
+            log.debug("model load traceback", exc_info=exc)
             return
+        if self.settings.semantic.enabled:
+            await self._open_semantic()
         self.pipeline = RequestPipeline(engine=self.engine, stores=self.stores, inflight=self.inflight,
                                         metrics=self.metrics, ttl_for=self.ttl_for, admission=self.admission,
                                         semantic=self.semantic)
@@ -86,6 +100,50 @@ class Runtime:
         self.ready = True
         log.info("model %s ready (%s)%s", self.engine.model_id, self.engine.version,
                  f", embedder {self.semantic.embedder.version}" if self.semantic else "")
+
+    async def _open_semantic(self) -> None:
+        """Load the embedder (once) and open the indexes. The semantic layer is optional: when either fails the
+        server serves exact matches only, says so on /health, and (for a storage failure) retries from the
+        housekeeping loop."""
+        loop = asyncio.get_running_loop()
+        try:
+            if self._embedder is None:
+                self._embedder = await loop.run_in_executor(None, load_semantic_embedder, self.settings)
+            self.semantic = await loop.run_in_executor(
+                None, build_semantic_cache, self.settings, self.metrics, self._embedder, self.vector_cap_for,
+                self.storage_faults, self.damaged_dir)
+        except EdgeCacheError as exc:
+            self._semantic_failed(exc.message)
+        except STORAGE_ERRORS as exc:
+            self.storage_faults.record("semantic", exc, action="semantic layer off, retrying")
+            self._semantic_failed(f"{type(exc).__name__}: {exc}")
+        else:
+            for report in self.semantic.index.repairs:
+                self.storage_faults.repaired("semantic", report)
+            if self.semantic_error is not None:
+                log.info("the semantic layer is back")
+            self.semantic_error = None
+            if self.pipeline is not None:
+                self.pipeline.semantic = self.semantic
+
+    def _semantic_failed(self, why: str) -> None:
+        if self.semantic_error is None:
+            log.error("the semantic layer is unavailable, serving exact matches only: %s", why)
+        self.semantic_error = why
+
+    def _model_health(self) -> Health:
+        if self.ready:
+            return READY
+        if self.load_error:
+            return Health("failed", f"the model failed to load: {self.load_error}")
+        return Health("loading", "the model is loading")
+
+    def _semantic_health(self) -> Health:
+        if self.semantic_error is not None:
+            return Health("degraded", f"off, exact matches only: {self.semantic_error}")
+        if self.semantic is None:
+            return Health("loading", "the embedder is loading")
+        return self.storage_faults.check("semantic")()
 
     def quota_for(self, tenant_id: str) -> int:
         """A tenant's result-store quota: its plan's, within the profile's disk budget."""
@@ -126,6 +184,8 @@ class Runtime:
             await asyncio.sleep(self.settings.semantic.save_interval_s)
             if self.semantic is not None:
                 await self.semantic.save()
+            elif self.settings.semantic.enabled and self._embedder is not None:
+                await self._open_semantic()  # its indexes failed to open (a full disk?): try again
             await self.refresh_gauges()
 
     async def refresh_gauges(self) -> dict[str, dict[str, int]]:
@@ -163,24 +223,33 @@ class Runtime:
                 self.stores.close()
 
 
-def build_semantic_cache(settings: Settings, metrics: Metrics,
-                         cap_for: Callable[[str], int | None] = lambda tenant: None) -> SemanticCache:
-    """Load the embedder and open the indexes (blocking: model load). Thresholds: the scenario's own, else the
-    value calibrated for this embedder."""
-    from edgecache.embedders import default_threshold, load_embedder
+def load_semantic_embedder(settings: Settings) -> Embedder:
+    """The profile's embedder (blocking: model load)."""
+    from edgecache.embedders import load_embedder
+
+    sem = settings.semantic
+    return load_embedder(sem.embedder, model_dir=sem.model_dir, device=sem.device, threads=sem.threads,
+                         gpu_mem_limit=sem.gpu_mem_limit)
+
+
+def build_semantic_cache(settings: Settings, metrics: Metrics, embedder: Embedder,
+                         cap_for: Callable[[str], int | None] = lambda tenant: None,
+                         faults: StorageFaults | None = None, damaged_dir: Path | None = None) -> SemanticCache:
+    """Open the indexes (blocking: disk) around ``embedder``. Thresholds: the scenario's own, else the value
+    calibrated for this embedder."""
+    from edgecache.embedders import default_threshold
     from edgecache.semantic_index import SemanticIndex
 
     sem = settings.semantic
-    embedder = load_embedder(sem.embedder, model_dir=sem.model_dir, device=sem.device, threads=sem.threads,
-                             gpu_mem_limit=sem.gpu_mem_limit)
     index = SemanticIndex(settings.data_path / "semantic", dim=embedder.dim, embedder_version=embedder.version,
-                          dtype=sem.vector_dtype, max_vectors=sem.max_vectors_per_index)
+                          dtype=sem.vector_dtype, max_vectors=sem.max_vectors_per_index,
+                          damaged_dir=damaged_dir or settings.data_path / "damaged")
 
     def threshold_for(scenario: str) -> float:
         configured = settings.scenarios[scenario].threshold
         return configured if configured is not None else default_threshold(embedder.version, scenario)
 
     return SemanticCache(embedder=embedder, index=index, threshold_for=threshold_for, cap_for=cap_for,
-                         max_batch=sem.batch_max,
+                         max_batch=sem.batch_max, faults=faults,
                          max_wait_s=sem.batch_wait_ms / 1000, observe_embed=metrics.embed_seconds.observe,
                          observe_search=metrics.semantic_search_seconds.observe)

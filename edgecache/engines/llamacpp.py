@@ -56,6 +56,11 @@ def resolve_model_path(model: str) -> tuple[Path, str]:
     if not path.is_file():
         raise EngineError(f"model file not found: {model} (give a GGUF path, or one of: "
                           f"{', '.join(SHIPPED_MODELS)})")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":  # found here, in one line, not as llama.cpp's traceback once the server is up
+        raise EngineError(f"{model} is not a GGUF model file (it does not start with 'GGUF'); give a GGUF path, "
+                          f"or one of: {', '.join(SHIPPED_MODELS)}")
     return path, path.name.removesuffix(".gguf")
 
 
