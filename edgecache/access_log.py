@@ -4,7 +4,8 @@ A line says what an operator needs to see a request's fate, and nothing a reques
 
     method=POST route=/v1/chat/completions status=200 served=exact tenant=acme ms=0.41
 
-Never a key, a prompt, a query string or a path that matched no route (those are logged as ``route=-``): the log
+The route is the matched route's template (``/v1/models/{model_id:str}``), never the path itself: never a key, a
+prompt, a query string or a path that matched no route (that is logged as ``route=-``): the log
 is read by more people than the tenants trust with their data. The tenant is the one the key resolved to, the
 ``served`` field the layer that answered (the ``X-EdgeCache`` header), ``-`` when none did.
 
@@ -32,10 +33,6 @@ REFUSAL_REASONS = {
     503: "not_ready",
 }
 
-# The routes a line may name; any other path is logged as "-" (a path can carry anything a client typed).
-ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/stats",
-                    "/admin/flush", "/admin/warmup", "/openapi.json"})
-
 TENANT_SCOPE_KEY = "edgecache.tenant"  # set by the handlers once the key resolved to a tenant
 
 
@@ -51,14 +48,13 @@ class AccessLog:
         self._lines: list[str] = []
         self._timer: asyncio.TimerHandle | None = None
 
-    def record(self, method: str, path: str, status: int, served: str | None, tenant: str | None,
+    def record(self, method: str, route: str, status: int, served: str | None, tenant: str | None,
                seconds: float) -> None:
         reason = REFUSAL_REASONS.get(status)
         if reason is not None and self.count_refusal is not None:
             self.count_refusal(reason)
         if not self.enabled:
             return
-        route = path if path in ROUTES else "-"
         self._lines.append(f"method={method} route={route} status={status} served={served or '-'} "
                            f"tenant={tenant or '-'} ms={seconds * 1000:.2f}")
         if len(self._lines) >= self.max_batch:
@@ -114,5 +110,7 @@ class AccessLogMiddleware:
             access = self.access_log()
             if access is not None:
                 # A stream the client left mid-way started as a 200, but the client did not get its answer.
-                access.record(scope["method"], scope["path"], status if complete or status != 200 else 499,
+                handler = scope.get("route_handler")  # litestar's, once a route matched
+                route = min(handler.paths) if handler is not None and handler.paths else "-"
+                access.record(scope["method"], route, status if complete or status != 200 else 499,
                               served, scope.get(TENANT_SCOPE_KEY), time.perf_counter() - started)
