@@ -47,12 +47,16 @@ def serve(
         metavar="FILE", help="Tenants, plans and API keys (tenants_file); without it, one open tenant.")] = None,
     insecure: Annotated[bool, typer.Option(
         help="Allow a non-loopback address without a tenants file (anyone who reaches it may use it).")] = False,
+    redis: Annotated[Optional[str], typer.Option(
+        metavar="URL", help="Share results, flights and vectors with a fleet through this Redis "
+        "(store.backend=redis, store.redis_url).")] = None,
 ) -> None:
     """Serve the OpenAI API with the caches and the model runtime in this one process."""
     settings = _settings(profile, {"server.host": host, "server.port": port, "data_dir": data_dir,
                                    "engine.model": model, "engine.kind": "openai" if upstream else None,
                                    "engine.upstream_url": upstream, "engine.upstream_key": upstream_key,
-                                   "tenants_file": tenants})
+                                   "tenants_file": tenants, "store.backend": "redis" if redis else None,
+                                   "store.redis_url": redis})
     if settings.tenants_file is None and not insecure and not _is_loopback(settings.server.host):
         typer.secho(f"error: refusing to serve on {settings.server.host} with no tenants file: anyone who reaches "
                     "it could use the model and read the cache. Give --tenants FILE, or --insecure.",

@@ -207,6 +207,9 @@ async def health(state: State) -> Response[Any]:
         body["reason"] = overall.reason
     if rt.load_error:
         body["error"] = rt.load_error
+    if rt.fleet is not None:
+        # Redis down is a detail, not a failure: the node serves from its memory tier and its engine.
+        body["redis"] = rt.fleet.health()
     return Response(_json.encode(body), media_type=JSON, status_code=200 if overall.serving else 503)
 
 

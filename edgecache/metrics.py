@@ -71,6 +71,11 @@ class Metrics:
         self.admission_rejections = Counter(
             "edgecache_admission_rejections", "Misses refused with 429 because the engine was saturated.",
             registry=self.registry)
+        self.redis_up = Gauge("edgecache_redis_up",
+                              "1 while the fleet's Redis answers, 0 while this node serves on its own "
+                              "(store.backend = redis only).", registry=self.registry)
+        self.redis_disconnects = Counter("edgecache_redis_disconnects",
+                                         "Times this node lost the fleet's Redis.", registry=self.registry)
         self.storage_failures = Counter(
             "edgecache_storage_failures", "Failed storage operations (a write skipped, a read served as a miss, a "
             "damaged file moved aside), by component and kind (disk_full, damaged, io).", ["component", "kind"],
@@ -98,6 +103,12 @@ class Metrics:
             self.admission_rejections.inc()
         if ttft_s is not None:
             self._ttft_by_outcome[outcome].observe(ttft_s)
+
+    def observe_redis(self, up: bool) -> None:
+        """The fleet link changed state (called on transitions only)."""
+        if not up:
+            self.redis_disconnects.inc()
+        self.redis_up.set(1 if up else 0)
 
     def observe_engine_call(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> None:
         self.engine_calls.inc()

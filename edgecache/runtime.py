@@ -12,13 +12,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 from edgecache.admission import AdmissionGate
 from edgecache.calls import ParsedRequests
 from edgecache.embedders import Embedder
 from edgecache.engines.base import Engine
-from edgecache.errors import EdgeCacheError
+from edgecache.errors import EdgeCacheError, NotReady
 from edgecache.health import READY, STORAGE_ERRORS, Health, HealthChecks, StorageFaults
 from edgecache.inflight.local import InflightTable
 from edgecache.metrics import Metrics
@@ -29,6 +30,10 @@ from edgecache.semantic_cache import SemanticCache
 from edgecache.settings import Settings
 from edgecache.tenants import TenantDirectory
 from edgecache.ttl_tiers import TtlClassifier
+
+if TYPE_CHECKING:
+    from edgecache.fleet import Fleet
+    from edgecache.stores.redis import RedisTenantStores
 
 log = logging.getLogger("edgecache")
 
@@ -54,9 +59,21 @@ class Runtime:
         self.inflight = InflightTable()
         self.ids = IdSource()
         self.parsed = ParsedRequests(settings)
-        self.stores = TenantStores(settings.data_path / "results", quota_for=self.quota_for,
-                                   memory_bytes=settings.store.memory_bytes, faults=self.storage_faults,
-                                   damaged_dir=self.damaged_dir)
+        self.fleet: Fleet | None = None
+        self.stores: TenantStores | RedisTenantStores
+        if settings.store.backend == "redis":
+            from edgecache.fleet import Fleet
+            from edgecache.stores.redis import RedisTenantStores
+
+            self.fleet = Fleet(settings, self.metrics, on_flush=self.apply_remote_flush)
+            self.health.register("redis", self.fleet.health_check)
+            self.stores = RedisTenantStores(self.fleet.link, quota_for=self.quota_for,
+                                            memory_bytes=settings.store.memory_bytes,
+                                            model_version=lambda: self.engine.version)
+        else:
+            self.stores = TenantStores(settings.data_path / "results", quota_for=self.quota_for,
+                                       memory_bytes=settings.store.memory_bytes, faults=self.storage_faults,
+                                       damaged_dir=self.damaged_dir)
         adm = settings.admission
         self.admission = AdmissionGate(max_running=adm.max_concurrent_misses, max_queue=adm.max_queue,
                                        queue_timeout_s=adm.queue_timeout_s, retry_after_s=adm.retry_after_s)
@@ -78,6 +95,8 @@ class Runtime:
 
     async def load(self) -> None:
         try:
+            if self.fleet is not None:
+                await self.fleet.start()  # a Redis that is down does not stop the node: it serves on its own
             await self.engine.start()
         except EdgeCacheError as exc:
             self.load_error = exc.message
@@ -95,6 +114,8 @@ class Runtime:
                                         metrics=self.metrics, ttl_for=self.ttl_for, admission=self.admission,
                                         semantic=self.semantic)
         self._background.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
+        if self.fleet is not None:
+            await self.fleet.events.announce_model(self.engine.version)
         self.ready = True
         log.info("model %s ready (%s)%s", self.engine.model_id, self.engine.version,
                  f", embedder {self.semantic.embedder.version}" if self.semantic else "")
@@ -163,7 +184,12 @@ class Runtime:
     async def flush(self, tenant: str | None, scenario: str | None) -> dict[str, int]:
         """Drop entries across every layer: the tenant's (or everyone's) result store, scenario-tagged entries
         only when a scenario is named, the semantic vectors, and the engine's prefix cache when flushing all."""
-        stores = [tenant] if tenant is not None else self.stores.existing_tenants()
+        if tenant is not None:
+            stores = [tenant]
+        elif self.fleet is not None:
+            stores = await self.stores.known_tenants()  # type: ignore[union-attr]  # the fleet's, from Redis
+        else:
+            stores = self.stores.existing_tenants()
         dropped = 0
         for name in stores:
             dropped += await self.stores(name).clear(tag=scenario)
@@ -172,7 +198,26 @@ class Runtime:
         if tenant is None and scenario is None:
             await self.engine.flush()
         self.parsed.clear()
+        if self.fleet is not None:
+            # The other nodes drop their memory copies and vectors, and no flight from before this joins after.
+            from edgecache.fleet.link import LinkDown
+
+            try:
+                await self.fleet.events.publish_flush(tenant, scenario)
+            except LinkDown as exc:
+                raise NotReady(f"the flush could not reach the fleet's Redis: {exc}") from exc
         return {"result_entries": dropped}
+
+    async def apply_remote_flush(self, tenant: str | None, scenario: str | None) -> None:
+        """Another node flushed (the shared store is already cleared): drop what this node holds of it."""
+        for name, store in self.stores.opened().items():
+            if tenant in (None, name):
+                store.forget_memory()  # type: ignore[union-attr]  # the memory tier has no tags: all of it
+        if self.semantic is not None:
+            await self.semantic.drop(tenant=tenant, scenario=scenario)
+        if tenant is None and scenario is None and self.ready:
+            await self.engine.flush()
+        self.parsed.clear()
 
     async def _housekeeping(self) -> None:
         # Every few seconds: write changed index files (the vectors are committed to SQLite as they are added; the
@@ -217,7 +262,11 @@ class Runtime:
                 if self.semantic is not None:
                     self.semantic.close()
             finally:
-                self.stores.close()
+                try:
+                    self.stores.close()
+                finally:
+                    if self.fleet is not None:
+                        await self.fleet.close()
 
 
 def load_semantic_embedder(settings: Settings) -> Embedder:
