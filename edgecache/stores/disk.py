@@ -84,6 +84,8 @@ class DiskResultStore:
             self._faults.record(COMPONENT, exc, action="store not open, serving misses; retrying",
                                 path=self.directory)
             return False
+        if self._faults is not None:
+            self._faults.recovered(COMPONENT)  # it opened: a fault from an earlier try is over
         for report in self.repairs:
             if self._faults is not None:
                 self._faults.repaired(COMPONENT, report)
