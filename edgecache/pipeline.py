@@ -94,9 +94,11 @@ def replay(answer: CachedAnswer) -> AsyncIterator[Chunk]:
     serve it, so cached_tokens is every prompt token: nothing was computed."""
 
     async def chunks() -> AsyncIterator[Chunk]:
-        yield Chunk(text=answer.text)
+        if answer.choices is None:
+            yield Chunk(text=answer.text)
         yield Chunk(finish_reason=answer.finish_reason, prompt_tokens=answer.prompt_tokens,  # type: ignore[arg-type]
-                    completion_tokens=answer.completion_tokens, cached_tokens=answer.prompt_tokens)
+                    completion_tokens=answer.completion_tokens, cached_tokens=answer.prompt_tokens,
+                    choices=answer.choices)
 
     return chunks()
 
@@ -273,10 +275,12 @@ class RequestPipeline:
         # Listeners have the whole answer now; storing it is the flight's last job (it stays joinable meanwhile).
         flight.finish()
         now = time.time()
+        first = final.choices[0] if final.choices else None
         await self.stores(call.tenant).put(key, CachedAnswer(
-            text="".join(c.text for c in flight.chunks), finish_reason=final.finish_reason,
+            text=first.text if first else "".join(c.text for c in flight.chunks),
+            finish_reason=first.finish_reason if first else final.finish_reason,
             prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
-            created_at=now, expires_at=now + ttl_s), tag=call.scenario)
+            created_at=now, expires_at=now + ttl_s, choices=final.choices), tag=call.scenario)
         if probe is not None and lookup is not None and self.semantic is not None:
             vector = lookup.vector if lookup.vector is not None else await self.semantic.batcher.embed(probe.text)
             await self.semantic.remember(call.tenant, call.scenario, probe, vector, key)

@@ -52,9 +52,9 @@ def probe_for(request: GenerationRequest, model_version: str) -> Probe | None:
         (systems if message.role in ("system", "developer") and not rest else rest).append(message)
     if len(rest) != 1 or rest[0].role != "user" or not rest[0].content.strip():
         return None
-    p = request.params
-    context = (model_version, request.salt, [(m.role, m.content) for m in systems], p.max_tokens, p.temperature,
-               p.top_p, list(p.stop), p.seed, p.presence_penalty, p.frequency_penalty)
+    # Everything but the user's text: the system prompt, the sampling, and the tools, tool choice and response
+    # format, so a paraphrase is never served across different tool sets or schemas.
+    context = (model_version, msgspec.structs.replace(request, messages=tuple(systems)))
     return Probe(text=rest[0].content, namespace=hashlib.blake2b(_encoder.encode(context), digest_size=8).hexdigest())
 
 

@@ -12,9 +12,16 @@ from typing import Protocol
 
 import msgspec
 
+from edgecache.engines.base import Choice
+
 
 class CachedAnswer(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
-    """A complete, successful answer. ``expires_at`` is wall-clock seconds (it must survive restarts)."""
+    """A complete, successful answer. ``expires_at`` is wall-clock seconds (it must survive restarts).
+
+    ``choices`` holds the whole answer when it is more than one text choice (tool calls, logprobs, n > 1); then
+    ``text`` and ``finish_reason`` repeat its first choice's. It is the last field, so entries written before it
+    existed still decode (as plain answers).
+    """
 
     text: str
     finish_reason: str
@@ -22,6 +29,7 @@ class CachedAnswer(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     completion_tokens: int
     created_at: float
     expires_at: float
+    choices: tuple[Choice, ...] | None = None
 
 
 class ResultStore(Protocol):
