@@ -6,7 +6,6 @@ Flags become dotted overrides of one Settings object (the same road as ``EDGECAC
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Annotated, Any, Optional
 
 import typer
@@ -69,6 +68,7 @@ def serve(
     from edgecache.engines import engine_from_settings
     from edgecache.errors import EdgeCacheError
     from edgecache.hardware import validate_memory
+    from edgecache.http_server import uvicorn_config
 
     def refuse(message: str) -> typer.Exit:
         typer.secho(f"error: {message}", fg="red", err=True)
@@ -101,10 +101,7 @@ def serve(
     typer.echo(f"edgecache: profile {settings.profile}, engine {settings.engine.kind} ({engine}), "
                f"data in {settings.data_dir}, serving on http://{settings.server.host}:{settings.server.port}/v1",
                err=True)
-    config = uvicorn.Config(application, host=settings.server.host, port=settings.server.port,
-                            loop="uvloop" if sys.platform != "win32" else "asyncio", http="httptools",
-                            log_level=settings.server.log_level, access_log=False, lifespan="on")
-    uvicorn.Server(config).run(sockets=[listening])
+    uvicorn.Server(uvicorn_config(application, settings)).run(sockets=[listening])
 
 
 def _bind(host: str, port: int):  # type: ignore[no-untyped-def]

@@ -242,6 +242,9 @@ class OpenAIUpstreamEngine:
         self._cached_tokens += chunk.cached_tokens
         self._completion_tokens += chunk.completion_tokens
 
+    async def check_prompt(self, request: GenerationRequest) -> None:
+        """Nothing before the call: the upstream knows its own context and refuses an over-long prompt itself."""
+
     async def flush(self) -> None:
         """Nothing to do: the OpenAI API has no cache flush, and an upstream's prefix cache is exact (it can make
         answers faster, never different)."""
