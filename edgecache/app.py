@@ -271,7 +271,7 @@ async def retrieve_model(state: State, model_id: Annotated[str, PathParameter()]
 @post("/v1/embeddings", status_code=200)
 async def embeddings(request: Request[Any, Any, Any]) -> ASGIApp:
     rt = _runtime(request.app.state)
-    tenant = rt.tenants.authenticate(read_headers(request.scope["headers"]).authorization)
+    tenant = rt.tenants.authenticate(_authorization(request))
     body = decode_body(await request.body(), EmbeddingRequest)
     if not rt.ready:
         raise NotReady("the server is still loading; retry shortly")
@@ -283,13 +283,13 @@ async def embeddings(request: Request[Any, Any, Any]) -> ASGIApp:
         raise ModelNotFound(f"the embedding model {body.model!r} does not exist here; this server's embedder is "
                             f"{model_id!r}", param="model")
     payload, all_hits = await embed(body, model_id=model_id, semantic=rt.semantic, store=rt.stores(tenant.id))
-    return JsonAnswer(payload, [(b"x-edgecache", b"exact" if all_hits else b"miss")])
+    return RawAnswer(payload, [(b"x-edgecache", b"exact" if all_hits else b"miss")])
 
 
 @get("/openapi.json")
 async def openapi_json(state: State) -> ASGIApp:
     """The OpenAPI document, generated from the request and response structs (see :mod:`edgecache.openapi`)."""
-    return JsonAnswer(state.openapi, [])
+    return RawAnswer(state.openapi, [])
 
 
 @get("/health")
