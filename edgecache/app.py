@@ -17,6 +17,7 @@ engine, save the indexes, close the stores.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -47,7 +48,9 @@ from edgecache.errors import (
 )
 from edgecache.openai_api import ModelCard, ModelList, ResponseWriter, usage
 from edgecache.pipeline import Call, Reply
-from edgecache.request_surface import check_engine_supports
+from edgecache.embeddings_api import EmbeddingRequest, embed
+from edgecache.openapi import openapi_document
+from edgecache.request_surface import check_engine_supports, decode_body
 from edgecache.runtime import Runtime
 from edgecache.settings import Settings
 from edgecache.tenants import TenantDirectory
@@ -242,20 +245,51 @@ async def completions(request: Request[Any, Any, Any]) -> ASGIApp:
     return await _generate(request, chat=False)
 
 
+def _model_cards(rt: Runtime) -> list[ModelCard]:
+    """The chat model, and the embedder when the semantic layer hosts one (it serves /v1/embeddings)."""
+    cards = [ModelCard(id=rt.engine.model_id, created=rt.started_at)]
+    if rt.semantic is not None:
+        cards.append(ModelCard(id=rt.settings.semantic.embedder, created=rt.started_at))
+    return cards
+
+
 @get("/v1/models")
 async def list_models(state: State) -> Response[Any]:
-    rt = _runtime(state)
-    return Response(_json.encode(ModelList(data=[ModelCard(id=rt.engine.model_id, created=rt.started_at)])),
-                    media_type=JSON)
+    return Response(_json.encode(ModelList(data=_model_cards(_runtime(state)))), media_type=JSON)
 
 
 @get("/v1/models/{model_id:str}")
 async def retrieve_model(state: State, model_id: Annotated[str, PathParameter()]) -> Response[Any]:
     rt = _runtime(state)
-    if model_id != rt.engine.model_id:
-        raise ModelNotFound(f"the model {model_id!r} does not exist here; this server serves "
-                            f"{rt.engine.model_id!r}", param="model")
-    return Response(_json.encode(ModelCard(id=rt.engine.model_id, created=rt.started_at)), media_type=JSON)
+    for card in _model_cards(rt):
+        if card.id == model_id:
+            return Response(_json.encode(card), media_type=JSON)
+    raise ModelNotFound(f"the model {model_id!r} does not exist here; this server serves "
+                        f"{', '.join(repr(c.id) for c in _model_cards(rt))}", param="model")
+
+
+@post("/v1/embeddings", status_code=200)
+async def embeddings(request: Request[Any, Any, Any]) -> ASGIApp:
+    rt = _runtime(request.app.state)
+    tenant = rt.tenants.authenticate(_authorization(request))
+    body = decode_body(await request.body(), EmbeddingRequest)
+    if not rt.ready:
+        raise NotReady("the server is still loading; retry shortly")
+    model_id = rt.settings.semantic.embedder
+    if rt.semantic is None:
+        raise ModelNotFound("this server hosts no embedder now (the semantic layer is off"
+                            f"{': ' + rt.semantic_error if rt.semantic_error else ''})", param="model")
+    if body.model != model_id:
+        raise ModelNotFound(f"the embedding model {body.model!r} does not exist here; this server's embedder is "
+                            f"{model_id!r}", param="model")
+    payload, all_hits = await embed(body, model_id=model_id, semantic=rt.semantic, store=rt.stores(tenant.id))
+    return RawAnswer(payload, [(b"x-edgecache", b"exact" if all_hits else b"miss")])
+
+
+@get("/openapi.json")
+async def openapi_json(state: State) -> ASGIApp:
+    """The OpenAPI document, generated from the request and response structs (see :mod:`edgecache.openapi`)."""
+    return RawAnswer(state.openapi, [])
 
 
 @get("/health")
@@ -370,6 +404,13 @@ def _error_response(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     return Response(_json.encode(error_body(err)), status_code=err.status, media_type=JSON, headers=headers)
 
 
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("edgecache")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
 def create_app(settings: Settings, engine: Engine | None = None,
                engine_factory: Callable[[Settings], Engine] | None = None) -> Litestar:
     """Build the app. ``engine`` injects a ready-made engine (tests pass a fake); otherwise the engine named by
@@ -401,9 +442,10 @@ def create_app(settings: Settings, engine: Engine | None = None,
             lock.release()
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, list_models, retrieve_model, health, metrics, stats, admin_flush,
-                        admin_warmup],
+        route_handlers=[chat_completions, completions, embeddings, list_models, retrieve_model, openapi_json, health,
+                        metrics, stats, admin_flush, admin_warmup],
         lifespan=[lifespan],
+        state=State({"openapi": _json.encode(openapi_document(_package_version()))}),
         exception_handlers={Exception: _error_response},
         request_max_body_size=settings.server.max_body_bytes,
         openapi_config=None,
