@@ -29,6 +29,7 @@ from edgecache.settings import Settings
 
 Refused = Callable[[int, str], None]  # (status, method or "-")
 
+LINGER_S = 2.0  # how long a refused connection's late bytes are read and dropped before it closes
 _REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large"}
 
 
@@ -46,6 +47,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._tail = b""
         self._read_timer: asyncio.TimerHandle | None = None
+        self._discarding = False  # refused: whatever else arrives is dropped until the connection closes
 
     # --- the read timer: armed while the server waits for a part of a request --------------------------------
 
@@ -65,7 +67,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def _refuse(self, status: int, message: str) -> None:
         """Answer ``status`` if no response has started, and close the connection either way."""
         self._cancel_read_timer()
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self._discarding:
             return
         cycle = self.cycle
         if cycle is None or not cycle.response_started:
@@ -78,7 +80,13 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True  # the app, if it is waiting for the body, sees the client gone
             cycle.message_event.set()
-        self.transport.close()
+        # A lingering close: closing with unread bytes in the socket sends a reset that can destroy the answer
+        # before the client reads it. So end our side (the client sees the answer, then end of stream), discard
+        # what it still sends, and close for good a moment later.
+        self._discarding = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)
         if self.on_refused is not None:
             method = self.scope.get("method", "-") if self.scope is not None else "-"
             self.on_refused(status, method)
@@ -94,6 +102,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._discarding:
+            return
         if self._reading_head:
             # Count only the head's bytes: a chunk may carry the end of the head and the start of the body.
             seen = self._tail + data
@@ -120,12 +130,10 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._cancel_read_timer()
-        super().on_message_complete()
-
-    def on_response_complete(self) -> None:
-        # The next request on this connection starts a new head (idle time until then is the keep-alive timer's).
+        # Whatever arrives next on this connection is the next request's head (pipelined, or after the response;
+        # idle time in between is the keep-alive timer's).
         self._reading_head, self._head_bytes, self._tail = True, 0, b""
-        super().on_response_complete()
+        super().on_message_complete()
 
 
 def limited_protocol(settings: Settings, on_refused: Refused | None = None) -> type[LimitedHttpProtocol]:

@@ -299,11 +299,16 @@ def pick_profile(gpu_memory_gb: float) -> str:
     return max(fitting)[1]
 
 
+# Variables of the command line, not settings: the profile's name, and the server the client verbs (stats,
+# flush, warmup) talk to with its admin key. An operator exports them in the same shell as the settings.
+NOT_OVERRIDES = frozenset({ENV_PREFIX + "PROFILE", ENV_PREFIX + "URL", ENV_PREFIX + "ADMIN_KEY"})
+
+
 def env_overrides(environ: Mapping[str, str]) -> dict[str, str]:
-    """``EDGECACHE_SERVER__PORT=9000`` -> ``{"server.port": "9000"}``. ``EDGECACHE_PROFILE`` is not an override."""
+    """``EDGECACHE_SERVER__PORT=9000`` -> ``{"server.port": "9000"}``. The :data:`NOT_OVERRIDES` are skipped."""
     out = {}
     for name, value in environ.items():
-        if name.startswith(ENV_PREFIX) and name != ENV_PREFIX + "PROFILE":
+        if name.startswith(ENV_PREFIX) and name not in NOT_OVERRIDES:
             out[name[len(ENV_PREFIX):].lower().replace("__", ".")] = value
     return out
 
