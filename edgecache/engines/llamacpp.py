@@ -307,7 +307,8 @@ class LlamaCppEngine:
     def _check_prompt_sync(self, request: GenerationRequest) -> None:
         # Every token covers at least one byte of the rendered prompt, so a prompt of fewer bytes than the context
         # has tokens fits without tokenizing (the common case, at no cost).
-        size = len(request.prompt or "") + sum(len(m.content) + 16 for m in request.messages or ())
+        size = len(request.prompt or "") + sum(len(m.content) + 16 for m in request.messages or ()) + sum(
+            len(t.name) + len(t.description) + len(t.parameters) + 64 for t in request.tools)
         if 4 * size < self._context_tokens:  # at most 4 UTF-8 bytes a character
             return
         n_prompt = len(self._prompt_tokens(request))
