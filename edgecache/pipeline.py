@@ -162,7 +162,7 @@ class RequestPipeline:
             if flight is not None:
                 return Reply(served="shared", chunks=flight.follow())
 
-            # 3. semantic cache: first-turn chat prompts only, nearest neighbour over threshold, past the guard
+            # 3. semantic cache: first-turn chat prompts only, the nearest candidates, the verifier's pick
             probe = probe_for(call.request, self.engine.version) if self.semantic and policy.semantic else None
             if probe is not None:
                 lookup = await self._semantic_lookup(call, probe)
@@ -214,6 +214,10 @@ class RequestPipeline:
     async def _semantic_lookup(self, call: Call, probe: Probe) -> Lookup:
         assert self.semantic is not None
         lookup = await self.semantic.lookup(call.tenant, call.scenario, probe)
+        if lookup.score is not None:
+            self.metrics.semantic_verifier_score.labels(call.scenario).observe(lookup.score)
+        if lookup.refusal is not None:
+            self.metrics.semantic_refusals.labels(call.scenario, lookup.refusal).inc()
         if lookup.refused_by_guard is not None:
             self.metrics.semantic_guard_rejections.labels(lookup.refused_by_guard.split(":", 1)[0]).inc()
         return lookup

@@ -22,7 +22,7 @@ from edgecache.metrics import Metrics
 from edgecache.openai_api import IdSource
 from edgecache.pipeline import Call, RequestPipeline
 from edgecache.result_store import TenantStores
-from edgecache.semantic_cache import SemanticCache
+from edgecache.semantic_cache import MatchRule, SemanticCache
 from edgecache.settings import Settings
 from edgecache.tenants import TenantDirectory
 from edgecache.ttl_tiers import TtlClassifier
@@ -161,22 +161,32 @@ class Runtime:
 
 def build_semantic_cache(settings: Settings, metrics: Metrics,
                          cap_for: Callable[[str], int | None] = lambda tenant: None) -> SemanticCache:
-    """Load the embedder and open the indexes (blocking: model load). Thresholds: the scenario's own, else the
-    value calibrated for this embedder."""
+    """Load the embedder, the verifier and open the indexes (blocking: model load).
+
+    ``semantic.decision`` picks the rule. Under the verifier, a scenario's raw ``threshold`` still overrides it, and an
+    embedder the verifier was not fitted for keeps the cosine threshold calibrated for it (and the guard's veto).
+    """
     from edgecache.embedders import default_threshold, load_embedder
     from edgecache.semantic_index import SemanticIndex
+    from edgecache.verifier import Verifier
 
     sem = settings.semantic
     embedder = load_embedder(sem.embedder, model_dir=sem.model_dir, device=sem.device, threads=sem.threads,
                              gpu_mem_limit=sem.gpu_mem_limit)
     index = SemanticIndex(settings.data_path / "semantic", dim=embedder.dim, embedder_version=embedder.version,
                           dtype=sem.vector_dtype, max_vectors=sem.max_vectors_per_index)
+    verifier = Verifier.load(sem.verifier_params) if sem.decision == "verifier" else None
+    if verifier is not None and verifier.embedder != embedder.version:
+        verifier = None  # its weights read another model's cosine
 
-    def threshold_for(scenario: str) -> float:
-        configured = settings.scenarios[scenario].threshold
-        return configured if configured is not None else default_threshold(embedder.version, scenario)
+    def rule_for(scenario: str) -> MatchRule:
+        configured = settings.scenarios[scenario]
+        threshold = configured.threshold
+        if threshold is None and verifier is None:
+            threshold = default_threshold(embedder.version, scenario)
+        return MatchRule(target_false_hit_rate=configured.target_false_hit_rate, threshold=threshold)
 
-    return SemanticCache(embedder=embedder, index=index, threshold_for=threshold_for, cap_for=cap_for,
-                         max_batch=sem.batch_max,
+    return SemanticCache(embedder=embedder, index=index, rule_for=rule_for, verifier=verifier,
+                         candidates=sem.candidates, cap_for=cap_for, max_batch=sem.batch_max,
                          max_wait_s=sem.batch_wait_ms / 1000, observe_embed=metrics.embed_seconds.observe,
                          observe_search=metrics.semantic_search_seconds.observe)
