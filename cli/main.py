@@ -47,12 +47,16 @@ def serve(
         metavar="FILE", help="Tenants, plans and API keys (tenants_file); without it, one open tenant.")] = None,
     insecure: Annotated[bool, typer.Option(
         help="Allow a non-loopback address without a tenants file (anyone who reaches it may use it).")] = False,
+    redis: Annotated[Optional[str], typer.Option(
+        metavar="URL", help="Share results, flights and vectors with a fleet through this Redis "
+        "(store.backend=redis, store.redis_url).")] = None,
 ) -> None:
     """Serve the OpenAI API with the caches and the model runtime in this one process."""
     settings = _settings(profile, {"server.host": host, "server.port": port, "data_dir": data_dir,
                                    "engine.model": model, "engine.kind": "openai" if upstream else None,
                                    "engine.upstream_url": upstream, "engine.upstream_key": upstream_key,
-                                   "tenants_file": tenants})
+                                   "tenants_file": tenants, "store.backend": "redis" if redis else None,
+                                   "store.redis_url": redis})
     if settings.tenants_file is None and not insecure and not _is_loopback(settings.server.host):
         typer.secho(f"error: refusing to serve on {settings.server.host} with no tenants file: anyone who reaches "
                     "it could use the model and read the cache. Give --tenants FILE, or --insecure.",
@@ -61,20 +65,35 @@ def serve(
     import uvicorn
 
     from edgecache.app import create_app
+    from edgecache.data_dir import ensure_free
+    from edgecache.engines import engine_from_settings
+    from edgecache.errors import EdgeCacheError
     from edgecache.hardware import validate_memory
 
+    def refuse(message: str) -> typer.Exit:
+        typer.secho(f"error: {message}", fg="red", err=True)
+        return typer.Exit(2)
+
+    # Every check that can refuse runs before the banner and before any model loads, each as one line: the
+    # memory split, the data dir (one server per dir), the port (bound here and handed to uvicorn, so nothing can
+    # take it in between), the model file, the tenants file.
     try:
-        split = validate_memory(settings)  # a GPU split that cannot work fails here, before any model loads
+        split = validate_memory(settings)
+        ensure_free(settings.data_path)
     except SettingsError as exc:
-        typer.secho(f"error: {exc}", fg="red", err=True)
-        raise typer.Exit(2) from exc
+        raise refuse(str(exc)) from exc
     for warning in split.warnings if split is not None else ():
         typer.secho(f"warning: {warning}", fg="yellow", err=True)
     try:
-        application = create_app(settings)
-    except SettingsError as exc:  # a bad tenants file
-        typer.secho(f"error: {exc}", fg="red", err=True)
-        raise typer.Exit(2) from exc
+        listening = _bind(settings.server.host, settings.server.port)
+    except OSError as exc:
+        raise refuse(f"cannot listen on {settings.server.host}:{settings.server.port}: {exc.strerror or exc} "
+                     "(another server on that port? give --port another)") from exc
+    try:
+        application = create_app(settings, engine=engine_from_settings(settings))
+    except (SettingsError, EdgeCacheError) as exc:  # a bad tenants file, a model that is not there
+        listening.close()
+        raise refuse(str(exc)) from exc
 
     logging.basicConfig(level=settings.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -85,7 +104,25 @@ def serve(
     config = uvicorn.Config(application, host=settings.server.host, port=settings.server.port,
                             loop="uvloop" if sys.platform != "win32" else "asyncio", http="httptools",
                             log_level=settings.server.log_level, access_log=False, lifespan="on")
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=[listening])
+
+
+def _bind(host: str, port: int):  # type: ignore[no-untyped-def]
+    """A listening socket on (host, port), as uvicorn would make it: bound now, so a busy port is found before
+    the model loads."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def _is_loopback(host: str) -> bool:

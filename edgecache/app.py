@@ -21,17 +21,18 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
-from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
+from litestar.params import PathParameter
 from litestar.response import Stream
 from litestar.types import ASGIApp
 
 from edgecache.calls import Parsed, apply_headers, read_headers
+from edgecache.data_dir import DataDirLock
 from edgecache.engines.base import Chunk, Engine
 from edgecache.errors import (
     BadRequest,
@@ -44,6 +45,7 @@ from edgecache.errors import (
 )
 from edgecache.openai_api import ModelCard, ModelList, ResponseWriter, usage
 from edgecache.pipeline import Call, Reply
+from edgecache.request_surface import check_engine_supports
 from edgecache.runtime import Runtime
 from edgecache.settings import Settings
 from edgecache.tenants import TenantDirectory
@@ -109,7 +111,8 @@ async def _respond(rt: Runtime, request: Request[Any, Any, Any], parsed: Parsed,
         # The hot path: a stored answer, rendered straight from the store's copy.
         metrics.observe_request(call.tenant, call.scenario, reply.served, time.perf_counter() - started)
         body = writer.body(answer.text, answer.finish_reason,
-                           usage(answer.prompt_tokens, answer.completion_tokens, answer.prompt_tokens))
+                           usage(answer.prompt_tokens, answer.completion_tokens, answer.prompt_tokens),
+                           answer.choices)
         return JsonAnswer(body, _reply_headers(reply))
     chunks = reply.stream()
     try:
@@ -136,7 +139,7 @@ async def _respond(rt: Runtime, request: Request[Any, Any, Any], parsed: Parsed,
             await chunks.aclose()
         metrics.observe_request(call.tenant, call.scenario, reply.served, ttft)
         body = writer.body("".join(texts), final.finish_reason,
-                           usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens))
+                           usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens), final.choices)
         return JsonAnswer(body, _reply_headers(reply))
 
     headers = {name.decode(): value.decode() for name, value in _reply_headers(reply)}
@@ -149,6 +152,12 @@ async def _sse(rt: Runtime, call: Call, served: str, writer: ResponseWriter, fir
     outcome = "error"
     try:
         async with aclosing(chunks):
+            if first.choices is not None:
+                # A whole answer (tool calls, logprobs, several choices) arrives as one final chunk.
+                yield writer.sse_whole(first.choices, usage(first.prompt_tokens, first.completion_tokens,
+                                                            first.cached_tokens))
+                outcome = served
+                return
             yield writer.sse_start()
             chunk: Chunk | None = first
             while chunk is not None:
@@ -174,6 +183,7 @@ async def _generate(request: Request[Any, Any, Any], chat: bool) -> ASGIApp:
     tenant = rt.tenants.authenticate(headers.authorization)                            # 401 on an unknown key
     parsed = rt.parsed.parse(chat, await request.body(), tenant)                       # 400 / 413
     _check_ready(rt, parsed.model)                                                     # 503 / 404
+    check_engine_supports(parsed.features, rt.engine)                                  # 400 naming field+engine
     return await _respond(rt, request, apply_headers(parsed, headers, tenant, rt.settings), started)
 
 
@@ -194,14 +204,32 @@ async def list_models(state: State) -> Response[Any]:
                     media_type=JSON)
 
 
+@get("/v1/models/{model_id:str}")
+async def retrieve_model(state: State, model_id: Annotated[str, PathParameter()]) -> Response[Any]:
+    rt = _runtime(state)
+    if model_id != rt.engine.model_id:
+        raise ModelNotFound(f"the model {model_id!r} does not exist here; this server serves "
+                            f"{rt.engine.model_id!r}", param="model")
+    return Response(_json.encode(ModelCard(id=rt.engine.model_id, created=rt.started_at)), media_type=JSON)
+
+
 @get("/health")
 async def health(state: State) -> Response[Any]:
+    """The worst of the component checks (:mod:`edgecache.health`): 200 when ready or degraded (serving, with the
+    reason), 503 while loading or when failed. Each component's status and reason is listed."""
     rt = _runtime(state)
-    status = "ready" if rt.ready else ("failed" if rt.load_error else "loading")
-    body = {"status": status, "model": rt.engine.model_id, "version": rt.engine.version}
+    overall, components = rt.health.report()
+    body: dict[str, Any] = {"status": overall.status, "model": rt.engine.model_id, "version": rt.engine.version,
+                            "components": {name: {"status": h.status, **({"reason": h.reason} if h.reason else {})}
+                                           for name, h in components.items()}}
+    if overall.reason:
+        body["reason"] = overall.reason
     if rt.load_error:
         body["error"] = rt.load_error
-    return Response(_json.encode(body), media_type=JSON, status_code=200 if rt.ready else 503)
+    if rt.fleet is not None:
+        # Redis down is a detail, not a failure: the node serves from its memory tier and its engine.
+        body["redis"] = rt.fleet.health()
+    return Response(_json.encode(body), media_type=JSON, status_code=200 if overall.serving else 503)
 
 
 @get("/metrics")
@@ -303,20 +331,24 @@ def create_app(settings: Settings, engine: Engine | None = None,
         else:
             from edgecache.engines import engine_from_settings
             chosen = (engine_factory or engine_from_settings)(settings)
-        Path(settings.data_path).mkdir(parents=True, exist_ok=True)
-        rt = Runtime(settings, chosen, tenants)
-        app.state.runtime = rt
-        loading = asyncio.create_task(rt.load(), name="load")
+        # One process per data dir: a second one refuses here, before it opens a store (DataDirBusy).
+        lock = DataDirLock(settings.data_path).acquire()
         try:
-            yield
+            rt = Runtime(settings, chosen, tenants)
+            app.state.runtime = rt
+            loading = asyncio.create_task(rt.load(), name="load")
+            try:
+                yield
+            finally:
+                if not loading.done():
+                    loading.cancel()
+                    await asyncio.wait([loading])
+                await rt.close()
         finally:
-            if not loading.done():
-                loading.cancel()
-                await asyncio.wait([loading])
-            await rt.close()
+            lock.release()
 
     return Litestar(
-        route_handlers=[chat_completions, completions, list_models, health, metrics, stats, admin_flush,
+        route_handlers=[chat_completions, completions, list_models, retrieve_model, health, metrics, stats, admin_flush,
                         admin_warmup],
         lifespan=[lifespan],
         exception_handlers={Exception: _error_response},

@@ -14,14 +14,14 @@ from typing import NamedTuple
 
 import msgspec
 
-from edgecache.engines.base import GenerationRequest
 from edgecache.errors import BadRequest, Forbidden, PayloadTooLarge
-from edgecache.openai_api import (
+from edgecache.pipeline import POLICIES, Call
+from edgecache.request_surface import (
     ChatCompletionRequest,
     CompletionRequest,
     decode_request,
+    features_used,
 )
-from edgecache.pipeline import POLICIES, Call
 from edgecache.settings import Settings
 from edgecache.tenants import Tenant
 
@@ -34,6 +34,8 @@ class Parsed(msgspec.Struct, frozen=True, kw_only=True):
     chat: bool
     stream: bool
     include_usage: bool
+    # The request fields the engine must honour beyond plain sampling (checked against the running engine).
+    features: frozenset[str] = frozenset()
 
 
 def parse(chat: bool, body: bytes, tenant: Tenant, settings: Settings) -> Parsed:
@@ -44,14 +46,10 @@ def parse(chat: bool, body: bytes, tenant: Tenant, settings: Settings) -> Parsed
         assert isinstance(req, ChatCompletionRequest)
         if len(req.messages) > settings.server.max_messages:
             raise PayloadTooLarge(f"at most {settings.server.max_messages} messages per request")
-        params = req.sampling(settings.engine.default_max_tokens, req.max_completion_tokens)
-        generation = GenerationRequest(messages=tuple(m.to_message() for m in req.messages), params=params,
-                                       salt=salt)
     else:
         req = decode_request(body, CompletionRequest)  # type: ignore[assignment]
         assert isinstance(req, CompletionRequest)
-        generation = GenerationRequest(prompt=req.prompt, params=req.sampling(settings.engine.default_max_tokens),
-                                       salt=salt)
+    generation = req.generation(settings.engine.default_max_tokens, salt)
     if req.cache_salt:
         # A caller's own salt namespaces within its tenant: the tenant always leads the engine's salt.
         generation = msgspec.structs.replace(generation, salt=f"{tenant.id}:{req.cache_salt}")
@@ -60,8 +58,8 @@ def parse(chat: bool, body: bytes, tenant: Tenant, settings: Settings) -> Parsed
                 scenario=(options.scenario if options else None) or "default",
                 policy=(options.policy if options else None) or "default",
                 ttl_s=options.ttl if options else None, ttl_tier=options.ttl_tier if options else None)
-    return Parsed(call=call, model=req.model, chat=chat, stream=req.stream,
-                  include_usage=bool(req.stream_options and req.stream_options.include_usage))
+    return Parsed(call=call, model=req.model, chat=chat, stream=req.stream, include_usage=req.include_usage(),
+                  features=features_used(generation))
 
 
 class CallHeaders(NamedTuple):

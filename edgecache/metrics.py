@@ -81,6 +81,15 @@ class Metrics:
         self.admission_rejections = Counter(
             "edgecache_admission_rejections", "Misses refused with 429 because the engine was saturated.",
             registry=self.registry)
+        self.redis_up = Gauge("edgecache_redis_up",
+                              "1 while the fleet's Redis answers, 0 while this node serves on its own "
+                              "(store.backend = redis only).", registry=self.registry)
+        self.redis_disconnects = Counter("edgecache_redis_disconnects",
+                                         "Times this node lost the fleet's Redis.", registry=self.registry)
+        self.storage_failures = Counter(
+            "edgecache_storage_failures", "Failed storage operations (a write skipped, a read served as a miss, a "
+            "damaged file moved aside), by component and kind (disk_full, damaged, io).", ["component", "kind"],
+            registry=self.registry)
         # Label children are cached: .labels() takes a lock and hashes on every call, which shows on the hit path.
         self._ttft_by_outcome = {o: self.ttft.labels(o) for o in OUTCOMES}
         self._requests_children: dict[tuple[str, str, str], Counter] = {}
@@ -104,6 +113,12 @@ class Metrics:
             self.admission_rejections.inc()
         if ttft_s is not None:
             self._ttft_by_outcome[outcome].observe(ttft_s)
+
+    def observe_redis(self, up: bool) -> None:
+        """The fleet link changed state (called on transitions only)."""
+        if not up:
+            self.redis_disconnects.inc()
+        self.redis_up.set(1 if up else 0)
 
     def observe_engine_call(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> None:
         self.engine_calls.inc()

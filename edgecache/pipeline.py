@@ -26,10 +26,10 @@ import msgspec
 from edgecache.admission import AdmissionGate
 from edgecache.engines.base import Chunk, Engine, GenerationRequest
 from edgecache.errors import EngineError
-from edgecache.inflight import Flight, InflightTable
+from edgecache.inflight import FlightTable, SharedFlight
 from edgecache.keys import is_cacheable, request_key
 from edgecache.metrics import Metrics
-from edgecache.result_store import CachedAnswer, ResultStore
+from edgecache.stores import CachedAnswer, ResultStore
 from edgecache.semantic_cache import Lookup, Probe, SemanticCache, probe_for
 
 Served = Literal["exact", "shared", "semantic", "miss"]
@@ -93,9 +93,11 @@ def replay(answer: CachedAnswer) -> AsyncIterator[Chunk]:
     serve it, so cached_tokens is every prompt token: nothing was computed."""
 
     async def chunks() -> AsyncIterator[Chunk]:
-        yield Chunk(text=answer.text)
+        if answer.choices is None:
+            yield Chunk(text=answer.text)
         yield Chunk(finish_reason=answer.finish_reason, prompt_tokens=answer.prompt_tokens,  # type: ignore[arg-type]
-                    completion_tokens=answer.completion_tokens, cached_tokens=answer.prompt_tokens)
+                    completion_tokens=answer.completion_tokens, cached_tokens=answer.prompt_tokens,
+                    choices=answer.choices)
 
     return chunks()
 
@@ -127,7 +129,7 @@ class RequestPipeline:
     """The request path. Its collaborators are handed in: ``stores`` gives a tenant's own result store,
     ``ttl_for`` decides an answer's lifetime, ``admission`` guards the engine, ``semantic`` may be None."""
 
-    def __init__(self, *, engine: Engine, stores: Callable[[str], ResultStore], inflight: InflightTable,
+    def __init__(self, *, engine: Engine, stores: Callable[[str], ResultStore], inflight: FlightTable,
                  metrics: Metrics, ttl_for: Callable[[Call], float], admission: AdmissionGate,
                  semantic: SemanticCache | None = None) -> None:
         self.engine = engine
@@ -232,7 +234,7 @@ class RequestPipeline:
                                                          chunk.completion_tokens)
                     yield chunk
 
-    async def _compute_and_store(self, call: Call, key: str, ttl_s: float, flight: Flight,
+    async def _compute_and_store(self, call: Call, key: str, ttl_s: float, flight: SharedFlight,
                                  probe: Probe | None = None, lookup: Lookup | None = None) -> None:
         final: Chunk | None = None
         async with aclosing(self._engine_stream(call)) as stream:
@@ -245,10 +247,12 @@ class RequestPipeline:
         # Listeners have the whole answer now; storing it is the flight's last job (it stays joinable meanwhile).
         flight.finish()
         now = time.time()
+        first = final.choices[0] if final.choices else None
         await self.stores(call.tenant).put(key, CachedAnswer(
-            text="".join(c.text for c in flight.chunks), finish_reason=final.finish_reason,
+            text=first.text if first else "".join(c.text for c in flight.chunks),
+            finish_reason=first.finish_reason if first else final.finish_reason,
             prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
-            created_at=now, expires_at=now + ttl_s), tag=call.scenario)
+            created_at=now, expires_at=now + ttl_s, choices=final.choices), tag=call.scenario)
         if probe is not None and lookup is not None and self.semantic is not None:
             vector = lookup.vector if lookup.vector is not None else await self.semantic.batcher.embed(probe.text)
             await self.semantic.remember(call.tenant, call.scenario, probe, vector, key)

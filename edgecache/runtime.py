@@ -12,20 +12,28 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+from pathlib import Path
 
 from edgecache.admission import AdmissionGate
 from edgecache.calls import ParsedRequests
+from edgecache.embedders import Embedder
 from edgecache.engines.base import Engine
-from edgecache.errors import EdgeCacheError
-from edgecache.inflight import InflightTable
+from edgecache.errors import EdgeCacheError, NotReady
+from edgecache.health import READY, STORAGE_ERRORS, Health, HealthChecks, StorageFaults
+from edgecache.inflight.local import InflightTable
 from edgecache.metrics import Metrics
 from edgecache.openai_api import IdSource
 from edgecache.pipeline import Call, RequestPipeline
-from edgecache.result_store import TenantStores
+from edgecache.stores.disk import TenantStores
 from edgecache.semantic_cache import MatchRule, SemanticCache
 from edgecache.settings import Settings
 from edgecache.tenants import TenantDirectory
 from edgecache.ttl_tiers import TtlClassifier
+
+if TYPE_CHECKING:
+    from edgecache.fleet import Fleet
+    from edgecache.stores.redis import RedisTenantStores
 
 log = logging.getLogger("edgecache")
 
@@ -44,11 +52,27 @@ class Runtime:
         self.engine = engine
         self.tenants = tenants
         self.metrics = Metrics()
+        # /health is the worst of these checks; a layer added later (a shared store) registers its own.
+        self.health = HealthChecks()
+        self.storage_faults = StorageFaults(self.metrics.storage_failures)
+        self.damaged_dir = settings.data_path / "damaged"
         self.inflight = InflightTable()
         self.ids = IdSource()
         self.parsed = ParsedRequests(settings)
-        self.stores = TenantStores(settings.data_path / "results", quota_for=self.quota_for,
-                                   memory_bytes=settings.store.memory_bytes)
+        self.fleet: Fleet | None = None
+        self.stores: TenantStores | RedisTenantStores
+        if settings.store.backend == "redis":
+            from edgecache.fleet import Fleet
+            from edgecache.stores.redis import RedisTenantStores
+
+            self.fleet = Fleet(settings, self.metrics, on_flush=self.apply_remote_flush)
+            self.health.register("redis", self.fleet.health_check)
+            self.stores = RedisTenantStores(self.fleet.link, quota_for=self.quota_for,
+                                            memory_bytes=settings.store.memory_bytes,
+                                            model_version=lambda: self.engine.version)
+        else:
+            self.stores = TenantStores(settings.data_path / "results", quota_for=self.quota_for,
+                                       memory_bytes=settings.store.memory_bytes)
         adm = settings.admission
         self.admission = AdmissionGate(max_running=adm.max_concurrent_misses, max_queue=adm.max_queue,
                                        queue_timeout_s=adm.queue_timeout_s, retry_after_s=adm.retry_after_s)
@@ -56,33 +80,88 @@ class Runtime:
         self.metrics.ttft_p99_target_seconds.set(settings.slo.ttft_p99_s)
         self.ttl = TtlClassifier(settings.ttl_tiers)
         self.semantic: SemanticCache | None = None
+        self.semantic_error: str | None = None  # why the (optional) semantic layer is off, while it is
+        self._embedder: Embedder | None = None
         self.pipeline: RequestPipeline | None = None
         self.ready = False
         self.load_error: str | None = None
+        self.health.register("model", self._model_health)
+        self.health.register("results", self.storage_faults.check("results"))
+        if settings.semantic.enabled:
+            self.health.register("semantic", self._semantic_health)
         self.started_at = int(time.time())
         self._background: list[asyncio.Task[None]] = []
 
     async def load(self) -> None:
         try:
+            if self.fleet is not None:
+                await self.fleet.start()  # a Redis that is down does not stop the node: it serves on its own
             await self.engine.start()
-            if self.settings.semantic.enabled:
-                self.semantic = await asyncio.get_running_loop().run_in_executor(
-                    None, build_semantic_cache, self.settings, self.metrics, self.vector_cap_for)
         except EdgeCacheError as exc:
             self.load_error = exc.message
-            log.error("loading failed: %s", exc.message)
+            log.error("loading the model failed: %s", exc.message)
             return
         except Exception as exc:  # a load failure must show on /health, not kill the server silently
             self.load_error = f"{type(exc).__name__}: {exc}"
-            log.exception("loading failed")
+            # One line for the operator; the traceback only at debug level (it is llama.cpp's, not theirs).
+            log.error("loading the model failed: %s", self.load_error)
+            log.debug("model load traceback", exc_info=exc)
             return
+        if self.settings.semantic.enabled:
+            await self._open_semantic()
         self.pipeline = RequestPipeline(engine=self.engine, stores=self.stores, inflight=self.inflight,
                                         metrics=self.metrics, ttl_for=self.ttl_for, admission=self.admission,
                                         semantic=self.semantic)
         self._background.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
+        if self.fleet is not None:
+            await self.fleet.events.announce_model(self.engine.version)
         self.ready = True
         log.info("model %s ready (%s)%s", self.engine.model_id, self.engine.version,
                  f", embedder {self.semantic.embedder.version}" if self.semantic else "")
+
+    async def _open_semantic(self) -> None:
+        """Load the embedder (once) and open the indexes. The semantic layer is optional: when either fails the
+        server serves exact matches only, says so on /health, and (for a storage failure) retries from the
+        housekeeping loop."""
+        loop = asyncio.get_running_loop()
+        try:
+            if self._embedder is None:
+                self._embedder = await loop.run_in_executor(None, load_semantic_embedder, self.settings)
+            self.semantic = await loop.run_in_executor(
+                None, build_semantic_cache, self.settings, self.metrics, self._embedder, self.vector_cap_for,
+                self.storage_faults, self.damaged_dir)
+        except EdgeCacheError as exc:
+            self._semantic_failed(exc.message)
+        except STORAGE_ERRORS as exc:
+            self.storage_faults.record("semantic", exc, action="semantic layer off, retrying")
+            self._semantic_failed(f"{type(exc).__name__}: {exc}")
+        else:
+            for report in self.semantic.index.repairs:
+                self.storage_faults.repaired("semantic", report)
+            if self.semantic_error is not None:
+                log.info("the semantic layer is back")
+            self.semantic_error = None
+            if self.pipeline is not None:
+                self.pipeline.semantic = self.semantic
+
+    def _semantic_failed(self, why: str) -> None:
+        if self.semantic_error is None:
+            log.error("the semantic layer is unavailable, serving exact matches only: %s", why)
+        self.semantic_error = why
+
+    def _model_health(self) -> Health:
+        if self.ready:
+            return READY
+        if self.load_error:
+            return Health("failed", f"the model failed to load: {self.load_error}")
+        return Health("loading", "the model is loading")
+
+    def _semantic_health(self) -> Health:
+        if self.semantic_error is not None:
+            return Health("degraded", f"off, exact matches only: {self.semantic_error}")
+        if self.semantic is None:
+            return Health("loading", "the embedder is loading")
+        return self.storage_faults.check("semantic")()
 
     def quota_for(self, tenant_id: str) -> int:
         """A tenant's result-store quota: its plan's, within the profile's disk budget."""
@@ -104,7 +183,12 @@ class Runtime:
     async def flush(self, tenant: str | None, scenario: str | None) -> dict[str, int]:
         """Drop entries across every layer: the tenant's (or everyone's) result store, scenario-tagged entries
         only when a scenario is named, the semantic vectors, and the engine's prefix cache when flushing all."""
-        stores = [tenant] if tenant is not None else self.stores.existing_tenants()
+        if tenant is not None:
+            stores = [tenant]
+        elif self.fleet is not None:
+            stores = await self.stores.known_tenants()  # type: ignore[union-attr]  # the fleet's, from Redis
+        else:
+            stores = self.stores.existing_tenants()
         dropped = 0
         for name in stores:
             dropped += await self.stores(name).clear(tag=scenario)
@@ -113,7 +197,26 @@ class Runtime:
         if tenant is None and scenario is None:
             await self.engine.flush()
         self.parsed.clear()
+        if self.fleet is not None:
+            # The other nodes drop their memory copies and vectors, and no flight from before this joins after.
+            from edgecache.fleet.link import LinkDown
+
+            try:
+                await self.fleet.events.publish_flush(tenant, scenario)
+            except LinkDown as exc:
+                raise NotReady(f"the flush could not reach the fleet's Redis: {exc}") from exc
         return {"result_entries": dropped}
+
+    async def apply_remote_flush(self, tenant: str | None, scenario: str | None) -> None:
+        """Another node flushed (the shared store is already cleared): drop what this node holds of it."""
+        for name, store in self.stores.opened().items():
+            if tenant in (None, name):
+                store.forget_memory()  # type: ignore[union-attr]  # the memory tier has no tags: all of it
+        if self.semantic is not None:
+            await self.semantic.drop(tenant=tenant, scenario=scenario)
+        if tenant is None and scenario is None and self.ready:
+            await self.engine.flush()
+        self.parsed.clear()
 
     async def _housekeeping(self) -> None:
         # Every few seconds: write changed index files (the vectors are committed to SQLite as they are added; the
@@ -123,6 +226,8 @@ class Runtime:
             await asyncio.sleep(self.settings.semantic.save_interval_s)
             if self.semantic is not None:
                 await self.semantic.save()
+            elif self.settings.semantic.enabled and self._embedder is not None:
+                await self._open_semantic()  # its indexes failed to open (a full disk?): try again
             await self.refresh_gauges()
 
     async def refresh_gauges(self) -> dict[str, dict[str, int]]:
@@ -156,25 +261,38 @@ class Runtime:
                 if self.semantic is not None:
                     self.semantic.close()
             finally:
-                self.stores.close()
+                try:
+                    self.stores.close()
+                finally:
+                    if self.fleet is not None:
+                        await self.fleet.close()
 
 
-def build_semantic_cache(settings: Settings, metrics: Metrics,
-                         cap_for: Callable[[str], int | None] = lambda tenant: None) -> SemanticCache:
-    """Load the embedder, the verifier and open the indexes (blocking: model load).
+def load_semantic_embedder(settings: Settings) -> Embedder:
+    """The profile's embedder (blocking: model load)."""
+    from edgecache.embedders import load_embedder
+
+    sem = settings.semantic
+    return load_embedder(sem.embedder, model_dir=sem.model_dir, device=sem.device, threads=sem.threads,
+                         gpu_mem_limit=sem.gpu_mem_limit)
+
+
+def build_semantic_cache(settings: Settings, metrics: Metrics, embedder: Embedder,
+                         cap_for: Callable[[str], int | None] = lambda tenant: None,
+                         faults: StorageFaults | None = None, damaged_dir: Path | None = None) -> SemanticCache:
+    """Open the indexes (blocking: disk) around ``embedder``, and load the verifier.
 
     ``semantic.decision`` picks the rule. Under the verifier, a scenario's raw ``threshold`` still overrides it, and an
     embedder the verifier was not fitted for keeps the cosine threshold calibrated for it (and the guard's veto).
     """
-    from edgecache.embedders import default_threshold, load_embedder
+    from edgecache.embedders import default_threshold
     from edgecache.semantic_index import SemanticIndex
     from edgecache.verifier import Verifier
 
     sem = settings.semantic
-    embedder = load_embedder(sem.embedder, model_dir=sem.model_dir, device=sem.device, threads=sem.threads,
-                             gpu_mem_limit=sem.gpu_mem_limit)
     index = SemanticIndex(settings.data_path / "semantic", dim=embedder.dim, embedder_version=embedder.version,
-                          dtype=sem.vector_dtype, max_vectors=sem.max_vectors_per_index)
+                          dtype=sem.vector_dtype, max_vectors=sem.max_vectors_per_index,
+                          damaged_dir=damaged_dir or settings.data_path / "damaged")
     verifier = Verifier.load(sem.verifier_params) if sem.decision == "verifier" else None
     if verifier is not None and verifier.embedder != embedder.version:
         verifier = None  # its weights read another model's cosine
@@ -187,6 +305,6 @@ def build_semantic_cache(settings: Settings, metrics: Metrics,
         return MatchRule(target_false_hit_rate=configured.target_false_hit_rate, threshold=threshold)
 
     return SemanticCache(embedder=embedder, index=index, rule_for=rule_for, verifier=verifier,
-                         candidates=sem.candidates, cap_for=cap_for, max_batch=sem.batch_max,
+                         candidates=sem.candidates, cap_for=cap_for, max_batch=sem.batch_max, faults=faults,
                          max_wait_s=sem.batch_wait_ms / 1000, observe_embed=metrics.embed_seconds.observe,
                          observe_search=metrics.semantic_search_seconds.observe)

@@ -32,6 +32,7 @@ import numpy as np
 from edgecache.embedders import Embedder
 from edgecache.engines.base import GenerationRequest
 from edgecache.guard import DEFAULT_RULES, check
+from edgecache.health import STORAGE_ERRORS, StorageFaults
 from edgecache.semantic_index import Candidate, SemanticIndex
 from edgecache.verifier import Verifier
 
@@ -54,9 +55,9 @@ def probe_for(request: GenerationRequest, model_version: str) -> Probe | None:
         (systems if message.role in ("system", "developer") and not rest else rest).append(message)
     if len(rest) != 1 or rest[0].role != "user" or not rest[0].content.strip():
         return None
-    p = request.params
-    context = (model_version, request.salt, [(m.role, m.content) for m in systems], p.max_tokens, p.temperature,
-               p.top_p, list(p.stop), p.seed, p.presence_penalty, p.frequency_penalty)
+    # Everything but the user's text: the system prompt, the sampling, and the tools, tool choice and response
+    # format, so a paraphrase is never served across different tool sets or schemas.
+    context = (model_version, msgspec.structs.replace(request, messages=tuple(systems)))
     return Probe(text=rest[0].content, namespace=hashlib.blake2b(_encoder.encode(context), digest_size=8).hexdigest())
 
 
@@ -147,7 +148,8 @@ class SemanticCache:
                  cap_for: Callable[[str], int | None] = lambda tenant: None,
                  max_batch: int = 32, max_wait_s: float = 0.002, guard_rules: Sequence[str] | None = None,
                  observe_embed: Callable[[float], None] | None = None,
-                 observe_search: Callable[[float], None] | None = None) -> None:
+                 observe_search: Callable[[float], None] | None = None,
+                 faults: StorageFaults | None = None) -> None:
         self.embedder = embedder
         self.index = index
         self.rule_for = rule_for
@@ -156,6 +158,7 @@ class SemanticCache:
         self.cap_for = cap_for  # tenant -> most vectors one of its indexes keeps (its plan)
         self._guard_rules = tuple(guard_rules) if guard_rules is not None else DEFAULT_RULES
         self._observe_search = observe_search
+        self._faults = faults
         self._embed_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed")
         # One thread for every index call: SemanticIndex serialises on a lock anyway, and a single thread keeps
         # adds in order with the searches that follow them.
@@ -172,6 +175,23 @@ class SemanticCache:
     async def _in_index_thread(self, fn: Callable[..., object], *args: object) -> object:
         return await asyncio.get_running_loop().run_in_executor(self._index_executor, fn, *args)
 
+    async def _on_disk(self, action: str, fallback: object, write: bool, fn: Callable[..., object],
+                       *args: object) -> object:
+        """Run an index call that touches the mapping or the index files. The semantic layer is optional, so a
+        storage failure (a full disk, a file damaged while running) is counted and logged by ``faults`` and the
+        call degrades to ``fallback`` (a lookup: no candidate; a write: skipped) instead of failing the request.
+        Without ``faults`` (a bare cache in a script) the error propagates."""
+        try:
+            result = await self._in_index_thread(fn, *args)
+        except STORAGE_ERRORS as exc:
+            if self._faults is None:
+                raise
+            self._faults.record("semantic", exc, action=action, path=self.index.mapping_path)
+            return fallback
+        if write and self._faults is not None:
+            self._faults.recovered("semantic")
+        return result
+
     async def lookup(self, tenant: str, scenario: str, probe: Probe) -> Lookup:
         vector = await self.batcher.embed(probe.text)
         rule = self.rule_for(scenario)
@@ -185,7 +205,8 @@ class SemanticCache:
             outcome = decide(probe.text, found, rule, vector)
             return outcome, time.perf_counter() - started
 
-        lookup, elapsed = await self._in_index_thread(search)  # type: ignore[misc]
+        lookup, elapsed = await self._on_disk(  # type: ignore[misc]
+            "lookup answered as a miss", (Lookup(vector=vector), 0.0), False, search)
         if self._observe_search is not None:
             self._observe_search(elapsed)
         return lookup
@@ -222,13 +243,38 @@ class SemanticCache:
                                       vector_key=chosen.vector_key))
 
     async def remember(self, tenant: str, scenario: str, probe: Probe, vector: np.ndarray, store_key: str) -> None:
-        await self._in_index_thread(self.index.add, tenant, self.index_scenario(scenario, probe.namespace), vector,
-                                    store_key, probe.text, self.cap_for(tenant))
+        await self._on_disk("vector not indexed", None, True, self.index.add, tenant,
+                            self.index_scenario(scenario, probe.namespace), vector, store_key, probe.text,
+                            self.cap_for(tenant))
+
+    async def embed_many(self, texts: Sequence[str], batch: int = 256) -> np.ndarray:
+        """Vectors of many texts (a warmup), in batches far larger than a lookup's micro-batch, on the embedding
+        thread (so lookups still interleave between batches). Identical texts are embedded once."""
+        unique = list(dict.fromkeys(texts))
+        loop = asyncio.get_running_loop()
+        parts = []
+        for start in range(0, len(unique), batch):
+            parts.append(await loop.run_in_executor(self._embed_executor, self.embedder.embed,
+                                                    unique[start:start + batch]))
+        vectors = np.concatenate(parts) if parts else np.zeros((0, self.embedder.dim), dtype=np.float32)
+        row = {text: i for i, text in enumerate(unique)}
+        return vectors[[row[text] for text in texts]] if len(texts) else vectors
+
+    async def remember_many(self, tenant: str, scenario: str,
+                            items: Sequence[tuple[Probe, np.ndarray, str]]) -> None:
+        """:meth:`remember` for many (probe, vector, store key): one batched add per index."""
+        by_index: dict[str, list[tuple[Probe, np.ndarray, str]]] = {}
+        for item in items:
+            by_index.setdefault(self.index_scenario(scenario, item[0].namespace), []).append(item)
+        for name, group in by_index.items():
+            await self._on_disk("vectors not indexed", None, True, self.index.add_many, tenant, name,
+                                np.stack([vector for _, vector, _ in group]), [key for _, _, key in group],
+                                [probe.text for probe, _, _ in group], self.cap_for(tenant))
 
     async def forget(self, tenant: str, scenario: str, probe: Probe, vector_key: int) -> None:
         """Drop a vector whose result-store entry is gone (expired or evicted)."""
-        await self._in_index_thread(self.index.remove, tenant, self.index_scenario(scenario, probe.namespace),
-                                    [vector_key])
+        await self._on_disk("stale vector kept", 0, True, self.index.remove, tenant,
+                            self.index_scenario(scenario, probe.namespace), [vector_key])
 
     async def drop(self, tenant: str | None = None, scenario: str | None = None) -> None:
         def drop_matching() -> None:
@@ -239,7 +285,8 @@ class SemanticCache:
         await self._in_index_thread(drop_matching)
 
     async def save(self) -> None:
-        await self._in_index_thread(self.index.save)
+        # A failed save loses nothing: the mapping holds every vector and the next open rebuilds the file.
+        await self._on_disk("index files not saved", None, True, self.index.save)
 
     async def sizes(self) -> dict[tuple[str, str], int]:
         """Vectors per (tenant, scenario), summed over the scenario's namespaces."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 from urllib.parse import quote
@@ -80,6 +80,7 @@ class SemanticIndex:
         max_vectors: int = 100_000,
         connectivity: int = 16,
         expansion_search: int = 64,
+        damaged_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if dtype not in ("f16", "i8"):
             raise ValueError(f"dtype must be 'f16' or 'i8', not {dtype!r}")
@@ -93,11 +94,10 @@ class SemanticIndex:
         self._lock = threading.RLock()
         self._indexes: dict[IndexId, Index] = {}
         self._dirty: set[IndexId] = set()
-        self._db = sqlite3.connect(self._root / "mapping.sqlite3", check_same_thread=False, isolation_level=None)
-        # WAL + NORMAL: a commit survives a process kill (not necessarily a power cut), without an fsync per add.
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
+        self.mapping_path = self._root / "mapping.sqlite3"
+        self._damaged_dir = Path(damaged_dir) if damaged_dir is not None else Path(data_dir) / "damaged"
+        self.repairs: list[str] = []  # damage found at open: what was wrong, where it went, what was kept
+        self._db = self._open_mapping()
         self._closed = False
 
     # ---- public API ----
@@ -131,6 +131,50 @@ class SemanticIndex:
             index.add(key, vec)
             self._dirty.add((tenant, scenario))
             return key
+
+    def add_many(self, tenant: str, scenario: str, vectors: np.ndarray, store_keys: Sequence[str],
+                 texts: Sequence[str], max_vectors: int | None = None, threads: int = 0) -> list[int]:
+        """:meth:`add` for many vectors (shape (n, dim)) at once: one SQLite transaction for the rows and one
+        usearch call that inserts on ``threads`` threads (0: all cores). This is how a warmup or an import builds
+        an index in minutes instead of hours: per-vector adds pay a commit and a single-threaded insert each.
+        Returns the vector keys, in order. At the cap only the newest ``cap`` vectors are kept (FIFO, as
+        :meth:`add`)."""
+        vecs = np.asarray(vectors, dtype=np.float32).reshape(len(store_keys), -1)
+        if vecs.shape[1] != self.dim or len(texts) != len(store_keys):
+            raise ValueError(f"expected {len(store_keys)} vectors of {self.dim} values and as many texts")
+        cap = min(max_vectors, self.max_vectors) if max_vectors is not None else self.max_vectors
+        skip = max(0, len(store_keys) - cap)  # the oldest of this batch would be evicted by its own newest
+        vecs, store_keys, texts = vecs[skip:], list(store_keys)[skip:], list(texts)[skip:]
+        if not store_keys:
+            return []
+        with self._lock:
+            index = self._open(tenant, scenario)
+            overflow = len(index) + len(store_keys) - cap
+            if overflow > 0:
+                oldest = [row[0] for row in self._db.execute(
+                    "SELECT key FROM vectors WHERE tenant=? AND scenario=? ORDER BY key LIMIT ?",
+                    (tenant, scenario, overflow))]
+                self._remove_keys(tenant, scenario, oldest)
+            blobs = vecs.astype(np.float16)
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                # AUTOINCREMENT keys, assigned here explicitly so the batch is one executemany: the next key is past
+                # both the sequence (never reuse a removed key) and the current maximum.
+                row = self._db.execute("SELECT MAX(COALESCE((SELECT seq FROM sqlite_sequence WHERE name='vectors'),"
+                                       " 0), COALESCE((SELECT MAX(key) FROM vectors), 0))").fetchone()
+                first = int(row[0]) + 1
+                keys = list(range(first, first + len(store_keys)))
+                self._db.executemany(
+                    "INSERT INTO vectors (key, tenant, scenario, store_key, text, vector) VALUES (?, ?, ?, ?, ?, ?)",
+                    [(key, tenant, scenario, store_key, text, blob.tobytes())
+                     for key, store_key, text, blob in zip(keys, store_keys, texts, blobs)])
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            index.add(np.array(keys, dtype=np.uint64), vecs, threads=threads)
+            self._dirty.add((tenant, scenario))
+            return keys
 
     def search(self, tenant: str, scenario: str, vector: np.ndarray, k: int = 4) -> list[Candidate]:
         """The ``k`` nearest stored prompts of this tenant and scenario, most similar first."""
@@ -210,6 +254,96 @@ class SemanticIndex:
                 self._db.close()
 
     # ---- internals ----
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.mapping_path, check_same_thread=False, isolation_level=None)
+        try:
+            # WAL + NORMAL: a commit survives a process kill (not necessarily a power cut), without an fsync per add.
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            # quick_check reads every page (a 1M-vector mapping in about a second) but skips the slow index
+            # cross-checks: enough to find a truncated or overwritten file before it fails a request.
+            verdict = db.execute("PRAGMA quick_check").fetchone()[0]
+            if verdict != "ok":
+                raise sqlite3.DatabaseError(f"database disk image is malformed: {verdict}")
+            db.executescript(_SCHEMA)
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _open_mapping(self) -> sqlite3.Connection:
+        """Open the mapping, checked. A damaged one (not a database, failing quick_check, a directory in its place,
+        or emptied while index files still hold vectors) is moved aside with the index files under
+        ``damaged_dir``, and a new mapping starts with every row that can still be read from the old one. A full
+        disk or another I/O error propagates: that is not damage, and moving files would not help."""
+        from edgecache.data_dir import move_aside
+        from edgecache.health import fault_kind
+
+        path = self.mapping_path
+        if path.is_dir():
+            problem = "a directory stands where the mapping file should be"
+        elif path.is_file() and path.stat().st_size == 0 and any(self._root.rglob("*.usearch")):
+            problem = "the mapping is empty (0 bytes) while index files still hold vectors"
+        else:
+            try:
+                return self._connect()
+            except sqlite3.DatabaseError as exc:
+                if fault_kind(exc) != "damaged":
+                    raise
+                problem = str(exc)
+        lost = self._vectors_in_index_files()
+        moved = move_aside(self._root, self._damaged_dir)
+        self._root.mkdir(parents=True, exist_ok=True)
+        db = self._connect()
+        kept = self._salvage(moved / path.name, db)
+        report = (f"semantic mapping {path} was damaged ({problem}); moved it and its index files to {moved}, "
+                  f"kept {kept} vectors readable from it")
+        if kept == 0 and lost:
+            report += f"; {lost} vectors in the index files had no readable mapping (prompt and answer key) and " \
+                      "were dropped: their answers stay in the result store, and paraphrases are learnt again"
+        self.repairs.append(report)
+        return db
+
+    def _vectors_in_index_files(self) -> int:
+        total = 0
+        for path in self._root.rglob("*.usearch"):
+            index = self._new_index()
+            try:
+                index.load(str(path))
+            except (RuntimeError, ValueError, OSError):
+                continue
+            total += len(index)
+        return total
+
+    @staticmethod
+    def _salvage(old_path: Path, db: sqlite3.Connection) -> int:
+        """Copy every row still readable from a damaged mapping into ``db``, keeping their keys."""
+        if not old_path.is_file() or old_path.stat().st_size == 0:
+            return 0
+        kept, last = 0, -1
+        try:
+            old = sqlite3.connect(f"file:{old_path}?mode=ro", uri=True)
+        except sqlite3.Error:
+            return 0
+        try:
+            while True:
+                rows = old.execute("SELECT key, tenant, scenario, store_key, text, vector FROM vectors "
+                                   "WHERE key > ? ORDER BY key LIMIT 1000", (last,)).fetchall()
+                if not rows:
+                    break
+                db.execute("BEGIN")
+                db.executemany("INSERT OR IGNORE INTO vectors (key, tenant, scenario, store_key, text, vector) "
+                               "VALUES (?, ?, ?, ?, ?, ?)", rows)
+                db.execute("COMMIT")
+                kept += len(rows)
+                last = rows[-1][0]
+        except sqlite3.Error:
+            if db.in_transaction:  # the rest is unreadable: keep what came out
+                db.execute("ROLLBACK")
+        finally:
+            old.close()
+        return kept
 
     def _as_vector(self, vector: np.ndarray) -> np.ndarray:
         vec = np.asarray(vector, dtype=np.float32).reshape(-1)

@@ -143,6 +143,21 @@ class StoreSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     memory_bytes: Annotated[ByteSize, _help(
         "Byte budget of the in-memory copy of recently used results, which serves hits without touching disk.")] \
         = ByteSize(64 * 2**20)
+    backend: Annotated[Literal["disk", "redis"], _help(
+        "Where results, flights and vectors are shared: disk (this node alone, the default) or redis (every node "
+        "of a fleet pointing at store.redis_url; see docs/fleet.md).")] = "disk"
+    redis_url: Annotated[str | None, _help(
+        "The fleet's Redis, e.g. redis://10.0.0.9:6379/0 (store.backend = redis; `serve --redis URL` sets both).")] \
+        = None
+    redis_lease_s: Annotated[float, Meta(gt=0), _help(
+        "How long a node's lease on a flight lasts without renewal: when a leading node dies, its followers on "
+        "other nodes get an error within this time.")] = 5.0
+    redis_timeout_s: Annotated[float, Meta(gt=0), _help(
+        "How long one Redis command may take before the node treats Redis as down and serves on its own.")] = 0.5
+
+    def __post_init__(self) -> None:
+        if self.backend == "redis" and not self.redis_url:
+            raise SettingsError("store.backend = redis needs store.redis_url (or serve --redis URL)")
 
 
 class SemanticSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

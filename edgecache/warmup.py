@@ -29,7 +29,7 @@ from msgspec import Meta
 
 from edgecache.engines.base import GenerationRequest, Message, SamplingParams
 from edgecache.errors import EdgeCacheError
-from edgecache.openai_api import ChatMessageIn
+from edgecache.request_surface import ChatMessageIn
 from edgecache.pipeline import Call, RequestPipeline
 from edgecache.settings import Settings
 from edgecache.tenants import TenantDirectory
@@ -88,7 +88,7 @@ def read_lines(lines: Iterable[str]) -> Iterator[NumberedLine | LineResult]:
 def to_call(line: WarmupLine, *, tenant: str, default_max_tokens: int, tenant_limit: int | None = None) -> Call:
     params = SamplingParams(max_tokens=line.max_tokens or default_max_tokens, temperature=line.temperature,
                             seed=line.seed)
-    messages = tuple(m.to_message() for m in line.messages) if line.messages is not None else None
+    messages = tuple(m.to_message(i) for i, m in enumerate(line.messages)) if line.messages is not None else None
     return Call(request=GenerationRequest(messages=messages, prompt=line.prompt, params=params, salt=tenant),
                 tenant=tenant, scenario=line.scenario, ttl_s=line.ttl, tenant_limit=tenant_limit)
 

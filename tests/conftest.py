@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import asyncio
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -14,6 +14,7 @@ from litestar import Litestar
 from edgecache.app import create_app
 from edgecache.settings import Settings, resolve_settings
 from tests.fakes import FakeEngine
+from tests.redis_server import RedisServer
 
 
 @pytest.fixture
@@ -84,3 +85,20 @@ def chat_body(content: str = "hello", *, stream: bool = False, **extra: Any) -> 
                             "temperature": 0, "max_tokens": 16, "stream": stream}
     body.update(extra)
     return body
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One real redis-server for the session (tests that restart it put it back on the same port)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """The session's Redis, emptied for this test (started again if a previous test left it down)."""
+    if redis_server.proc is None or redis_server.proc.poll() is not None:
+        redis_server.start()
+    redis_server.flushall()
+    return redis_server.url

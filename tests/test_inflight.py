@@ -10,7 +10,7 @@ import pytest
 
 from edgecache.engines.base import Chunk
 from edgecache.errors import BadRequest, EdgeCacheError, EngineError
-from edgecache.inflight import Flight, InflightTable
+from edgecache.inflight.local import Flight, InflightTable
 
 
 class Script:

@@ -11,12 +11,12 @@ import pytest
 
 from edgecache.engines.base import Chunk, GenerationRequest, Message, SamplingParams
 from edgecache.errors import EngineError
-from edgecache.inflight import InflightTable
+from edgecache.inflight.local import InflightTable
 from edgecache.keys import request_key
 from edgecache.metrics import Metrics
 from edgecache.pipeline import Call, RequestPipeline
 from edgecache.admission import AdmissionGate
-from edgecache.result_store import DiskResultStore
+from edgecache.stores.disk import DiskResultStore
 from tests.fakes import FakeEngine
 
 

@@ -11,7 +11,9 @@ import diskcache
 import msgspec
 import pytest
 
-from edgecache.result_store import CachedAnswer, DiskResultStore, MemoryLRU
+from edgecache.stores import CachedAnswer
+from edgecache.stores.disk import DiskResultStore
+from edgecache.stores.memory import MemoryLRU
 
 MiB = 2**20
 
@@ -162,7 +164,7 @@ async def test_disk_eviction_is_lru_a_recently_read_entry_survives(store_dir: Pa
 
 
 async def test_disk_eviction_sees_reads_served_by_the_memory_tier(store_dir: Path) -> None:
-    # BUG: edgecache/result_store.py DiskResultStore.get (memory tier short-circuit) — a hit served from
+    # BUG: edgecache/stores/disk.py DiskResultStore.get (memory tier short-circuit) — a hit served from
     # MemoryLRU never touches diskcache, so the disk's access time of a hot entry stays at its write time and
     # "least-recently-used" on disk degenerates to least-recently-stored: the hot entry is evicted from disk
     # (lost on the next restart) while entries written after it but never read survive. The comment in
@@ -280,7 +282,7 @@ async def test_an_entry_of_another_layout_reads_as_a_miss_and_is_deleted(store_d
 
 
 async def test_a_non_bytes_entry_reads_as_a_miss_and_is_deleted(store_dir: Path) -> None:
-    # BUG: edgecache/result_store.py DiskResultStore.get catches only msgspec.DecodeError around
+    # BUG: edgecache/stores/disk.py DiskResultStore.get catches only msgspec.DecodeError around
     # self._decoder.decode(raw); an entry diskcache returns as a non-bytes object (a str or a pickled dict
     # written by another version or tool) raises TypeError there, so the request fails with a 500 instead of
     # being a miss, and the entry is never dropped.

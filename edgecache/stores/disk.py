@@ -11,85 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
 
 import diskcache
 import msgspec
 
-
-class CachedAnswer(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
-    """A complete, successful answer. ``expires_at`` is wall-clock seconds (it must survive restarts)."""
-
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    created_at: float
-    expires_at: float
-
-
-class ResultStore(Protocol):
-    """What the request path needs from a tenant's result store (:class:`DiskResultStore` is the one we ship)."""
-
-    def get_memory(self, key: str) -> CachedAnswer | None:
-        """A lookup that never blocks (no I/O): the hit path's first look."""
-        ...
-
-    async def get(self, key: str) -> CachedAnswer | None: ...
-
-    async def put(self, key: str, answer: CachedAnswer, tag: str | None = None) -> None: ...
-
-    async def clear(self, tag: str | None = None) -> int: ...
-
-    async def stats(self) -> dict[str, int]: ...
-
-    def close(self) -> None: ...
-
-
-class MemoryLRU:
-    """Byte-bounded LRU of recently used answers, on the event loop thread only (no locks needed)."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self._entries: OrderedDict[str, tuple[CachedAnswer, int]] = OrderedDict()
-
-    def get(self, key: str, now: float) -> CachedAnswer | None:
-        item = self._entries.get(key)
-        if item is None:
-            return None
-        answer = item[0]
-        if answer.expires_at <= now:
-            self.pop(key)
-            return None
-        self._entries.move_to_end(key)
-        return answer
-
-    def put(self, key: str, answer: CachedAnswer, size: int) -> None:
-        if size > self.max_bytes:
-            return
-        self.pop(key)
-        self._entries[key] = (answer, size)
-        self.bytes += size
-        while self.bytes > self.max_bytes:
-            _, (_, old_size) = self._entries.popitem(last=False)
-            self.bytes -= old_size
-
-    def pop(self, key: str) -> None:
-        item = self._entries.pop(key, None)
-        if item is not None:
-            self.bytes -= item[1]
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self.bytes = 0
-
-    def __len__(self) -> int:
-        return len(self._entries)
+from edgecache.stores import CachedAnswer
+from edgecache.stores.memory import MemoryLRU
 
 
 class DiskResultStore:

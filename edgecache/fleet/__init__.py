@@ -1,0 +1,50 @@
+"""Past one box: what a node shares with the rest of its fleet through one Redis.
+
+:class:`Fleet` is this node's membership: the link (:mod:`edgecache.fleet.link`), the flush and model events
+(:mod:`edgecache.fleet.events`) and the shared semantic vectors (:mod:`edgecache.fleet.vectors`). The shared layers'
+backends live with their layers: :mod:`edgecache.stores.redis` and :mod:`edgecache.inflight.redis`. Built only when
+``store.backend = "redis"``; a single box never imports any of it (nor the redis client).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from typing import Any
+
+from edgecache.fleet.events import FleetEvents, FlushHandler
+from edgecache.fleet.link import RedisLink
+from edgecache.health import READY, Health
+from edgecache.metrics import Metrics
+from edgecache.settings import Settings
+
+
+class Fleet:
+    """The Redis link and the event follower of one node; started by the runtime's lifespan, closed last."""
+
+    def __init__(self, settings: Settings, metrics: Metrics, on_flush: FlushHandler) -> None:
+        assert settings.store.redis_url is not None  # the settings refuse redis without a URL
+        self.node_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.link = RedisLink(settings.store.redis_url, timeout_s=settings.store.redis_timeout_s,
+                              on_state=metrics.observe_redis)
+        self.events = FleetEvents(self.link, self.node_id, on_flush)
+
+    async def start(self) -> None:
+        await self.link.start()
+        await self.events.start()
+
+    def health(self) -> dict[str, Any]:
+        """The /health detail: this node, the fleet's epoch, the link's state."""
+        return {"node": self.node_id, "epoch": self.events.epoch, **self.link.state()}
+
+    def health_check(self) -> Health:
+        """Redis away is ``degraded``, never ``failed``: the node still serves from its memory tier and engine."""
+        if self.link.up:
+            return READY
+        return Health("degraded", f"redis unreachable ({self.link.error}); serving from this node's memory tier "
+                                  "and engine, reconnecting")
+
+    async def close(self) -> None:
+        await self.events.close()
+        await self.link.close()

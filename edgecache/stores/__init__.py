@@ -1,0 +1,49 @@
+"""Layer 1 of the request path, the exact result store: complete answers by request key.
+
+Two backends sit side by side behind :class:`ResultStore`: :mod:`edgecache.stores.disk` (diskcache under the data
+dir, the default for one box) and :mod:`edgecache.stores.redis` (one store shared by a fleet). Both keep a
+:class:`~edgecache.stores.memory.MemoryLRU` in front, so a hot hit never leaves the event loop.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import msgspec
+
+from edgecache.engines.base import Choice
+
+
+class CachedAnswer(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """A complete, successful answer. ``expires_at`` is wall-clock seconds (it must survive restarts).
+
+    ``choices`` holds the whole answer when it is more than one text choice (tool calls, logprobs, n > 1); then
+    ``text`` and ``finish_reason`` repeat its first choice's. It is the last field, so entries written before it
+    existed still decode (as plain answers).
+    """
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    created_at: float
+    expires_at: float
+    choices: tuple[Choice, ...] | None = None
+
+
+class ResultStore(Protocol):
+    """What the request path needs from a tenant's result store (one per tenant; the backends are in this package)."""
+
+    def get_memory(self, key: str) -> CachedAnswer | None:
+        """A lookup that never blocks (no I/O): the hit path's first look."""
+        ...
+
+    async def get(self, key: str) -> CachedAnswer | None: ...
+
+    async def put(self, key: str, answer: CachedAnswer, tag: str | None = None) -> None: ...
+
+    async def clear(self, tag: str | None = None) -> int: ...
+
+    async def stats(self) -> dict[str, int]: ...
+
+    def close(self) -> None: ...

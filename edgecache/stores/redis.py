@@ -1,0 +1,300 @@
+"""The exact result store in Redis, shared by every node of a fleet.
+
+Keys carry the tenant and the model version (``ec:r:<tenant>:<model version>:<request key>``; a tenant's
+bookkeeping lives under ``ec:t:<tenant>:``) and each has a TTL, so Redis drops an expired answer by itself. Redis' own ``maxmemory`` eviction is one pool for everybody, so the
+per-tenant byte quota is ours: each tenant has a sorted set of its entries by last access, a hash of their sizes
+and a byte counter, and a Lua script evicts the tenant's least recently used entries when a write takes it over its
+quota (atomically, whichever node writes). A scenario tag is kept per entry so a scenario flush finds its entries.
+
+As on a single box, :class:`~edgecache.stores.memory.MemoryLRU` sits in front: a hot hit is a dict lookup on the
+event loop and never reaches Redis. Its reads are replayed to Redis' access order in batches, off the hit path.
+Another node's flush reaches this one as an event (:mod:`edgecache.fleet.events`), which clears the memory copy.
+
+While Redis is down (:class:`~edgecache.fleet.link.RedisLink`), reads and writes go to the memory tier alone: a
+node keeps serving what it holds and what its engine computes. A flush cannot reach the fleet then, so it fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from urllib.parse import quote, unquote
+
+import msgspec
+
+from edgecache.errors import NotReady
+from edgecache.fleet.link import LinkDown, RedisLink
+from edgecache.stores import CachedAnswer
+from edgecache.stores.memory import MemoryLRU
+
+PREFIX = "ec:"
+
+# KEYS: entry, lru zset, sizes hash, tags hash, byte counter, tag set (or "")
+# ARGV: encoded answer, ttl ms, now ms, quota bytes, tag ("" for none), tag-set prefix
+_PUT = """
+local member = KEYS[1]
+local old = redis.call('HGET', KEYS[3], member)
+if old then redis.call('DECRBY', KEYS[5], old) end
+local size = string.len(ARGV[1])
+redis.call('SET', member, ARGV[1], 'PX', ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[3], member)
+redis.call('HSET', KEYS[3], member, size)
+if ARGV[5] ~= '' then
+  redis.call('HSET', KEYS[4], member, ARGV[5])
+  redis.call('SADD', KEYS[6], member)
+end
+local total = redis.call('INCRBY', KEYS[5], size)
+local evicted = 0
+while total > tonumber(ARGV[4]) do
+  local oldest = redis.call('ZRANGE', KEYS[2], 0, 0)
+  if #oldest == 0 then break end
+  local victim = oldest[1]
+  local victim_size = redis.call('HGET', KEYS[3], victim) or 0
+  local victim_tag = redis.call('HGET', KEYS[4], victim)
+  if victim_tag then redis.call('SREM', ARGV[6] .. victim_tag, victim) end
+  redis.call('DEL', victim)
+  redis.call('ZREM', KEYS[2], victim)
+  redis.call('HDEL', KEYS[3], victim)
+  redis.call('HDEL', KEYS[4], victim)
+  total = redis.call('DECRBY', KEYS[5], victim_size)
+  evicted = evicted + 1
+end
+return evicted
+"""
+
+# KEYS: entry, lru zset. ARGV: now ms. A read also refreshes the entry's place in the tenant's LRU.
+_GET = """
+local value = redis.call('GET', KEYS[1])
+if value then redis.call('ZADD', KEYS[2], 'XX', ARGV[1], KEYS[1]) end
+return value
+"""
+
+# KEYS: lru zset, sizes hash, tags hash, byte counter. ARGV: tag ("" for every entry), tag-set prefix.
+_CLEAR = """
+local members
+if ARGV[1] == '' then
+  members = redis.call('ZRANGE', KEYS[1], 0, -1)
+else
+  members = redis.call('SMEMBERS', ARGV[2] .. ARGV[1])
+end
+local dropped = 0
+for _, member in ipairs(members) do
+  dropped = dropped + redis.call('DEL', member)
+  local size = redis.call('HGET', KEYS[2], member)
+  if size then redis.call('DECRBY', KEYS[4], size) end
+  local tag = redis.call('HGET', KEYS[3], member)
+  if tag then redis.call('SREM', ARGV[2] .. tag, member) end
+  redis.call('ZREM', KEYS[1], member)
+  redis.call('HDEL', KEYS[2], member)
+  redis.call('HDEL', KEYS[3], member)
+end
+if ARGV[1] == '' then
+  for _, tag in ipairs(redis.call('HVALS', KEYS[3])) do redis.call('DEL', ARGV[2] .. tag) end
+  redis.call('DEL', KEYS[1], KEYS[2], KEYS[3], KEYS[4])
+end
+return dropped
+"""
+
+# KEYS: lru zset, sizes hash, tags hash, byte counter. ARGV: how many of the oldest to look at, tag-set prefix.
+# Entries Redis expired by TTL leave their bookkeeping behind; this drops it (from the oldest, where they gather).
+_PRUNE = """
+local pruned = 0
+for _, member in ipairs(redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)) do
+  if redis.call('EXISTS', member) == 0 then
+    local size = redis.call('HGET', KEYS[2], member)
+    if size then redis.call('DECRBY', KEYS[4], size) end
+    local tag = redis.call('HGET', KEYS[3], member)
+    if tag then redis.call('SREM', ARGV[2] .. tag, member) end
+    redis.call('ZREM', KEYS[1], member)
+    redis.call('HDEL', KEYS[2], member)
+    redis.call('HDEL', KEYS[3], member)
+    pruned = pruned + 1
+  end
+end
+return pruned
+"""
+
+
+def tenant_part(tenant: str) -> str:
+    """A tenant's name as one key segment: ``:`` and other separators quoted, so no name reaches another's keys."""
+    return quote(tenant, safe="-_.")
+
+
+class RedisScripts:
+    """The store's Lua scripts, registered once per link (Redis caches them by SHA)."""
+
+    def __init__(self, link: RedisLink) -> None:
+        self.put = link.client.register_script(_PUT)
+        self.get = link.client.register_script(_GET)
+        self.clear = link.client.register_script(_CLEAR)
+        self.prune = link.client.register_script(_PRUNE)
+
+
+class RedisResultStore:
+    """One tenant's answers in Redis, :class:`MemoryLRU` in front. Same interface as the disk store."""
+
+    READ_SYNC_BATCH = 256
+    PRUNE_BATCH = 256
+
+    def __init__(self, link: RedisLink, scripts: RedisScripts, tenant: str, *, quota_bytes: int,
+                 memory_bytes: int, model_version: Callable[[], str]) -> None:
+        self._link = link
+        self._scripts = scripts
+        self.tenant = tenant
+        self.quota_bytes = quota_bytes
+        self._model_version = model_version
+        self._memory = MemoryLRU(memory_bytes)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(CachedAnswer)
+        name = tenant_part(tenant)
+        base = f"{PREFIX}t:{name}:"
+        self._entry_prefix = f"{PREFIX}r:{name}:"
+        self._lru, self._sizes, self._tags, self._bytes = base + "lru", base + "sizes", base + "tags", base + "bytes"
+        self._tag_prefix = base + "tag:"
+        self._unsynced_reads: set[str] = set()
+
+    def entry_key(self, key: str) -> str:
+        return f"{self._entry_prefix}{self._model_version()}:{key}"
+
+    def get_memory(self, key: str) -> CachedAnswer | None:
+        answer = self._memory.get(key, time.time())
+        if answer is not None:
+            self._note_read(key)
+        return answer
+
+    def _note_read(self, key: str) -> None:
+        # As on disk: a memory hit never reaches Redis, so its LRU would follow write order; reads are replayed.
+        self._unsynced_reads.add(key)
+        if len(self._unsynced_reads) >= self.READ_SYNC_BATCH:
+            asyncio.get_running_loop().create_task(self._sync_reads())
+
+    async def _sync_reads(self) -> None:
+        if not self._unsynced_reads or not self._link.up:
+            return
+        keys, self._unsynced_reads = self._unsynced_reads, set()
+        now = time.time() * 1000
+        try:
+            await self._link.run(self._link.client.zadd(self._lru, {self.entry_key(k): now for k in keys}, xx=True))
+        except LinkDown:
+            pass  # access order is a hint; losing one batch of it while Redis is away costs nothing else
+
+    async def get(self, key: str) -> CachedAnswer | None:
+        answer = self.get_memory(key)
+        if answer is not None or not self._link.up:
+            return answer
+        entry = self.entry_key(key)
+        try:
+            raw = await self._link.run(self._scripts.get(keys=[entry, self._lru], args=[time.time() * 1000]))
+        except LinkDown:
+            return None
+        if raw is None:
+            return None
+        try:
+            answer = self._decoder.decode(raw)
+        except msgspec.DecodeError:
+            # Written by an incompatible version: a miss; the next put of this key replaces it.
+            return None
+        if answer.expires_at <= time.time():
+            return None
+        self._memory.put(key, answer, len(raw))
+        return answer
+
+    async def put(self, key: str, answer: CachedAnswer, tag: str | None = None) -> None:
+        raw = self._encoder.encode(answer)
+        ttl_ms = int((answer.expires_at - time.time()) * 1000)
+        if ttl_ms <= 0:
+            return
+        self._memory.put(key, answer, len(raw))  # before the first await, as on disk
+        if not self._link.up:
+            return
+        await self._sync_reads()
+        tag = tag or ""
+        try:
+            await self._link.run(self._scripts.put(
+                keys=[self.entry_key(key), self._lru, self._sizes, self._tags, self._bytes,
+                      self._tag_prefix + tag if tag else ""],
+                args=[raw, ttl_ms, time.time() * 1000, self.quota_bytes, tag, self._tag_prefix]))
+        except LinkDown:
+            pass  # kept in this node's memory tier; the fleet recomputes it at worst
+
+    def forget_memory(self) -> None:
+        """Another node flushed this tenant: drop the memory copy (Redis itself is already cleared)."""
+        self._memory.clear()
+
+    async def clear(self, tag: str | None = None) -> int:
+        self._memory.clear()
+        if not self._link.up:
+            raise NotReady("the fleet's Redis is unreachable, so a flush cannot reach the other nodes; retry "
+                           "when /health shows redis up")
+        try:
+            dropped = await self._link.run(self._scripts.clear(
+                keys=[self._lru, self._sizes, self._tags, self._bytes], args=[tag or "", self._tag_prefix]))
+        except LinkDown as exc:
+            raise NotReady(f"the fleet's Redis failed during the flush: {exc}") from exc
+        return int(dropped)
+
+    async def stats(self) -> dict[str, int]:
+        out = {"entries": 0, "bytes": 0, "budget_bytes": self.quota_bytes, "memory_entries": len(self._memory),
+               "memory_bytes": self._memory.bytes}
+        if not self._link.up:
+            return out
+        try:
+            await self._link.run(self._scripts.prune(keys=[self._lru, self._sizes, self._tags, self._bytes],
+                                                     args=[self.PRUNE_BATCH, self._tag_prefix]))
+            pipe = self._link.client.pipeline(transaction=False)
+            pipe.zcard(self._lru)
+            pipe.get(self._bytes)
+            entries, volume = await self._link.run(pipe.execute())
+        except LinkDown:
+            return out
+        out["entries"], out["bytes"] = int(entries), int(volume or 0)
+        return out
+
+    def close(self) -> None:
+        """The link belongs to the node and is closed by it; nothing of the store's own to release."""
+
+
+class RedisTenantStores:
+    """One :class:`RedisResultStore` per tenant, all on the node's link. Same shape as ``TenantStores``."""
+
+    def __init__(self, link: RedisLink, *, quota_for: Callable[[str], int], memory_bytes: int,
+                 model_version: Callable[[], str]) -> None:
+        self._link = link
+        self._scripts = RedisScripts(link)
+        self._quota_for = quota_for
+        self._memory_bytes = memory_bytes
+        self._model_version = model_version
+        self._stores: dict[str, RedisResultStore] = {}
+
+    def __call__(self, tenant: str) -> RedisResultStore:
+        store = self._stores.get(tenant)
+        if store is None:
+            store = self._stores[tenant] = RedisResultStore(
+                self._link, self._scripts, tenant, quota_bytes=self._quota_for(tenant),
+                memory_bytes=self._memory_bytes, model_version=self._model_version)
+        return store
+
+    def opened(self) -> dict[str, RedisResultStore]:
+        return dict(self._stores)
+
+    def existing_tenants(self) -> list[str]:
+        """Tenants this node has opened: the fleet's others are flushed by name (``/admin/flush`` with a tenant)
+        or by ``all``, which reaches Redis through each tenant's keys (:meth:`known_tenants`)."""
+        return sorted(self._stores)
+
+    async def known_tenants(self) -> list[str]:
+        """Every tenant with entries in Redis (a SCAN over the byte counters; for a fleet-wide flush)."""
+        if not self._link.up:
+            return self.existing_tenants()
+        found = set(self._stores)
+        try:
+            async for raw in self._link.client.scan_iter(match=f"{PREFIX}t:*:bytes", count=500):
+                name = raw.decode() if isinstance(raw, bytes) else str(raw)
+                found.add(unquote(name[len(PREFIX) + 2:-len(":bytes")]))
+        except self._link.errors as exc:
+            self._link.failed(exc)
+        return sorted(found)
+
+    def close(self) -> None:
+        self._stores.clear()

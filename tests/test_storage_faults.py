@@ -1,0 +1,218 @@
+"""Damaged and full storage: each corruption is found at open, moved aside with its path reported and rebuilt from
+what remains (or refused with what to do); the semantic layer failing leaves the exact layer serving; /health tells
+the truth. Real SQLite, real usearch, real diskcache files, damaged on purpose."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from edgecache.app import create_app
+from edgecache.health import Health, HealthChecks, StorageFaults, fault_kind
+from edgecache.metrics import Metrics
+from edgecache.semantic_index import SemanticIndex
+from tests.conftest import chat_body, serve_in_process
+from tests.fakes import FakeEngine
+
+DIM = 8
+VERSION = "test-v1"
+
+
+def unit(seed: int) -> np.ndarray:
+    v = np.random.default_rng(seed).normal(size=DIM).astype(np.float32)
+    return v / np.linalg.norm(v)
+
+
+def filled_index(root: Path, n: int) -> Path:
+    """An index of ``n`` vectors under ``root``, saved and closed; returns its mapping's path."""
+    ix = SemanticIndex(root, dim=DIM, embedder_version=VERSION)
+    ix.add_many("t", "s", np.stack([unit(i) for i in range(n)]), [f"store-{i}" for i in range(n)],
+                [f"text {i}" for i in range(n)])
+    ix.close()
+    mapping = ix.mapping_path
+    con = sqlite3.connect(mapping)  # fold the WAL into the main file, as a clean shutdown leaves it
+    con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    con.close()
+    return mapping
+
+
+def reopen(root: Path) -> SemanticIndex:
+    return SemanticIndex(root, dim=DIM, embedder_version=VERSION, damaged_dir=root / "damaged")
+
+
+def moved_aside(root: Path) -> list[Path]:
+    return sorted((root / "damaged").iterdir()) if (root / "damaged").is_dir() else []
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "directory"])
+def test_a_damaged_mapping_is_moved_aside_reported_and_the_index_works(tmp_path: Path, damage: str) -> None:
+    mapping = filled_index(tmp_path, 50)
+    if damage == "garbage":
+        mapping.write_bytes(b"this is not a database" * 200)
+    elif damage == "truncated":
+        with mapping.open("r+b") as f:
+            f.truncate(mapping.stat().st_size // 3)
+    else:
+        mapping.unlink()
+        mapping.mkdir()
+    ix = reopen(tmp_path)
+    try:
+        assert len(ix.repairs) == 1 and str(mapping) in ix.repairs[0]
+        assert moved_aside(tmp_path) and str(moved_aside(tmp_path)[0]) in ix.repairs[0]
+        assert ix.mapping_path.is_file()
+        key = ix.add("t", "s", unit(999), "store-new", "new text")
+        assert ix.search("t", "s", unit(999), k=1)[0].vector_key == key
+    finally:
+        ix.close()
+
+
+def test_a_mapping_emptied_to_zero_bytes_reports_the_vectors_it_loses(tmp_path: Path) -> None:
+    mapping = filled_index(tmp_path, 40)
+    mapping.write_bytes(b"")
+    ix = reopen(tmp_path)
+    try:
+        # Not silent: the 40 vectors still in the index file are counted in the report, and the files moved aside.
+        assert len(ix.repairs) == 1 and "40 vectors" in ix.repairs[0] and str(mapping) in ix.repairs[0]
+        assert ix.sizes() == {}
+        assert any(moved_aside(tmp_path)[0].rglob("*.usearch"))
+    finally:
+        ix.close()
+
+
+def test_a_partly_damaged_mapping_keeps_every_row_it_can_read(tmp_path: Path) -> None:
+    mapping = filled_index(tmp_path, 3000)
+    size = mapping.stat().st_size
+    with mapping.open("r+b") as f:  # overwrite the last pages: the rows before them stay readable
+        f.seek(size - 8 * 4096)
+        f.write(b"\xff" * 8 * 4096)
+    ix = reopen(tmp_path)
+    try:
+        assert len(ix.repairs) == 1
+        kept = sum(ix.sizes().values())
+        assert f"kept {kept} vectors" in ix.repairs[0]
+        assert 0 < kept < 3000
+        hit = ix.search("t", "s", unit(0), k=1)[0]
+        assert hit.store_key == "store-0" and hit.similarity > 0.97
+    finally:
+        ix.close()
+
+
+def test_a_healthy_mapping_is_not_touched(tmp_path: Path) -> None:
+    filled_index(tmp_path, 10)
+    ix = reopen(tmp_path)
+    try:
+        assert ix.repairs == [] and not moved_aside(tmp_path)
+        assert ix.sizes() == {("t", "s"): 10}
+    finally:
+        ix.close()
+
+
+def test_add_many_keeps_keys_unique_after_removals_and_honours_the_cap(tmp_path: Path) -> None:
+    ix = SemanticIndex(tmp_path, dim=DIM, embedder_version=VERSION, max_vectors=100)
+    try:
+        first = ix.add_many("t", "s", np.stack([unit(i) for i in range(60)]), [f"a{i}" for i in range(60)],
+                            [f"a{i}" for i in range(60)])
+        ix.remove("t", "s", first[-10:])  # the highest keys are gone; they must never be handed out again
+        second = ix.add_many("t", "s", np.stack([unit(100 + i) for i in range(60)]),
+                             [f"b{i}" for i in range(60)], [f"b{i}" for i in range(60)])
+        assert min(second) > max(first)
+        assert ix.sizes() == {("t", "s"): 100}  # 50 + 60 over a cap of 100: the 10 oldest went
+        assert ix.search("t", "s", unit(0), k=1)[0].store_key != "a0"
+        assert ix.search("t", "s", unit(159), k=1)[0].store_key == "b59"
+    finally:
+        ix.close()
+
+
+# ---- health and fault accounting ----
+
+
+def test_health_is_the_worst_component_with_every_reason() -> None:
+    checks = HealthChecks()
+    checks.register("a", lambda: Health("ready"))
+    checks.register("b", lambda: Health("degraded", "half the disk is gone"))
+    overall, components = checks.report()
+    assert overall.status == "degraded" and overall.serving and "b: half the disk is gone" in overall.reason
+    checks.register("c", lambda: Health("loading", "warming"))
+    assert checks.report()[0].status == "loading" and not checks.report()[0].serving
+    assert set(components) == {"a", "b"}
+
+
+def test_storage_faults_count_every_failure_log_once_per_interval_and_recover(caplog: Any) -> None:
+    metrics = Metrics()
+    now = [0.0]
+    faults = StorageFaults(metrics.storage_failures, log_interval_s=60, clock=lambda: now[0])
+    full = OSError(28, "No space left on device")
+    for _ in range(100):
+        faults.record("results", full, action="write skipped", path="/data/x")
+    assert sum(1 for r in caplog.records if "write skipped" in r.getMessage()) == 1
+    assert faults.check("results")().status == "degraded"
+    now[0] = 61
+    faults.record("results", full, action="write skipped")
+    logged = [r.getMessage() for r in caplog.records if "write skipped" in r.getMessage()]
+    assert len(logged) == 2 and "99 more" in logged[1]
+    assert 'edgecache_storage_failures_total{component="results",kind="disk_full"} 101.0' in \
+        metrics.render().decode()
+    faults.recovered("results")
+    assert faults.check("results")().status == "ready"
+
+
+def test_fault_kinds() -> None:
+    assert fault_kind(OSError(28, "No space left on device")) == "disk_full"
+    assert fault_kind(sqlite3.OperationalError("database or disk is full")) == "disk_full"
+    assert fault_kind(sqlite3.DatabaseError("file is not a database")) == "damaged"
+    assert fault_kind(sqlite3.DatabaseError("database disk image is malformed")) == "damaged"
+    assert fault_kind(PermissionError(13, "Permission denied")) == "io"
+
+
+# ---- through the app: the semantic layer is optional ----
+
+
+async def test_semantic_layer_that_cannot_open_leaves_the_exact_layer_serving(make_settings: Any) -> None:
+    settings = make_settings(semantic__enabled=True)
+    settings.data_path.mkdir(parents=True)
+    (settings.data_path / "semantic").write_text("a file where the semantic directory should be")
+    engine = FakeEngine()
+    async with serve_in_process(create_app(settings, engine=engine)) as c:
+        health = await c.get("/health")
+        assert health.status_code == 200, health.text
+        body = health.json()
+        assert body["status"] == "degraded" and body["components"]["semantic"]["status"] == "degraded"
+        assert "exact matches only" in body["reason"]
+        first = await c.post("/v1/chat/completions", json=chat_body("How do I reset my password?"))
+        again = await c.post("/v1/chat/completions", json=chat_body("How do I reset my password?"))
+        assert (first.status_code, again.status_code) == (200, 200)
+        assert (first.headers["x-edgecache"], again.headers["x-edgecache"]) == ("miss", "exact")
+        assert engine.calls == 1
+
+
+async def test_a_damaged_mapping_at_start_is_reported_on_health_and_metrics(make_settings: Any) -> None:
+    settings = make_settings(semantic__enabled=True)
+    async with serve_in_process(create_app(settings, engine=FakeEngine())) as c:
+        assert (await c.post("/v1/chat/completions", json=chat_body("What is your refund policy?"))).status_code \
+            == 200
+    [mapping] = (settings.data_path / "semantic").rglob("mapping.sqlite3")
+    for extra in mapping.parent.glob("mapping.sqlite3-*"):
+        extra.unlink()
+    mapping.write_bytes(b"\0garbage" * 1000)
+    async with serve_in_process(create_app(settings, engine=FakeEngine())) as c:
+        body = (await c.get("/health")).json()
+        assert body["components"]["semantic"]["status"] == "degraded"
+        assert str(mapping) in body["reason"] and "damaged" in body["reason"]
+        assert (settings.data_path / "damaged").is_dir()
+        assert 'edgecache_storage_failures_total{component="semantic",kind="damaged"} 1.0' in (await c.get(
+            "/metrics")).text
+        old = await c.post("/v1/chat/completions", json=chat_body("What is your refund policy?"))
+        assert (old.status_code, old.headers["x-edgecache"]) == (200, "exact")  # the result store was not touched
+        new = await c.post("/v1/chat/completions", json=chat_body("Where do you ship to?"))
+        assert new.status_code == 200
+        # The layer writes again (the new prompt's vector is indexed after its answer is sent): /health says ready.
+        for _ in range(200):
+            if (await c.get("/health")).json()["status"] == "ready":
+                break
+            await asyncio.sleep(0.01)
+        assert (await c.get("/health")).json()["status"] == "ready"

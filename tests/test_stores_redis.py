@@ -1,0 +1,155 @@
+"""The Redis result store against a real redis-server: TTL, per-tenant quota with LRU, flush, tenants apart, and
+serving on from the memory tier while Redis is away."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from edgecache.errors import NotReady
+from edgecache.fleet.link import RedisLink
+from edgecache.stores import CachedAnswer
+from edgecache.stores.redis import RedisTenantStores
+from tests.redis_server import RedisServer
+
+KiB = 1024
+
+
+def answer(text: str, ttl_s: float = 60.0) -> CachedAnswer:
+    now = time.time()
+    return CachedAnswer(text=text, finish_reason="stop", prompt_tokens=3, completion_tokens=2, created_at=now,
+                        expires_at=now + ttl_s)
+
+
+@pytest.fixture
+async def link(redis_url: str) -> AsyncIterator[RedisLink]:
+    link = RedisLink(redis_url, timeout_s=0.5, check_interval_s=0.05)
+    await link.start()
+    assert link.up
+    yield link
+    await link.close()
+
+
+def stores_on(link: RedisLink, quota: int = 10**6, memory: int = 10**6, version: str = "m@1") -> RedisTenantStores:
+    return RedisTenantStores(link, quota_for=lambda tenant: quota, memory_bytes=memory, model_version=lambda: version)
+
+
+async def test_an_answer_put_by_one_node_is_read_by_another(link: RedisLink) -> None:
+    node_a, node_b = stores_on(link), stores_on(link)
+    await node_a("t1").put("k1", answer("forty-two"), tag="default")
+    assert node_b("t1").get_memory("k1") is None
+    got = await node_b("t1").get("k1")
+    assert got is not None and got.text == "forty-two"
+    assert node_b("t1").get_memory("k1") == got  # now in B's memory tier
+
+
+async def test_keys_carry_tenant_and_model_version_and_expire(link: RedisLink) -> None:
+    store = stores_on(link)("t1")
+    await store.put("k1", answer("x", ttl_s=30))
+    key = store.entry_key("k1")
+    assert "t1" in key and "m@1" in key
+    ttl_ms = await link.client.pttl(key)
+    assert 0 < ttl_ms <= 30_000
+    # Another model version does not see it.
+    assert await stores_on(link, version="m@2")("t1").get("k1") is None
+
+
+async def test_tenants_stay_apart(link: RedisLink) -> None:
+    stores = stores_on(link)
+    await stores("alice").put("same-key", answer("alice's"))
+    assert await stores_on(link)("bob").get("same-key") is None
+    await stores("bob").put("same-key", answer("bob's"))
+    assert (await stores_on(link)("alice").get("same-key")).text == "alice's"  # type: ignore[union-attr]
+    await stores("bob").clear()
+    assert (await stores_on(link)("alice").get("same-key")).text == "alice's"  # type: ignore[union-attr]
+
+
+async def test_quota_evicts_the_tenants_least_recently_used_only(link: RedisLink) -> None:
+    big = "x" * 2000
+    tight = stores_on(link, quota=9 * KiB, memory=0)
+    roomy = stores_on(link, memory=0)
+    await roomy("other").put("o", answer(big))
+    for i in range(4):
+        await tight("t1").put(f"k{i}", answer(big))
+    await tight("t1").get("k0")  # k0 is now the most recently used
+    await tight("t1").put("k4", answer(big))  # over 9 KiB: the least recently used (k1) goes
+    present = {k for k in ("k0", "k1", "k2", "k3", "k4") if await tight("t1").get(k) is not None}
+    assert present == {"k0", "k2", "k3", "k4"}
+    stats = await tight("t1").stats()
+    assert stats["entries"] == 4 and stats["bytes"] <= 9 * KiB
+    assert await roomy("other").get("o") is not None  # another tenant's entries are never evicted for t1
+
+
+async def test_scenario_flush_drops_only_its_entries_and_the_memory_copy(link: RedisLink) -> None:
+    node_a, node_b = stores_on(link), stores_on(link)
+    await node_a("t1").put("faq", answer("faq answer"), tag="faq")
+    await node_a("t1").put("chat", answer("chat answer"), tag="default")
+    assert await node_b("t1").get("faq") is not None
+    assert await node_a("t1").clear(tag="faq") == 1
+    assert node_a("t1").get_memory("faq") is None
+    assert await stores_on(link)("t1").get("faq") is None
+    assert await stores_on(link)("t1").get("chat") is not None
+    assert (await node_a("t1").stats())["entries"] == 1
+    assert await node_a("t1").clear() == 1
+    assert (await node_a("t1").stats())["bytes"] == 0
+    assert await stores_on(link).known_tenants() == []
+
+
+async def test_expired_entries_leave_no_bookkeeping_behind(link: RedisLink) -> None:
+    store = stores_on(link, memory=0)("t1")
+    await store.put("short", answer("soon gone", ttl_s=0.05))
+    await store.put("long", answer("stays"))
+    time.sleep(0.1)
+    assert await store.get("short") is None
+    stats = await store.stats()  # prunes what Redis expired
+    assert stats["entries"] == 1
+
+
+async def test_redis_down_serves_from_memory_and_never_raises_on_the_request_path(
+        redis_server: RedisServer, redis_url: str) -> None:
+    link = RedisLink(redis_url, timeout_s=0.3, check_interval_s=0.05)
+    await link.start()
+    try:
+        store = stores_on(link)("t1")
+        await store.put("hot", answer("in memory"))
+        redis_server.kill()
+        assert (await store.get("hot")).text == "in memory"  # type: ignore[union-attr]
+        assert await store.get("cold") is None          # a miss, not an error: the engine will answer it
+        await store.put("new", answer("kept here"))      # no error; kept in the memory tier
+        assert not link.up and link.error
+        assert (await store.get("new")).text == "kept here"  # type: ignore[union-attr]
+        with pytest.raises(NotReady):
+            await store.clear()
+        redis_server.start()
+        for _ in range(200):
+            if link.up:
+                break
+            await __import__("asyncio").sleep(0.02)
+        assert link.up and link.disconnects == 1
+        await store.put("after", answer("shared again"))
+        assert (await stores_on(link)("t1").get("after")).text == "shared again"  # type: ignore[union-attr]
+    finally:
+        await link.close()
+
+
+def test_a_single_box_never_imports_redis(tmp_path: Any) -> None:
+    # The disk backend is the default; building and serving its app must not even import the redis client.
+    code = (
+        "import sys, asyncio\n"
+        "from edgecache.app import create_app\n"
+        "from edgecache.settings import resolve_settings\n"
+        "from tests.fakes import FakeEngine\n"
+        "from tests.conftest import serve_in_process, chat_body\n"
+        f"s = resolve_settings('cpu', {{'data_dir': {str(tmp_path)!r}, 'semantic.enabled': False}}, environ={{}})\n"
+        "async def main():\n"
+        "    async with serve_in_process(create_app(s, engine=FakeEngine())) as c:\n"
+        "        assert (await c.post('/v1/chat/completions', json=chat_body('hi'))).status_code == 200\n"
+        "asyncio.run(main())\n"
+        "assert not any(m == 'redis' or m.startswith('redis.') for m in sys.modules), 'redis was imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
