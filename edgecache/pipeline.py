@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import Literal
 
 import msgspec
+import numpy as np
 
 from edgecache.admission import AdmissionGate
 from edgecache.engines.base import Chunk, Engine, GenerationRequest
@@ -195,23 +196,54 @@ class RequestPipeline:
         flight = self.inflight.lead(key, lambda f: self._compute_and_store(call, key, ttl_s, f, probe, lookup))
         return Reply(served="miss", chunks=flight.follow(), ttl_s=ttl_s)
 
-    async def store_known_answer(self, call: Call, text: str) -> bool:
-        """Warmup: keep ``text`` as the answer to ``call``, in the store and (first-turn chat) the semantic index,
-        as if the engine had written it. False when the call already has an answer. Token counts are unknown for
-        such an answer and are reported as 0."""
-        key = request_key(call.request, model_version=self.engine.version, tenant=call.tenant,
-                          scenario=call.scenario)
-        store = self.stores(call.tenant)
-        if await store.get(key) is not None:
-            return False
+    async def store_known_answers(self, known: Sequence[tuple[Call, str]]) -> list[bool | None]:
+        """Warmup: keep each ``text`` as the answer to its ``call``, in the store and (first-turn chat) the semantic
+        index, as if the engine had written it. Per item: True written, False already answered (in the store, or
+        earlier in ``known``), None when the store refused the write (a full disk: counted by the store). Batched
+        all the way down: one existence read and one write transaction per tenant, embeddings in large batches,
+        one index insert per index. Token counts are unknown for such an answer and are reported as 0."""
         now = time.time()
-        await store.put(key, CachedAnswer(text=text, finish_reason="stop", prompt_tokens=0, completion_tokens=0,
-                                          created_at=now, expires_at=now + self.ttl_for(call)), tag=call.scenario)
-        probe = probe_for(call.request, self.engine.version) if self.semantic is not None else None
-        if probe is not None and self.semantic is not None:
-            vector = await self.semantic.batcher.embed(probe.text)
-            await self.semantic.remember(call.tenant, call.scenario, probe, vector, key)
-        return True
+        version = self.engine.version
+        keys = [request_key(call.request, model_version=version, tenant=call.tenant, scenario=call.scenario)
+                for call, _ in known]
+        outcome: list[bool | None] = [False] * len(known)
+        by_tenant: dict[str, list[int]] = {}
+        seen: set[tuple[str, str]] = set()
+        for i, (call, _) in enumerate(known):
+            if (call.tenant, keys[i]) not in seen:  # a repeated line is "already answered"
+                seen.add((call.tenant, keys[i]))
+                by_tenant.setdefault(call.tenant, []).append(i)
+        for tenant, items in by_tenant.items():
+            store = self.stores(tenant)
+            present = await store.contains_many([keys[i] for i in items])
+            fresh = [i for i, there in zip(items, present) if not there]
+            answers = [(keys[i], CachedAnswer(text=known[i][1], finish_reason="stop", prompt_tokens=0,
+                                              completion_tokens=0, created_at=now,
+                                              expires_at=now + self.ttl_for(known[i][0])), known[i][0].scenario)
+                       for i in fresh]
+            stored = await store.put_many(answers)
+            for i in fresh:
+                outcome[i] = True if stored else None
+            if stored and self.semantic is not None:
+                await self._index_known(tenant, [(known[i][0], keys[i]) for i in fresh])
+        return outcome
+
+    async def _index_known(self, tenant: str, calls: list[tuple[Call, str]]) -> None:
+        assert self.semantic is not None
+        probed = [(call, probe, key) for call, key in calls
+                  if (probe := probe_for(call.request, self.engine.version)) is not None]
+        if not probed:
+            return
+        vectors = await self.semantic.embed_many([probe.text for _, probe, _ in probed])
+        by_scenario: dict[str, list[tuple[Probe, np.ndarray, str]]] = {}
+        for (call, probe, key), vector in zip(probed, vectors):
+            by_scenario.setdefault(call.scenario, []).append((probe, vector, key))
+        for scenario, items in by_scenario.items():
+            await self.semantic.remember_many(tenant, scenario, items)
+
+    async def store_known_answer(self, call: Call, text: str) -> bool:
+        """:meth:`store_known_answers` for one call: False when it already has an answer or was not stored."""
+        return bool((await self.store_known_answers([(call, text)]))[0])
 
     async def _semantic_lookup(self, call: Call, probe: Probe) -> Lookup:
         assert self.semantic is not None

@@ -72,7 +72,8 @@ class Runtime:
                                             model_version=lambda: self.engine.version)
         else:
             self.stores = TenantStores(settings.data_path / "results", quota_for=self.quota_for,
-                                       memory_bytes=settings.store.memory_bytes)
+                                       memory_bytes=settings.store.memory_bytes, faults=self.storage_faults,
+                                       damaged_dir=self.damaged_dir)
         adm = settings.admission
         self.admission = AdmissionGate(max_running=adm.max_concurrent_misses, max_queue=adm.max_queue,
                                        queue_timeout_s=adm.queue_timeout_s, retry_after_s=adm.retry_after_s)

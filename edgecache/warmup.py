@@ -8,7 +8,8 @@ A prompts file is JSON lines, one request each::
 (``prompt`` instead of ``messages`` for a raw completion; every field but one of those two is optional.)
 
 - A line with an ``answer`` is written straight to the result store and, for a first-turn chat prompt, to the
-  semantic index: no engine call.
+  semantic index: no engine call. Such lines go in batches (one store transaction, large embedding batches, one
+  multi-threaded index insert per batch), so a tenant's FAQ of 100k lines loads in minutes.
 - A line without one is run through the request path like a request (temperature 0 unless given), which fills the
   engine's KV prefix cache and the stores; a line already cached is skipped.
 - Each distinct system prompt among the answered lines is prefilled into the engine's prefix cache once (a
@@ -106,29 +107,53 @@ async def _drain(pipeline: RequestPipeline, call: Call) -> str:
     return reply.served
 
 
+#: Answered lines stored per batch: large enough that a commit and an embedding call are shared by many lines.
+ANSWERED_BATCH = 2048
+
+
 async def warm(pipeline: RequestPipeline, calls: list[tuple[int, Call, str | None]]) -> list[LineResult]:
-    """Warm the caches with ``(line number, call, known answer or None)``; one result per line, in order."""
+    """Warm the caches with ``(line number, call, known answer or None)``; one result per line.
+
+    Answered lines go in batches through :meth:`RequestPipeline.store_known_answers` (that is what makes
+    onboarding a tenant's FAQ fast); each distinct system prompt among them is prefilled into the engine first.
+    Lines without an answer are run through the request path one by one, like requests."""
     results = []
     prefilled: set[tuple[str, tuple[Message, ...]]] = set()
-    for number, call, answer in calls:
-        try:
-            if answer is None:
-                served = await _drain(pipeline, call)
-                results.append(LineResult(line=number, outcome="written" if served == "miss" else "skipped",
-                                          detail=served))
-                continue
-            system = _system_prompt(call)
-            if system and (call.tenant, system) not in prefilled:
-                prefilled.add((call.tenant, system))
+    answered = [(number, call, answer) for number, call, answer in calls if answer is not None]
+    for number, call, _ in answered:
+        system = _system_prompt(call)
+        if system and (call.tenant, system) not in prefilled:
+            prefilled.add((call.tenant, system))
+            try:
                 # One token with just the system prompt, kept nowhere: only the engine's prefix cache keeps it.
                 await _drain(pipeline, msgspec.structs.replace(call, policy="bypass", request=GenerationRequest(
                     messages=(*system, Message("user", "")), params=SamplingParams(max_tokens=1, temperature=0.0),
                     salt=call.request.salt)))
-            written = await pipeline.store_known_answer(call, answer)
-            results.append(LineResult(line=number, outcome="written" if written else "skipped"))
+            except EdgeCacheError:
+                pass  # a prefill is an optimisation: its line is still stored below
+    for start in range(0, len(answered), ANSWERED_BATCH):
+        batch = answered[start:start + ANSWERED_BATCH]
+        try:
+            outcomes = await pipeline.store_known_answers([(call, answer) for _, call, answer in batch])
+        except EdgeCacheError as exc:
+            results.extend(LineResult(line=number, outcome="failed", detail=exc.message) for number, _, _ in batch)
+            continue
+        for (number, _, _), written in zip(batch, outcomes):
+            if written is None:
+                results.append(LineResult(line=number, outcome="failed",
+                                          detail="not stored: the result store refused the write (see /health)"))
+            else:
+                results.append(LineResult(line=number, outcome="written" if written else "skipped"))
+    for number, call, answer in calls:
+        if answer is not None:
+            continue
+        try:
+            served = await _drain(pipeline, call)
+            results.append(LineResult(line=number, outcome="written" if served == "miss" else "skipped",
+                                      detail=served))
         except EdgeCacheError as exc:
             results.append(LineResult(line=number, outcome="failed", detail=exc.message))
-    return results
+    return sorted(results, key=lambda r: r.line)
 
 
 async def warm_lines(pipeline: RequestPipeline, lines: list[NumberedLine], *, tenants: TenantDirectory,

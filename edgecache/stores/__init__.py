@@ -7,6 +7,7 @@ dir, the default for one box) and :mod:`edgecache.stores.redis` (one store share
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import msgspec
@@ -40,7 +41,17 @@ class ResultStore(Protocol):
 
     async def get(self, key: str) -> CachedAnswer | None: ...
 
-    async def put(self, key: str, answer: CachedAnswer, tag: str | None = None) -> None: ...
+    async def put(self, key: str, answer: CachedAnswer, tag: str | None = None) -> bool:
+        """Store ``answer``; False when it could not be stored (a full disk: counted, never raised)."""
+        ...
+
+    async def put_many(self, items: Sequence[tuple[str, CachedAnswer, str | None]]) -> bool:
+        """Store many ``(key, answer, tag)`` at once (a warmup), in one transaction where the backend has them."""
+        ...
+
+    async def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key has a live answer (a warmup skips those)."""
+        ...
 
     async def clear(self, tag: str | None = None) -> int: ...
 
