@@ -200,6 +200,7 @@ async def test_over_http_the_verifier_serves_a_paraphrase_and_refuses_a_swap(mak
     from edgecache.app import create_app
     from tests.conftest import chat_body, serve_in_process
     from tests.fakes import FakeEngine
+    from tests.test_semantic_http import settled
 
     settings = make_settings(semantic__enabled=True, semantic__decision="verifier")
     engine = FakeEngine()
@@ -208,6 +209,7 @@ async def test_over_http_the_verifier_serves_a_paraphrase_and_refuses_a_swap(mak
             resp = await c.post("/v1/chat/completions", json=chat_body(text),
                                 headers={"X-EdgeCache-Scenario": "support"})
             assert resp.status_code == 200, resp.text
+            await settled(c)  # the answer's vector is indexed after the client has the answer
             return resp.headers["x-edgecache"]
 
         assert await ask("How do I reset my password?") == "miss"
