@@ -81,6 +81,9 @@ class Metrics:
         self.admission_rejections = Counter(
             "edgecache_admission_rejections", "Misses refused with 429 because the engine was saturated.",
             registry=self.registry)
+        self.refused_requests = Counter(
+            "edgecache_refused_requests", "Requests refused (4xx, or the client gone before its answer), by reason.",
+            ["reason"], registry=self.registry)
         self.redis_up = Gauge("edgecache_redis_up",
                               "1 while the fleet's Redis answers, 0 while this node serves on its own "
                               "(store.backend = redis only).", registry=self.registry)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 from pathlib import Path
 
+from edgecache.access_log import AccessLog
 from edgecache.admission import AdmissionGate
 from edgecache.calls import ParsedRequests
 from edgecache.embedders import Embedder
@@ -79,6 +80,8 @@ class Runtime:
                                        queue_timeout_s=adm.queue_timeout_s, retry_after_s=adm.retry_after_s)
         self.metrics.track_admission(self.admission)
         self.metrics.ttft_p99_target_seconds.set(settings.slo.ttft_p99_s)
+        self.access_log = AccessLog(enabled=settings.server.access_log,
+                                    count_refusal=lambda reason: self.metrics.refused_requests.labels(reason).inc())
         self.ttl = TtlClassifier(settings.ttl_tiers)
         self.semantic: SemanticCache | None = None
         self.semantic_error: str | None = None  # why the (optional) semantic layer is off, while it is
@@ -254,6 +257,7 @@ class Runtime:
         self.ready = False
         for task in self._background:
             task.cancel()
+        self.access_log.flush()
         try:
             await self.inflight.drain(SHUTDOWN_GRACE_S)
             await self.engine.close()

@@ -14,7 +14,8 @@ when its cosine reaches the threshold and the guard (:mod:`edgecache.guard`) fin
 on. The caller then reads the chosen candidate's result store entry; when that entry has expired or was evicted, the
 vector is dropped and the lookup is a miss, so a semantic hit never serves an expired answer.
 
-Cost. Embedding runs on a worker thread in micro-batches (:class:`EmbedBatcher`): concurrent lookups share one
+Cost. A prompt longer than the embedder's input (``max_input_tokens``) is not matched at all (:meth:`accepts`);
+judging that tokenizes a bounded prefix, so a 1 MB prompt costs milliseconds. Embedding runs on a worker thread in micro-batches (:class:`EmbedBatcher`): concurrent lookups share one
 model call. Index search and the guard run on the index's own worker thread. Nothing here blocks the event loop.
 """
 
@@ -174,6 +175,15 @@ class SemanticCache:
 
     async def _in_index_thread(self, fn: Callable[..., object], *args: object) -> object:
         return await asyncio.get_running_loop().run_in_executor(self._index_executor, fn, *args)
+
+    async def accepts(self, text: str) -> bool:
+        """Whether ``text`` is embedded whole (at most the embedder's ``max_input_tokens``). A longer one is not
+        matched semantically: its tail would not count. Short texts are answered at once; longer ones are
+        counted on the embedding thread (bounded work, see ``embedders.fits_in_tokens``)."""
+        if len(text) <= self.embedder.max_input_tokens - 2:
+            return True
+        fits = await asyncio.get_running_loop().run_in_executor(self._embed_executor, self.embedder.fits, text)
+        return bool(fits)
 
     async def _on_disk(self, action: str, fallback: object, write: bool, fn: Callable[..., object],
                        *args: object) -> object:

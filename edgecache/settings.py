@@ -83,6 +83,17 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         ByteSize(1_000_000)
     max_messages: Annotated[int, Meta(ge=1), _help("Most messages one chat request may carry.")] = 256
     log_level: Annotated[Literal["debug", "info", "warning", "error"], _help("Server log level.")] = "info"
+    max_header_bytes: Annotated[ByteSize, _help(
+        "Largest request head (request line plus headers) accepted; larger heads get 431 and the connection "
+        "closes.")] = ByteSize(64 * 2**10)
+    read_timeout_s: Annotated[float, Meta(gt=0), _help(
+        "Longest a client may take to send its headers, or between two parts of its body; past it, 408 and the "
+        "connection closes (a slow-loris client holds nothing longer).")] = 30.0
+    keep_alive_s: Annotated[float, Meta(gt=0), _help(
+        "How long an idle keep-alive connection stays open.")] = 5.0
+    access_log: Annotated[bool, _help(
+        "Log one line per request (method, route, status, served-by, tenant, latency; never keys or prompts), "
+        "written in batches to the edgecache.access logger.")] = True
 
 
 class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -94,7 +105,8 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     model_id: Annotated[str | None, _help(
         "The name clients send as `model` and /v1/models lists; defaults to the model file's stem.")] = None
     context_tokens: Annotated[int, Meta(ge=128), _help("Context window (prompt + answer) in tokens.")] = 4096
-    threads: Annotated[int, Meta(ge=0), _help("CPU threads for the engine; 0 means one per core.")] = 0
+    threads: Annotated[int, Meta(ge=0), _help(
+        "CPU threads for the engine; 0 means one per core but one (left for the event loop and the embedder).")] = 0
     batch_tokens: Annotated[int, Meta(ge=8), _help("Prompt tokens evaluated per batch (prefill chunk).")] = 512
     prefix_cache_bytes: Annotated[ByteSize, _help(
         "Byte budget of the engine's prefix (KV state) cache, per tenant; least recently used prefixes go first.")] \
@@ -302,11 +314,16 @@ def pick_profile(gpu_memory_gb: float) -> str:
     return max(fitting)[1]
 
 
+# Variables of the command line, not settings: the profile's name, and the server the client verbs (stats,
+# flush, warmup) talk to with its admin key. An operator exports them in the same shell as the settings.
+NOT_OVERRIDES = frozenset({ENV_PREFIX + "PROFILE", ENV_PREFIX + "URL", ENV_PREFIX + "ADMIN_KEY"})
+
+
 def env_overrides(environ: Mapping[str, str]) -> dict[str, str]:
-    """``EDGECACHE_SERVER__PORT=9000`` -> ``{"server.port": "9000"}``. ``EDGECACHE_PROFILE`` is not an override."""
+    """``EDGECACHE_SERVER__PORT=9000`` -> ``{"server.port": "9000"}``. The :data:`NOT_OVERRIDES` are skipped."""
     out = {}
     for name, value in environ.items():
-        if name.startswith(ENV_PREFIX) and name != ENV_PREFIX + "PROFILE":
+        if name.startswith(ENV_PREFIX) and name not in NOT_OVERRIDES:
             out[name[len(ENV_PREFIX):].lower().replace("__", ".")] = value
     return out
 

@@ -160,3 +160,39 @@ async def test_tenant_vectors_never_answer_another_tenant(semantic_settings: Any
             ("miss", "answer to: How can I reset my password?")
         assert (await answer("acme", "How can I reset my password?"))[0] == "semantic"
         assert engine.calls == 2
+
+
+async def test_embeddings_with_the_openai_sdk_and_an_exact_repeat(semantic_settings: Any) -> None:
+    import base64
+
+    import numpy as np
+    import openai
+
+    async with serve_in_process(create_app(semantic_settings(), engine=FakeEngine())) as c:
+        sdk = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0, http_client=c)
+        models = [m.id async for m in sdk.models.list()]
+        assert models == ["fake-model", "use-multilingual"]
+        assert (await sdk.models.retrieve("use-multilingual")).id == "use-multilingual"
+        first = await sdk.embeddings.with_raw_response.create(model="use-multilingual",
+                                                             input=["How do I reset my password?", "你好"])
+        again = await sdk.embeddings.with_raw_response.create(model="use-multilingual",
+                                                             input=["How do I reset my password?", "你好"])
+        assert (first.headers["x-edgecache"], again.headers["x-edgecache"]) == ("miss", "exact")
+        vectors = [d.embedding for d in first.parse().data]
+        assert [d.embedding for d in again.parse().data] == vectors
+        assert len(vectors) == 2 and len(vectors[0]) == 512
+        assert abs(float(np.linalg.norm(vectors[0])) - 1.0) < 1e-3
+        # float and base64 carry the same float32 vector.
+        floats = (await c.post("/v1/embeddings", json={"model": "use-multilingual", "input": "你好",
+                                                       "encoding_format": "float"})).json()
+        raw = (await c.post("/v1/embeddings", json={"model": "use-multilingual", "input": "你好",
+                                                    "encoding_format": "base64"})).json()
+        decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+        assert decoded.tolist() == np.asarray(floats["data"][0]["embedding"], dtype="<f4").tolist()
+        assert floats["data"][0]["embedding"] == vectors[1]
+        for body, param in (({"input": "x", "dimensions": 256}, "dimensions"), ({"input": ""}, "input"),
+                            ({"input": [[1, 2]]}, "input"), ({"input": "x", "extra": 1}, "extra")):
+            resp = await c.post("/v1/embeddings", json={"model": "use-multilingual", **body})
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+        resp = await c.post("/v1/embeddings", json={"model": "text-embedding-3-small", "input": "x"})
+        assert resp.status_code == 404

@@ -358,6 +358,10 @@ class SGLangEngine:
         self._cached_tokens += chunk.cached_tokens
         self._completion_tokens += chunk.completion_tokens
 
+    async def check_prompt(self, request: GenerationRequest) -> None:
+        """Nothing before the call: SGLang tokenizes on its own workers and refuses an over-long prompt itself,
+        without holding up other requests."""
+
     async def flush(self) -> None:
         """Drop the radix prefix cache. SGLang refuses while requests are running; that refusal is an error."""
         engine = self._running()
