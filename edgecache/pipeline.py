@@ -188,7 +188,7 @@ class RequestPipeline:
         await self._refuse_early(call)
 
         if policy.read:
-            # 3. semantic cache: first-turn chat prompts only, nearest neighbour over threshold, past the guard
+            # 3. semantic cache: first-turn chat prompts only, the nearest candidates, accepted by threshold + guard or the verifier
             probe = await self._probe(call, policy)
             if probe is not None:
                 found = await self._semantic_once(call, key, probe, policy)
@@ -257,6 +257,10 @@ class RequestPipeline:
     async def _semantic_answer(self, call: Call, key: str, probe: Probe, policy: CachePolicy) -> SemanticAnswer:
         assert self.semantic is not None
         lookup = await self.semantic.lookup(call.tenant, call.scenario, probe)
+        if lookup.score is not None:
+            self.metrics.semantic_verifier_score.labels(call.scenario).observe(lookup.score)
+        if lookup.refusal is not None:
+            self.metrics.semantic_refusals.labels(call.scenario, lookup.refusal).inc()
         if lookup.refused_by_guard is not None:
             self.metrics.semantic_guard_rejections.labels(lookup.refused_by_guard.split(":", 1)[0]).inc()
         if lookup.hit is None:

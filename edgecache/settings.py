@@ -175,7 +175,8 @@ class StoreSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 class SemanticSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     enabled: Annotated[bool, _help("Answer paraphrases of cached first-turn chat prompts (layer 3).")] = True
     embedder: Annotated[str, _help(
-        "Sentence embedder: use-multilingual (zh + en, CPU default), minilm-int8 (English, ONNX), "
+        "Sentence embedder: use-multilingual (zh + en, CPU default), e5-small (multilingual-e5-small 4-bit, the e5 "
+        "extra), minilm-int8 (English, ONNX), "
         "bge-small-zh / bge-small-en (ONNX, from semantic.model_dir or a model hub).")] = "use-multilingual"
     model_dir: Annotated[str | None, _help(
         "A local directory with model.onnx and tokenizer.json for the ONNX embedders.")] = None
@@ -192,11 +193,25 @@ class SemanticSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         "How often changed indexes are written to disk (the vectors themselves are committed at once).")] = 5.0
     gpu_mem_limit: Annotated[ByteSize | None, _help(
         "GPU memory the ONNX embedder may take on cuda (onnxruntime's gpu_mem_limit).")] = None
+    decision: Annotated[Literal["threshold", "verifier"], _help(
+        "How a semantic candidate is accepted: threshold (its cosine reaches the scenario's threshold, else the "
+        "value calibrated for the embedder, and the guard finds no difference) or verifier (a calibrated score over "
+        "the nearest candidates meets the scenario's target_false_hit_rate; fitted for use-multilingual only).")] \
+        = "threshold"
+    candidates: Annotated[int, Meta(ge=1, le=16), _help(
+        "Nearest stored prompts the verifier scores per lookup; the best-scored one over the cut serves.")] = 3
+    verifier_params: Annotated[str | None, _help(
+        "A verifier parameter file written by scripts/fit_verifier.py; unset means the one the package ships.")] \
+        = None
 
 
 class ScenarioSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    target_false_hit_rate: Annotated[float, Meta(gt=0.0, le=0.5), _help(
+        "With semantic.decision = verifier: the share of semantic lookups that may get a wrong answer; the "
+        "verifier's calibration turns it into its cut.")] = 0.005
     threshold: Annotated[Annotated[float, Meta(ge=0.0, le=1.0)] | None, _help(
-        "Cosine similarity a semantic candidate needs; unset means the value calibrated for the embedder.")] = None
+        "Cosine similarity the nearest candidate needs (with the guard's veto); unset means the value calibrated "
+        "for the embedder. Set, it also overrides the verifier.")] = None
     ttl_s: Annotated[Annotated[float, Meta(gt=0)] | None, _help(
         "How long answers in this scenario stay valid; unset lets the TTL tier classifier decide.")] = None
 
