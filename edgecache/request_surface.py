@@ -18,7 +18,7 @@ Normalisation happens here once: a field's "off" value and its absence build the
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 from msgspec import Meta
@@ -26,6 +26,7 @@ from msgspec import Meta
 from edgecache.engines.base import GenerationRequest, Message, OutputFormat, SamplingParams, ToolCall, ToolSpec
 from edgecache.errors import BadRequest
 
+T = TypeVar("T")
 Probability = Annotated[float, Meta(ge=0.0, le=2.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 # Work grows with these, so they are bounded before anything runs.
@@ -322,6 +323,11 @@ class CompletionRequest(_CommonRequest, kw_only=True, forbid_unknown_fields=True
 
 def decode_request(body: bytes, request_type: type[_CommonRequest]) -> _CommonRequest:
     """Strict decode; any problem becomes a 400 naming the field, never a traceback."""
+    return decode_body(body, request_type)
+
+
+def decode_body(body: bytes, request_type: type[T]) -> T:
+    """Strict decode of any request struct; any problem becomes a 400 naming the field, never a traceback."""
     if not body:
         raise BadRequest("the request body is empty; send a JSON object")
     try:

@@ -235,3 +235,21 @@ def test_an_entry_written_before_choices_existed_still_decodes() -> None:
     old = msgspec.msgpack.encode(["text", "stop", 3, 4, 1.0, 2.0])
     answer = msgspec.msgpack.decode(old, type=CachedAnswer)
     assert answer.text == "text" and answer.choices is None
+
+
+async def test_openapi_document_is_generated_from_the_request_structs(client: httpx.AsyncClient) -> None:
+    from edgecache.request_surface import ChatCompletionRequest, CompletionRequest
+
+    resp = await client.get("/openapi.json")
+    assert resp.status_code == 200 and resp.headers["content-type"] == "application/json"
+    doc = resp.json()
+    assert doc["openapi"].startswith("3.")
+    schemas = doc["components"]["schemas"]
+    for struct in (ChatCompletionRequest, CompletionRequest):
+        # Every field the decoder accepts is in the schema, and nothing else (it is the same struct).
+        assert set(schemas[struct.__name__]["properties"]) == set(struct.__struct_encode_fields__)
+        assert schemas[struct.__name__].get("additionalProperties") is False
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/v1/models/{model_id}"):
+        assert path in doc["paths"]
+    body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/ChatCompletionRequest"}

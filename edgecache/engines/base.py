@@ -173,6 +173,10 @@ class Engine(Protocol):
     async def start(self) -> None:
         """Load the model. Called once by the app's lifespan before the server reports ready."""
 
+    async def check_prompt(self, request: GenerationRequest) -> None:
+        """Raise BadRequest (``context_length_exceeded``) for a prompt the context cannot hold. Called before the
+        request queues for the engine or is embedded, so it must not wait behind a running generation."""
+
     def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         """Stream one generation. Closing the iterator early aborts the generation."""
         ...

@@ -198,7 +198,10 @@ class LlamaCppEngine:
         self.model_id = model_id or default_id
         self.version = f"{self.model_id}@{weights_fingerprint(self._model_path)}"
         self._context_tokens = context_tokens
-        self._threads = threads or (os.cpu_count() or 1)
+        # 0: one thread per core but one. Measured on a busy 2-core box that also serves hits
+        # (scripts/bench_threads.py): a thread per core makes llama.cpp's threads wait on each other whenever the
+        # event loop or the embedder takes a core, and misses got several times slower.
+        self._threads = threads or max(1, (os.cpu_count() or 1) - 1)
         self._batch_tokens = batch_tokens
         self._min_prefix = prefix_cache_min_tokens
         self.prefix_cache = PrefixStateCache(prefix_cache_bytes)
@@ -292,6 +295,26 @@ class LlamaCppEngine:
                 cancelled.set()
                 await asyncio.wait([job])
             job.result()
+
+    async def check_prompt(self, request: GenerationRequest) -> None:
+        """Refuse a prompt the context cannot hold, off the generation thread: tokenizing reads only the
+        vocabulary, so it runs beside a generation instead of queueing behind it (a 1 MB prompt is refused in
+        a fraction of a second while other requests' answers stream)."""
+        if self._llm is None:
+            return
+        await asyncio.to_thread(self._check_prompt_sync, request)
+
+    def _check_prompt_sync(self, request: GenerationRequest) -> None:
+        # Every token covers at least one byte of the rendered prompt, so a prompt of fewer bytes than the context
+        # has tokens fits without tokenizing (the common case, at no cost).
+        size = len(request.prompt or "") + sum(len(m.content) + 16 for m in request.messages or ()) + sum(
+            len(t.name) + len(t.description) + len(t.parameters) + 64 for t in request.tools)
+        if 4 * size < self._context_tokens:  # at most 4 UTF-8 bytes a character
+            return
+        n_prompt = len(self._prompt_tokens(request))
+        if n_prompt >= self._context_tokens:
+            raise BadRequest(f"the prompt has {n_prompt} tokens; this model's context holds "
+                             f"{self._context_tokens}", code="context_length_exceeded")
 
     def _prompt_tokens(self, request: GenerationRequest) -> list[int]:
         llm = self._llm
