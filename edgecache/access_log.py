@@ -2,7 +2,7 @@
 
 A line says what an operator needs to see a request's fate, and nothing a request carried::
 
-    method=POST route=/v1/chat/completions status=200 served=exact tenant=acme ms=0.41
+    t=1764730000.123 method=POST route=/v1/chat/completions status=200 served=exact tenant=acme ms=0.41
 
 The route is the matched route's template (``/v1/models/{model_id:str}``), never the path itself: never a key, a
 prompt, a query string or a path that matched no route (that is logged as ``route=-``): the log
@@ -55,8 +55,9 @@ class AccessLog:
             self.count_refusal(reason)
         if not self.enabled:
             return
-        self._lines.append(f"method={method} route={route} status={status} served={served or '-'} "
-                           f"tenant={tenant or '-'} ms={seconds * 1000:.2f}")
+        # Each line carries its own time: a batch is written as one log record, stamped when it is written.
+        self._lines.append(f"t={time.time():.3f} method={method} route={route} status={status} "
+                           f"served={served or '-'} tenant={tenant or '-'} ms={seconds * 1000:.2f}")
         if len(self._lines) >= self.max_batch:
             self.flush()
         elif self._timer is None:
