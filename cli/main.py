@@ -6,7 +6,6 @@ Flags become dotted overrides of one Settings object (the same road as ``EDGECAC
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Annotated, Any, Optional
 
 import typer
@@ -69,6 +68,7 @@ def serve(
     from edgecache.engines import engine_from_settings
     from edgecache.errors import EdgeCacheError
     from edgecache.hardware import validate_memory
+    from edgecache.http_server import uvicorn_config
 
     def refuse(message: str) -> typer.Exit:
         typer.secho(f"error: {message}", fg="red", err=True)
@@ -101,10 +101,7 @@ def serve(
     typer.echo(f"edgecache: profile {settings.profile}, engine {settings.engine.kind} ({engine}), "
                f"data in {settings.data_dir}, serving on http://{settings.server.host}:{settings.server.port}/v1",
                err=True)
-    config = uvicorn.Config(application, host=settings.server.host, port=settings.server.port,
-                            loop="uvloop" if sys.platform != "win32" else "asyncio", http="httptools",
-                            log_level=settings.server.log_level, access_log=False, lifespan="on")
-    uvicorn.Server(config).run(sockets=[listening])
+    uvicorn.Server(uvicorn_config(application, settings)).run(sockets=[listening])
 
 
 def _bind(host: str, port: int):  # type: ignore[no-untyped-def]
@@ -136,7 +133,8 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-UrlOpt = Annotated[str, typer.Option(help="The server's base URL.")]
+DEFAULT_URL = "http://127.0.0.1:8000"
+UrlOpt = Annotated[str, typer.Option(envvar="EDGECACHE_URL", help="The server's base URL (env EDGECACHE_URL).")]
 KeyOpt = Annotated[Optional[str], typer.Option(
     "--key", envvar="EDGECACHE_ADMIN_KEY", help="An admin key from the tenants file (env EDGECACHE_ADMIN_KEY).")]
 
@@ -166,7 +164,7 @@ def _check(resp) -> dict[str, Any]:  # type: ignore[no-untyped-def]
 
 @app.command()
 def stats(
-    url: UrlOpt = "http://127.0.0.1:8000",
+    url: UrlOpt = DEFAULT_URL,
     key: KeyOpt = None,
     tenant: Annotated[Optional[str], typer.Option(help="Only this tenant's figures.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the /stats JSON once, for scripts.")] = False,
@@ -203,6 +201,22 @@ def stats(
                 console.print(table)
             return
         previous, previous_at = body, time.monotonic()
+        if not console.is_terminal:
+            # Piped or redirected (a log file, `| tee`, a CI step): a live view draws nothing there, so print one
+            # timestamped snapshot per interval instead.
+            try:
+                while True:
+                    console.print(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}")
+                    for table in stats_tables(body, tenant=tenant, previous=previous, seconds=time.monotonic()
+                                              - previous_at if body is not previous else None):
+                        console.print(table)
+                    console.file.flush()
+                    time.sleep(interval)
+                    previous, previous_at = body, time.monotonic()
+                    body = fetch(client)
+            except KeyboardInterrupt:
+                pass
+            return
         with Live(Group(*stats_tables(body, tenant=tenant)), console=console, refresh_per_second=4) as live:
             try:
                 while True:
@@ -217,7 +231,7 @@ def stats(
 
 @app.command()
 def flush(
-    url: UrlOpt = "http://127.0.0.1:8000",
+    url: UrlOpt = DEFAULT_URL,
     key: KeyOpt = None,
     tenant: Annotated[Optional[str], typer.Option(help="Drop this tenant's entries.")] = None,
     scenario: Annotated[Optional[str], typer.Option(help="Drop this scenario's entries (of --tenant, or of all).")]
@@ -243,7 +257,8 @@ def flush(
 def warmup(
     prompts: Annotated[str, typer.Argument(help="JSON lines: messages or prompt, and optional scenario, tenant, "
                                                 "ttl, max_tokens, temperature, seed, answer.")],
-    url: Annotated[Optional[str], typer.Option(help="Warm a running server (its /admin/warmup route).")] = None,
+    url: Annotated[Optional[str], typer.Option(envvar="EDGECACHE_URL", help="Warm a running server (its "
+                                               "/admin/warmup route; env EDGECACHE_URL).")] = None,
     key: KeyOpt = None,
     profile: ProfileOpt = None,
     data_dir: Annotated[Optional[str], typer.Option(help="Warm this data dir offline (no server running on it).")]

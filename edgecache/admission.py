@@ -48,6 +48,12 @@ class AdmissionGate:
         return Overloaded(f"the model is busy ({why}); retry after {self.retry_after_s} s",
                           retry_after_s=self.retry_after_s)
 
+    def refuse_if_full(self, tenant: str, tenant_limit: int | None = None) -> None:
+        """Raise Overloaded now if a call arriving at the gate would be refused: no slot for it and the queue full.
+        The pipeline asks before any work a refused call would waste (embedding its prompt)."""
+        if len(self._waiters) >= self.max_queue and not self._may_run(tenant, tenant_limit):
+            raise self._reject(f"{self.running} generating, {len(self._waiters)} waiting")
+
     @asynccontextmanager
     async def slot(self, tenant: str, tenant_limit: int | None = None) -> AsyncIterator[None]:
         """Hold one engine slot for ``tenant`` for the body of the ``async with``."""

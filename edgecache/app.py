@@ -17,24 +17,28 @@ engine, save the indexes, close the stores.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
+from litestar.params import PathParameter
 from litestar.response import Stream
 from litestar.types import ASGIApp
 
+from edgecache.access_log import TENANT_SCOPE_KEY, AccessLog, AccessLogMiddleware
 from edgecache.calls import Parsed, apply_headers, read_headers
 from edgecache.data_dir import DataDirLock
 from edgecache.engines.base import Chunk, Engine
 from edgecache.errors import (
     BadRequest,
+    ClientGone,
     EdgeCacheError,
     ModelNotFound,
     NotFound,
@@ -44,12 +48,16 @@ from edgecache.errors import (
 )
 from edgecache.openai_api import ModelCard, ModelList, ResponseWriter, usage
 from edgecache.pipeline import Call, Reply
+from edgecache.embeddings_api import EmbeddingRequest, embed
+from edgecache.openapi import openapi_document
+from edgecache.request_surface import check_engine_supports, decode_body
 from edgecache.runtime import Runtime
 from edgecache.settings import Settings
 from edgecache.tenants import TenantDirectory
 from edgecache.warmup import WarmupBatch, warm_lines
 
 log = logging.getLogger("edgecache")
+T = TypeVar("T")
 
 _json = msgspec.json.Encoder()
 JSON = "application/json"
@@ -68,24 +76,31 @@ def _check_ready(rt: Runtime, model: str) -> None:
                             f"{rt.engine.model_id!r}", param="model")
 
 
-class JsonAnswer:
-    """A complete JSON response as a bare ASGI app, its headers already bytes.
+class RawAnswer:
+    """A complete response as a bare ASGI app, its headers already bytes, sent exactly as given.
 
     A hit costs little beyond writing its response, so the response's own cost shows: litestar's ``Response``
     rebuilds a case-insensitive header map and re-checks every header per response, which measured about a third
-    of our hit path's time above a bare endpoint. The answers here need none of that.
+    of our hit path's time above a bare endpoint. The answers here need none of that. It also leaves a media type
+    alone: litestar appends ``; charset=utf-8`` to any ``text/*`` type, which gave /metrics a duplicate charset
+    parameter that strict parsers (Prometheus 3's Go ``mime.ParseMediaType``) reject.
     """
 
     __slots__ = ("body", "headers")
 
-    def __init__(self, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(self, body: bytes, headers: list[tuple[bytes, bytes]], content_type: bytes = b"application/json"
+                 ) -> None:
         self.body = body
-        self.headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                        *headers]
+        self.headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *headers]
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.headers})
         await send({"type": "http.response.body", "body": self.body})
+
+
+def _authorization(request: Request[Any, Any, Any]) -> str | None:
+    """The Authorization header by the one rule every route follows (sent twice: 400)."""
+    return read_headers(request.scope["headers"]).authorization
 
 
 def _reply_headers(reply: Reply) -> list[tuple[bytes, bytes]]:
@@ -100,7 +115,11 @@ def _reply_headers(reply: Reply) -> list[tuple[bytes, bytes]]:
 async def _respond(rt: Runtime, request: Request[Any, Any, Any], parsed: Parsed, started: float) -> ASGIApp:
     call, stream, chat, include_usage = parsed.call, parsed.stream, parsed.chat, parsed.include_usage
     assert rt.pipeline is not None  # _check_ready ran
-    reply = await rt.pipeline.serve(call)
+    try:
+        reply = await rt.pipeline.serve(call)
+    except Overloaded:
+        rt.metrics.observe_request(call.tenant, call.scenario, "rejected", None)
+        raise
     writer = ResponseWriter(chat=chat, model=rt.engine.model_id, include_usage=include_usage,
                             response_id=rt.ids.next("chat" if chat else "text"))
     metrics = rt.metrics
@@ -109,39 +128,70 @@ async def _respond(rt: Runtime, request: Request[Any, Any, Any], parsed: Parsed,
         # The hot path: a stored answer, rendered straight from the store's copy.
         metrics.observe_request(call.tenant, call.scenario, reply.served, time.perf_counter() - started)
         body = writer.body(answer.text, answer.finish_reason,
-                           usage(answer.prompt_tokens, answer.completion_tokens, answer.prompt_tokens))
-        return JsonAnswer(body, _reply_headers(reply))
+                           usage(answer.prompt_tokens, answer.completion_tokens, answer.prompt_tokens),
+                           answer.choices)
+        return RawAnswer(body, _reply_headers(reply))
     chunks = reply.stream()
     try:
         # The first chunk is awaited before any byte is sent, so an error before the first token (a bad prompt,
-        # a failed engine) still gets its real HTTP status instead of a 200 stream carrying an error.
-        first = await anext(chunks)
+        # a failed engine) still gets its real HTTP status instead of a 200 stream carrying an error. Nothing is
+        # sent while it waits, so the client's hanging up is watched for meanwhile.
+        first = await _unless_client_gone(request, anext(chunks))
     except BaseException as exc:
         await chunks.aclose()
-        metrics.observe_request(call.tenant, call.scenario, "rejected" if isinstance(exc, Overloaded) else "error",
-                                None)
+        if not isinstance(exc, ClientGone):
+            metrics.observe_request(call.tenant, call.scenario,
+                                    "rejected" if isinstance(exc, Overloaded) else "error", None)
         raise
     ttft = time.perf_counter() - started
 
     if not stream:
-        try:
+        async def rest() -> tuple[list[str], Chunk]:
             texts, final = [first.text], first
             async for chunk in chunks:
                 texts.append(chunk.text)
                 final = chunk
-        except BaseException:
-            metrics.observe_request(call.tenant, call.scenario, "error", None)
+            return texts, final
+
+        try:
+            texts, final = await _unless_client_gone(request, rest())
+        except BaseException as exc:
+            if not isinstance(exc, ClientGone):
+                metrics.observe_request(call.tenant, call.scenario, "error", None)
             raise
         finally:
             await chunks.aclose()
         metrics.observe_request(call.tenant, call.scenario, reply.served, ttft)
         body = writer.body("".join(texts), final.finish_reason,
-                           usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens))
-        return JsonAnswer(body, _reply_headers(reply))
+                           usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens), final.choices)
+        return RawAnswer(body, _reply_headers(reply))
 
     headers = {name.decode(): value.decode() for name, value in _reply_headers(reply)}
     return Stream(content=_sse(rt, call, reply.served, writer, first, chunks, ttft), media_type="text/event-stream",
                   headers={**headers, "Cache-Control": "no-cache"}).to_asgi_response(None, request)
+
+
+async def _unless_client_gone(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:
+    """``work``'s result, unless the client hangs up first: then ``work`` is cancelled (which releases what it
+    holds: the flight listener, and with the last listener the engine call and its admission slot) and ClientGone
+    is raised. The request body has been read, so the next ASGI message can only be the disconnect."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait([task])
+            if watcher.done():
+                raise ClientGone("the client closed the connection before its answer was ready")
+        watcher.cancel()
+    return task.result()
+
+
+async def _disconnected(request: Request[Any, Any, Any]) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _sse(rt: Runtime, call: Call, served: str, writer: ResponseWriter, first: Chunk,
@@ -149,6 +199,12 @@ async def _sse(rt: Runtime, call: Call, served: str, writer: ResponseWriter, fir
     outcome = "error"
     try:
         async with aclosing(chunks):
+            if first.choices is not None:
+                # A whole answer (tool calls, logprobs, several choices) arrives as one final chunk.
+                yield writer.sse_whole(first.choices, usage(first.prompt_tokens, first.completion_tokens,
+                                                            first.cached_tokens))
+                outcome = served
+                return
             yield writer.sse_start()
             chunk: Chunk | None = first
             while chunk is not None:
@@ -172,8 +228,10 @@ async def _generate(request: Request[Any, Any, Any], chat: bool) -> ASGIApp:
     rt = _runtime(request.app.state)
     headers = read_headers(request.scope["headers"])
     tenant = rt.tenants.authenticate(headers.authorization)                            # 401 on an unknown key
+    request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]  # for the access log
     parsed = rt.parsed.parse(chat, await request.body(), tenant)                       # 400 / 413
     _check_ready(rt, parsed.model)                                                     # 503 / 404
+    check_engine_supports(parsed.features, rt.engine)                                  # 400 naming field+engine
     return await _respond(rt, request, apply_headers(parsed, headers, tenant, rt.settings), started)
 
 
@@ -187,11 +245,51 @@ async def completions(request: Request[Any, Any, Any]) -> ASGIApp:
     return await _generate(request, chat=False)
 
 
+def _model_cards(rt: Runtime) -> list[ModelCard]:
+    """The chat model, and the embedder when the semantic layer hosts one (it serves /v1/embeddings)."""
+    cards = [ModelCard(id=rt.engine.model_id, created=rt.started_at)]
+    if rt.semantic is not None:
+        cards.append(ModelCard(id=rt.settings.semantic.embedder, created=rt.started_at))
+    return cards
+
+
 @get("/v1/models")
 async def list_models(state: State) -> Response[Any]:
+    return Response(_json.encode(ModelList(data=_model_cards(_runtime(state)))), media_type=JSON)
+
+
+@get("/v1/models/{model_id:str}")
+async def retrieve_model(state: State, model_id: Annotated[str, PathParameter()]) -> Response[Any]:
     rt = _runtime(state)
-    return Response(_json.encode(ModelList(data=[ModelCard(id=rt.engine.model_id, created=rt.started_at)])),
-                    media_type=JSON)
+    for card in _model_cards(rt):
+        if card.id == model_id:
+            return Response(_json.encode(card), media_type=JSON)
+    raise ModelNotFound(f"the model {model_id!r} does not exist here; this server serves "
+                        f"{', '.join(repr(c.id) for c in _model_cards(rt))}", param="model")
+
+
+@post("/v1/embeddings", status_code=200)
+async def embeddings(request: Request[Any, Any, Any]) -> ASGIApp:
+    rt = _runtime(request.app.state)
+    tenant = rt.tenants.authenticate(_authorization(request))
+    body = decode_body(await request.body(), EmbeddingRequest)
+    if not rt.ready:
+        raise NotReady("the server is still loading; retry shortly")
+    model_id = rt.settings.semantic.embedder
+    if rt.semantic is None:
+        raise ModelNotFound("this server hosts no embedder now (the semantic layer is off"
+                            f"{': ' + rt.semantic_error if rt.semantic_error else ''})", param="model")
+    if body.model != model_id:
+        raise ModelNotFound(f"the embedding model {body.model!r} does not exist here; this server's embedder is "
+                            f"{model_id!r}", param="model")
+    payload, all_hits = await embed(body, model_id=model_id, semantic=rt.semantic, store=rt.stores(tenant.id))
+    return RawAnswer(payload, [(b"x-edgecache", b"exact" if all_hits else b"miss")])
+
+
+@get("/openapi.json")
+async def openapi_json(state: State) -> ASGIApp:
+    """The OpenAPI document, generated from the request and response structs (see :mod:`edgecache.openapi`)."""
+    return RawAnswer(state.openapi, [])
 
 
 @get("/health")
@@ -213,15 +311,20 @@ async def health(state: State) -> Response[Any]:
     return Response(_json.encode(body), media_type=JSON, status_code=200 if overall.serving else 503)
 
 
+PROMETHEUS_TEXT = b"text/plain; version=0.0.4; charset=utf-8"
+
+
 @get("/metrics")
-async def metrics(state: State) -> Response[Any]:
-    return Response(_runtime(state).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+async def metrics(request: Request[Any, Any, Any]) -> ASGIApp:
+    rt = _runtime(request.app.state)
+    rt.tenants.authenticate_metrics(_authorization(request))  # it names every tenant with its traffic
+    return RawAnswer(rt.metrics.render(), [], content_type=PROMETHEUS_TEXT)
 
 
 @get("/stats")
 async def stats(request: Request[Any, Any, Any]) -> Response[Any]:
     rt = _runtime(request.app.state)
-    rt.tenants.authenticate_admin(request.headers.get("authorization"))
+    rt.tenants.authenticate_admin(_authorization(request))
     stores = await rt.refresh_gauges()
     body = rt.metrics.snapshot()
     body["stores"] = stores
@@ -246,7 +349,7 @@ class FlushRequest(msgspec.Struct, forbid_unknown_fields=True):
 async def admin_flush(request: Request[Any, Any, Any]) -> Response[Any]:
     """Drop cached entries across all layers: ``{"tenant": T}``, ``{"scenario": S}``, both, or ``{"all": true}``."""
     rt = _runtime(request.app.state)
-    rt.tenants.authenticate_admin(request.headers.get("authorization"))
+    rt.tenants.authenticate_admin(_authorization(request))
     try:
         body = msgspec.json.decode(await request.body() or b"{}", type=FlushRequest)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -270,7 +373,7 @@ async def admin_flush(request: Request[Any, Any, Any]) -> Response[Any]:
 async def admin_warmup(request: Request[Any, Any, Any]) -> Response[Any]:
     """Warm the caches with a batch of prompts-file lines (see :mod:`edgecache.warmup`); one result per line."""
     rt = _runtime(request.app.state)
-    rt.tenants.authenticate_admin(request.headers.get("authorization"))
+    rt.tenants.authenticate_admin(_authorization(request))
     try:
         batch = msgspec.json.decode(await request.body(), type=WarmupBatch)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -279,7 +382,7 @@ async def admin_warmup(request: Request[Any, Any, Any]) -> Response[Any]:
         raise NotReady("the server is still loading")
     assert rt.pipeline is not None
     results = await warm_lines(rt.pipeline, batch.lines, tenants=rt.tenants, settings=rt.settings,
-                               tenant=batch.tenant)
+                               tenant=batch.tenant, prefilled=rt.warm_prefilled)
     return Response(_json.encode({"results": results}), media_type=JSON)
 
 
@@ -295,7 +398,17 @@ def _error_response(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     else:
         log.error("unhandled error", exc_info=exc)
         err = EdgeCacheError("internal server error")
-    return Response(_json.encode(error_body(err)), status_code=err.status, media_type=JSON, headers=err.headers())
+    headers = err.headers()
+    if isinstance(exc, HTTPException) and exc.headers:
+        headers = {**exc.headers, **headers}  # 405 names the allowed methods (Allow)
+    return Response(_json.encode(error_body(err)), status_code=err.status, media_type=JSON, headers=headers)
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("edgecache")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
 
 
 def create_app(settings: Settings, engine: Engine | None = None,
@@ -328,13 +441,23 @@ def create_app(settings: Settings, engine: Engine | None = None,
         finally:
             lock.release()
 
-    return Litestar(
-        route_handlers=[chat_completions, completions, list_models, health, metrics, stats, admin_flush,
-                        admin_warmup],
+    app = Litestar(
+        route_handlers=[chat_completions, completions, embeddings, list_models, retrieve_model, openapi_json, health,
+                        metrics, stats, admin_flush, admin_warmup],
         lifespan=[lifespan],
+        state=State({"openapi": _json.encode(openapi_document(_package_version()))}),
         exception_handlers={Exception: _error_response},
         request_max_body_size=settings.server.max_body_bytes,
         openapi_config=None,
         logging_config=None,  # logging is the host's to configure (the CLI does); litestar must not replace it
         debug=False,
     )
+    # Around litestar's whole handler (routing and error rendering included), so 404s and 405s are logged too;
+    # litestar's own middleware runs only for requests that matched a route.
+    app.asgi_handler = AccessLogMiddleware(app.asgi_handler, lambda: _access_log_of(app))
+    return app
+
+
+def _access_log_of(app: Litestar) -> AccessLog | None:
+    runtime = getattr(app.state, "runtime", None)
+    return runtime.access_log if runtime is not None else None

@@ -14,14 +14,14 @@ from typing import NamedTuple
 
 import msgspec
 
-from edgecache.engines.base import GenerationRequest
 from edgecache.errors import BadRequest, Forbidden, PayloadTooLarge
-from edgecache.openai_api import (
+from edgecache.pipeline import POLICIES, Call
+from edgecache.request_surface import (
     ChatCompletionRequest,
     CompletionRequest,
     decode_request,
+    features_used,
 )
-from edgecache.pipeline import POLICIES, Call
 from edgecache.settings import Settings
 from edgecache.tenants import Tenant
 
@@ -34,6 +34,8 @@ class Parsed(msgspec.Struct, frozen=True, kw_only=True):
     chat: bool
     stream: bool
     include_usage: bool
+    # The request fields the engine must honour beyond plain sampling (checked against the running engine).
+    features: frozenset[str] = frozenset()
 
 
 def parse(chat: bool, body: bytes, tenant: Tenant, settings: Settings) -> Parsed:
@@ -44,24 +46,30 @@ def parse(chat: bool, body: bytes, tenant: Tenant, settings: Settings) -> Parsed
         assert isinstance(req, ChatCompletionRequest)
         if len(req.messages) > settings.server.max_messages:
             raise PayloadTooLarge(f"at most {settings.server.max_messages} messages per request")
-        params = req.sampling(settings.engine.default_max_tokens, req.max_completion_tokens)
-        generation = GenerationRequest(messages=tuple(m.to_message() for m in req.messages), params=params,
-                                       salt=salt)
     else:
         req = decode_request(body, CompletionRequest)  # type: ignore[assignment]
         assert isinstance(req, CompletionRequest)
-        generation = GenerationRequest(prompt=req.prompt, params=req.sampling(settings.engine.default_max_tokens),
-                                       salt=salt)
+    generation = req.generation(settings.engine.default_max_tokens, salt)
     if req.cache_salt:
         # A caller's own salt namespaces within its tenant: the tenant always leads the engine's salt.
         generation = msgspec.structs.replace(generation, salt=f"{tenant.id}:{req.cache_salt}")
     options = req.edgecache
+    if options is not None and options.ttl is not None and options.ttl > longest_ttl_s(settings):
+        raise BadRequest(f"edgecache.ttl is {options.ttl:g} s; the longest this server keeps an answer is "
+                         f"{longest_ttl_s(settings):g} s (its longest TTL tier)", param="edgecache.ttl")
     call = Call(request=generation, tenant=tenant.id, tenant_limit=tenant.plan.max_concurrent_misses,
                 scenario=(options.scenario if options else None) or "default",
                 policy=(options.policy if options else None) or "default",
                 ttl_s=options.ttl if options else None, ttl_tier=options.ttl_tier if options else None)
-    return Parsed(call=call, model=req.model, chat=chat, stream=req.stream,
-                  include_usage=bool(req.stream_options and req.stream_options.include_usage))
+    return Parsed(call=call, model=req.model, chat=chat, stream=req.stream, include_usage=req.include_usage(),
+                  features=features_used(generation))
+
+
+def longest_ttl_s(settings: Settings) -> float:
+    """The longest an answer may live here: the longest TTL tier, or a scenario's own TTL if that is longer."""
+    tiers = settings.ttl_tiers
+    scenario_ttls = [s.ttl_s for s in settings.scenarios.values() if s.ttl_s is not None]
+    return max(tiers.realtime_s, tiers.near_realtime_s, tiers.static_s, *scenario_ttls)
 
 
 class CallHeaders(NamedTuple):
@@ -77,11 +85,18 @@ _HEADER_FIELDS = {b"authorization": 0, b"x-edgecache-scenario": 1, b"x-edgecache
 
 def read_headers(raw: Iterable[tuple[bytes, bytes]]) -> CallHeaders:
     """One pass over the ASGI scope's raw headers for the three that matter (names arrive lower-cased). Cheaper
-    than building a full case-insensitive header map on every request, which showed on the hit path."""
+    than building a full case-insensitive header map on every request, which showed on the hit path.
+
+    One rule for every route: a header that matters, sent twice, is a 400. Taking the first or the last copy is
+    what let two ``Authorization`` headers name different tenants on different routes (each framework layer
+    picked its own copy)."""
     found: list[str | None] = [None, None, None]
     for name, value in raw:
         index = _HEADER_FIELDS.get(name)
         if index is not None:
+            if found[index] is not None:
+                raise BadRequest(f"the {name.decode()} header was sent more than once; send it once",
+                                 param=name.decode())
             found[index] = value.decode("latin-1")
     return CallHeaders(*found)
 

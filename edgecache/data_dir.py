@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import sqlite3
 import time
 from pathlib import Path
 
@@ -45,8 +46,11 @@ class DataDirLock:
             os.close(fd)
             raise DataDirBusy(f"the data dir {self.data_dir} is in use by another EdgeCache process (pid {holder}); "
                               "stop it first, or give this one another --data-dir") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
+        try:  # who holds it, for the next one's message; best effort (a full disk has no room for it)
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
+        except OSError:
+            pass
         self._fd = fd
         return self
 
@@ -56,6 +60,8 @@ class DataDirLock:
         fd, self._fd = self._fd, None
         try:
             os.ftruncate(fd, 0)
+        except OSError:
+            pass
         finally:
             os.close(fd)  # closing the descriptor drops the flock
 
@@ -89,3 +95,52 @@ def move_aside(path: Path, into: Path, *related: Path) -> Path:
         if Path(extra).exists():
             shutil.move(str(extra), str(moved.with_name(moved.name + Path(extra).name.removeprefix(path.name))))
     return moved
+
+
+def salvage_rows(old_db: Path, new_db: Path, table: str, columns: str) -> int:
+    """Copy every row of ``table`` still readable from a damaged SQLite file into ``new_db`` (same schema, rowids
+    kept). Rows are read in rowid order; at a damaged page the read skips ahead (1, 2, 4, ... rowids) until it
+    finds readable rows again, so one bad page costs the rows on it, not the rest of the file. Returns how many
+    rows came through."""
+    if not Path(old_db).is_file() or Path(old_db).stat().st_size == 0:
+        return 0
+    try:
+        old = sqlite3.connect(f"file:{old_db}?mode=ro", uri=True)
+    except sqlite3.Error:
+        return 0
+    new = sqlite3.connect(new_db, isolation_level=None)
+    width = columns.count(",") + 2
+    insert = f"INSERT OR IGNORE INTO {table} (rowid, {columns}) VALUES ({', '.join('?' * width)})"
+    kept, last, skip = 0, -(1 << 62), 1
+
+    def write(rows: list[tuple[object, ...]]) -> None:
+        nonlocal kept
+        if rows:
+            new.execute("BEGIN")
+            new.executemany(insert, rows)
+            new.execute("COMMIT")
+            kept += len(rows)
+            rows.clear()
+
+    try:
+        while skip < (1 << 40):
+            batch: list[tuple[object, ...]] = []
+            try:
+                for row in old.execute(f"SELECT rowid, {columns} FROM {table} WHERE rowid > ? ORDER BY rowid",
+                                       (last,)):
+                    batch.append(row)
+                    last, skip = row[0], 1
+                    if len(batch) >= 1000:
+                        write(batch)
+                write(batch)
+                break  # read to the end
+            except sqlite3.DatabaseError:
+                write(batch)
+                if last == -(1 << 62):
+                    break  # not even the first row: the table's root is gone
+                last += skip  # past the damaged page, probably
+                skip *= 2
+    finally:
+        old.close()
+        new.close()
+    return kept

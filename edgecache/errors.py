@@ -9,6 +9,7 @@
      ├─ NotFound                    404 not_found_error (unknown model, unknown route)
      ├─ PayloadTooLarge             413 invalid_request_error
      ├─ Overloaded                  429 rate_limit_error (carries Retry-After)
+     ├─ ClientGone                  499 (the client hung up first; nobody reads the response)
      ├─ EngineError                 502 engine_error (the model runtime failed or aborted)
      └─ NotReady                    503 service_unavailable (model still loading)
 
@@ -79,6 +80,14 @@ class Overloaded(EdgeCacheError):
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}
+
+
+class ClientGone(EdgeCacheError):
+    """The client closed its connection before its answer was ready: what the request held is released. 499 is
+    nginx's "client closed request"; it shows in the access log, never on the wire (nobody is there)."""
+
+    status = 499
+    error_type = "client_gone"
 
 
 class EngineError(EdgeCacheError):

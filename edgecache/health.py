@@ -20,6 +20,7 @@ import logging
 import sqlite3
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Literal
 
 import msgspec
@@ -132,3 +133,18 @@ class StorageFaults:
             return READY if reason is None else Health("degraded", reason)
 
         return check
+
+
+def quick_check(path: Path) -> str:
+    """SQLite's ``PRAGMA quick_check`` of the database at ``path``: "ok", or what is wrong. A file that cannot be
+    read as a database at all (truncated mid-page: "disk I/O error"; overwritten: "not a database") is reported as
+    damage too; a full disk is raised as itself."""
+    con = sqlite3.connect(path)
+    try:
+        return str(con.execute("PRAGMA quick_check").fetchone()[0])
+    except sqlite3.DatabaseError as exc:
+        if fault_kind(exc) == "disk_full":
+            raise
+        return f"unreadable: {exc}"
+    finally:
+        con.close()

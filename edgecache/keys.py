@@ -2,7 +2,9 @@
 
 Two requests get the same key exactly when the engine would be asked the same thing: same model version, same
 tenant and scenario namespace, same salt (the tenant plus a caller's own ``cache_salt``), same messages (system
-prompt included) or prompt, same output-affecting parameters.
+prompt included) or prompt, same output-affecting parameters, tools, tool choice, response format, logprobs, n and
+template variables: the whole :class:`~edgecache.engines.base.GenerationRequest`, which holds exactly the fields
+that can change the output (:mod:`edgecache.request_surface` decides which those are).
 Fields that only change the framing of the answer (``stream``, ``stream_options``, ``user``) are left out, so a
 streaming request can be answered from a non-streaming one and the other way round.
 """
@@ -16,20 +18,15 @@ import msgspec
 from edgecache.engines.base import GenerationRequest
 
 # Bump when the layout below changes, so old entries can never be read under a new meaning.
-KEY_SCHEMA = 1
+KEY_SCHEMA = 2
 
 _encoder = msgspec.json.Encoder()
 
 
 def request_key(request: GenerationRequest, *, model_version: str, tenant: str, scenario: str) -> str:
     """A 32-hex-digit key. Built from a JSON array, so no field can run into its neighbour."""
-    p = request.params
-    canonical = (
-        KEY_SCHEMA, model_version, tenant, scenario, request.salt,
-        "chat" if request.messages is not None else "text",
-        [(m.role, m.content) for m in request.messages] if request.messages is not None else request.prompt,
-        p.max_tokens, p.temperature, p.top_p, list(p.stop), p.seed, p.presence_penalty, p.frequency_penalty,
-    )
+    # The request struct omits its defaults when encoded, so a field nobody set never changes a key.
+    canonical = (KEY_SCHEMA, model_version, tenant, scenario, request)
     return hashlib.blake2b(_encoder.encode(canonical), digest_size=16).hexdigest()
 
 

@@ -54,8 +54,18 @@ class Metrics:
             "edgecache_semantic_index_vectors", "Vectors in the semantic indexes, by tenant and scenario.",
             ["tenant", "scenario"], registry=self.registry)
         self.semantic_guard_rejections = Counter(
-            "edgecache_semantic_guard_rejections", "Semantic candidates over the threshold that the guard refused.",
+            "edgecache_semantic_guard_rejections",
+            "Semantic lookups a guard rule refused: its candidate would have served had the rule not fired.",
             ["rule"], registry=self.registry)
+        self.semantic_verifier_score = Histogram(
+            "edgecache_semantic_verifier_score",
+            "The verifier's score of each semantic lookup's best candidate (served or not), by scenario.",
+            ["scenario"], buckets=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99),
+            registry=self.registry)
+        self.semantic_refusals = Counter(
+            "edgecache_semantic_refusals",
+            "Semantic lookups that found candidates but served none, by scenario and reason (below_cut, "
+            "below_threshold, veto:<rule>, guard:<rule>).", ["scenario", "reason"], registry=self.registry)
         self.store_bytes = Gauge("edgecache_store_bytes", "Bytes in a tenant's result store.", ["tenant"],
                                  registry=self.registry)
         self.store_quota_bytes = Gauge("edgecache_store_quota_bytes", "A tenant's result-store quota.", ["tenant"],
@@ -71,6 +81,9 @@ class Metrics:
         self.admission_rejections = Counter(
             "edgecache_admission_rejections", "Misses refused with 429 because the engine was saturated.",
             registry=self.registry)
+        self.refused_requests = Counter(
+            "edgecache_refused_requests", "Requests refused (4xx, or the client gone before its answer), by reason.",
+            ["reason"], registry=self.registry)
         self.redis_up = Gauge("edgecache_redis_up",
                               "1 while the fleet's Redis answers, 0 while this node serves on its own "
                               "(store.backend = redis only).", registry=self.registry)

@@ -1,9 +1,10 @@
-"""The OpenAI wire format: strict request structs, and the response bodies and SSE frames we send.
+"""The OpenAI wire format: the response bodies and SSE frames we send (the request structs are in
+:mod:`edgecache.request_surface`).
 
-Requests are decoded strictly: unknown fields are refused rather than ignored, because a field we ignored but the
-caller relied on (``tools``, ``response_format``, ``logit_bias``) would make two different requests share one
-cached answer. Responses are built from engine :class:`~edgecache.engines.base.Chunk` values, so a fresh answer,
-a cached one and a shared one all leave through the same code.
+Responses are built from engine :class:`~edgecache.engines.base.Chunk` values, or from a stored answer's
+:class:`~edgecache.engines.base.Choice` list, so a fresh answer, a cached one and a shared one all leave through
+the same code and in the same shape: a plain answer (one text choice) as today's bodies and deltas; a whole answer
+(tool calls, logprobs, several choices) with every choice, tool call and logprob, streamed or not.
 """
 
 from __future__ import annotations
@@ -11,101 +12,21 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from typing import Annotated, Literal
+from typing import Literal
 
 import msgspec
-from msgspec import Meta
 
-from edgecache.engines.base import Message, SamplingParams
-from edgecache.errors import BadRequest
+from edgecache.engines.base import Choice, TokenLogprob
+from edgecache.request_surface import (
+    CacheOptions,
+    ChatCompletionRequest,
+    CompletionRequest,
+    StreamOptions,
+    decode_request,
+)
 
-Probability = Annotated[float, Meta(ge=0.0, le=2.0)]
-
-
-class TextPart(msgspec.Struct, forbid_unknown_fields=True):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessageIn(msgspec.Struct, forbid_unknown_fields=True):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
-    name: str | None = None
-
-    def to_message(self) -> Message:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return Message(role=self.role, content=text)
-
-
-class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_usage: bool = False
-
-
-class CacheOptions(msgspec.Struct, forbid_unknown_fields=True):
-    """The ``edgecache`` body field (the openai client's ``extra_body``): how this request may use the cache."""
-
-    scenario: str | None = None
-    policy: Literal["default", "no-store", "no-cache", "exact-only", "bypass", "reuse"] | None = None
-    ttl: Annotated[float, Meta(gt=0)] | None = None
-    ttl_tier: Literal["realtime", "near-realtime", "static"] | None = None
-
-
-class _CommonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    model: str
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    temperature: Probability = 1.0
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
-    n: Annotated[int, Meta(ge=1, le=1)] = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | Annotated[list[str], Meta(max_length=4)] | None = None
-    seed: int | None = None
-    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
-    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
-    user: str | None = None
-    # SGLang's and vLLM's per-request prefix-cache namespace. Accepted so that an EdgeCache (or any client that
-    # salts) can sit in front of this one; it namespaces within the tenant, never across tenants.
-    cache_salt: Annotated[str, Meta(max_length=256)] | None = None
-    edgecache: CacheOptions | None = None
-
-    def sampling(self, default_max_tokens: int, max_tokens_override: int | None = None) -> SamplingParams:
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(
-            max_tokens=max_tokens_override or self.max_tokens or default_max_tokens,
-            temperature=float(self.temperature), top_p=float(self.top_p),
-            # Order does not change the output, so it must not change the key.
-            stop=tuple(sorted(set(stop))), seed=self.seed,
-            presence_penalty=float(self.presence_penalty), frequency_penalty=float(self.frequency_penalty),
-        )
-
-
-class ChatCompletionRequest(_CommonRequest, kw_only=True, forbid_unknown_fields=True):
-    messages: Annotated[list[ChatMessageIn], Meta(min_length=1)]
-    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
-
-
-class CompletionRequest(_CommonRequest, kw_only=True, forbid_unknown_fields=True):
-    prompt: str
-
-
-def decode_request(body: bytes, request_type: type[_CommonRequest]) -> _CommonRequest:
-    """Strict decode; any problem becomes a 400 naming the field, never a traceback."""
-    if not body:
-        raise BadRequest("the request body is empty; send a JSON object")
-    try:
-        return msgspec.json.decode(body, type=request_type)
-    except msgspec.ValidationError as exc:
-        raise BadRequest(f"invalid request: {exc}", param=_param_of(str(exc))) from exc
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
-
-
-def _param_of(message: str) -> str | None:
-    # msgspec ends its messages with "- at `$.messages[0].role`".
-    marker = "at `$."
-    if marker in message:
-        return message.split(marker, 1)[1].rstrip("`")
-    return None
+# The request structs live in request_surface; re-exported here, where callers have always found them.
+__all__ = ["CacheOptions", "ChatCompletionRequest", "CompletionRequest", "StreamOptions", "decode_request"]
 
 
 # --- responses -------------------------------------------------------------------------------------------------
@@ -122,16 +43,54 @@ class Usage(msgspec.Struct):
     prompt_tokens_details: PromptTokensDetails
 
 
-class ChatMessageOut(msgspec.Struct):
+class FunctionOut(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: FunctionOut
+    type: str = "function"
+
+
+class ChatMessageOut(msgspec.Struct, omit_defaults=True):
     role: str
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
+    refusal: str | None = None
+
+
+class TopLogprobOut(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobOut(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[TokenLogprobOut] | None
+    refusal: None = None
+
+
+class TextLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
 
 
 class ChatChoice(msgspec.Struct):
     index: int
     message: ChatMessageOut
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(msgspec.Struct):
@@ -143,16 +102,25 @@ class ChatCompletion(msgspec.Struct):
     object: str = "chat.completion"
 
 
+class ToolCallDelta(msgspec.Struct):
+    index: int
+    id: str
+    function: FunctionOut
+    type: str = "function"
+
+
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+    refusal: str | None = None
 
 
 class ChunkChoice(msgspec.Struct):
     index: int
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -168,7 +136,7 @@ class TextChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: TextLogprobs | None = None
 
 
 class TextCompletion(msgspec.Struct):
@@ -185,6 +153,35 @@ class ModelCard(msgspec.Struct):
     created: int
     owned_by: str = "edgecache"
     object: str = "model"
+
+
+def _chat_logprobs(tokens: tuple[TokenLogprob, ...] | None) -> ChatLogprobs | None:
+    if tokens is None:
+        return None
+    return ChatLogprobs(content=[
+        TokenLogprobOut(token=t.token, logprob=t.logprob, bytes=list(t.bytes) if t.bytes is not None else None,
+                        top_logprobs=[TopLogprobOut(token=a.token, logprob=a.logprob,
+                                                    bytes=list(a.bytes) if a.bytes is not None else None)
+                                      for a in t.top])
+        for t in tokens])
+
+
+def _text_logprobs(tokens: tuple[TokenLogprob, ...] | None) -> TextLogprobs | None:
+    if tokens is None:
+        return None
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t.token)
+    return TextLogprobs(tokens=[t.token for t in tokens], token_logprobs=[t.logprob for t in tokens],
+                        top_logprobs=[{a.token: a.logprob for a in t.top} for t in tokens], text_offset=offsets)
+
+
+def _tool_calls(choice: Choice) -> list[ToolCallOut] | None:
+    if not choice.tool_calls:
+        return None
+    return [ToolCallOut(id=c.id, function=FunctionOut(name=c.name, arguments=c.arguments))
+            for c in choice.tool_calls]
 
 
 class ModelList(msgspec.Struct):
@@ -228,7 +225,10 @@ class ResponseWriter:
         self.include_usage = include_usage
         self._encoder = self._shared_encoder
 
-    def body(self, text: str, finish_reason: str | None, use: Usage) -> bytes:
+    def body(self, text: str, finish_reason: str | None, use: Usage,
+             choices: tuple[Choice, ...] | None = None) -> bytes:
+        if choices is not None:
+            return self._whole_body(choices, use)
         if self.chat:
             return self._encoder.encode(ChatCompletion(
                 id=self.id, created=self.created, model=self.model, usage=use,
@@ -237,6 +237,52 @@ class ResponseWriter:
         return self._encoder.encode(TextCompletion(
             id=self.id, created=self.created, model=self.model, usage=use,
             choices=[TextChoice(index=0, text=text, finish_reason=finish_reason)]))
+
+    def _whole_body(self, choices: tuple[Choice, ...], use: Usage) -> bytes:
+        if self.chat:
+            return self._encoder.encode(ChatCompletion(
+                id=self.id, created=self.created, model=self.model, usage=use,
+                choices=[ChatChoice(index=c.index, finish_reason=c.finish_reason, logprobs=_chat_logprobs(c.logprobs),
+                                    message=ChatMessageOut(role="assistant", refusal=c.refusal,
+                                                           content=c.text if c.text or not c.tool_calls else None,
+                                                           tool_calls=_tool_calls(c)))
+                         for c in choices]))
+        return self._encoder.encode(TextCompletion(
+            id=self.id, created=self.created, model=self.model, usage=use,
+            choices=[TextChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
+                                logprobs=_text_logprobs(c.logprobs)) for c in choices]))
+
+    def sse_whole(self, choices: tuple[Choice, ...], use: Usage) -> bytes:
+        """A whole answer as one SSE stream: per choice its content (with its logprobs), its tool calls as
+        OpenAI's tool-call deltas (index, id, name, arguments), its finish; then usage if asked, then [DONE]."""
+        frames = []
+        head = dict(id=self.id, created=self.created, model=self.model)
+        for c in choices:
+            if self.chat:
+                content = c.text if c.text or not c.tool_calls else None
+                frames.append(self._frame(ChatCompletionChunk(**head, choices=[ChunkChoice(
+                    index=c.index, delta=Delta(role="assistant", content=content, refusal=c.refusal),
+                    logprobs=_chat_logprobs(c.logprobs))])))
+                for j, call in enumerate(c.tool_calls):
+                    frames.append(self._frame(ChatCompletionChunk(**head, choices=[ChunkChoice(
+                        index=c.index, delta=Delta(tool_calls=[ToolCallDelta(
+                            index=j, id=call.id, function=FunctionOut(name=call.name, arguments=call.arguments))]))])))
+                frames.append(self._frame(ChatCompletionChunk(**head, choices=[ChunkChoice(
+                    index=c.index, delta=Delta(), finish_reason=c.finish_reason)])))
+            else:
+                frames.append(self._frame(TextCompletion(**head, choices=[TextChoice(
+                    index=c.index, text=c.text, finish_reason=c.finish_reason,
+                    logprobs=_text_logprobs(c.logprobs))])))
+        if self.include_usage:
+            frames.append(self._usage_frame(use))
+        return b"".join(frames) + b"data: [DONE]\n\n"
+
+    def _usage_frame(self, use: Usage) -> bytes:
+        if self.chat:
+            return self._frame(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
+                                                   usage=use))
+        return self._frame(TextCompletion(id=self.id, created=self.created, model=self.model, choices=[],
+                                          usage=use))
 
     def _frame(self, payload: msgspec.Struct) -> bytes:
         return b"data: " + self._encoder.encode(payload) + b"\n\n"
@@ -256,21 +302,17 @@ class ResponseWriter:
                                           choices=[TextChoice(index=0, text=text, finish_reason=None)]))
 
     def sse_end(self, finish_reason: str | None, use: Usage) -> bytes:
-        # The finishing frame carries usage, so every response reports cached_tokens; a caller who asked for
-        # stream_options.include_usage also gets OpenAI's separate usage frame with no choices.
+        # Usage travels only in OpenAI's separate usage frame (no choices), and only when the caller asked for it
+        # with stream_options.include_usage: a client that did not ask may not expect a choiceless frame.
         if self.chat:
             out = self._frame(ChatCompletionChunk(
-                id=self.id, created=self.created, model=self.model, usage=use,
+                id=self.id, created=self.created, model=self.model,
                 choices=[ChunkChoice(index=0, delta=Delta(), finish_reason=finish_reason)]))
-            if self.include_usage:
-                out += self._frame(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                                       choices=[], usage=use))
         else:
-            out = self._frame(TextCompletion(id=self.id, created=self.created, model=self.model, usage=use,
+            out = self._frame(TextCompletion(id=self.id, created=self.created, model=self.model,
                                              choices=[TextChoice(index=0, text="", finish_reason=finish_reason)]))
-            if self.include_usage:
-                out += self._frame(TextCompletion(id=self.id, created=self.created, model=self.model,
-                                                  choices=[], usage=use))
+        if self.include_usage:
+            out += self._usage_frame(use)
         return out + b"data: [DONE]\n\n"
 
     def sse_error(self, body: bytes) -> bytes:

@@ -15,13 +15,15 @@ layer is an instance handed in by the app factory, so tests pass fakes without p
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import Literal
 
 import msgspec
+import numpy as np
 
 from edgecache.admission import AdmissionGate
 from edgecache.engines.base import Chunk, Engine, GenerationRequest
@@ -93,9 +95,11 @@ def replay(answer: CachedAnswer) -> AsyncIterator[Chunk]:
     serve it, so cached_tokens is every prompt token: nothing was computed."""
 
     async def chunks() -> AsyncIterator[Chunk]:
-        yield Chunk(text=answer.text)
+        if answer.choices is None:
+            yield Chunk(text=answer.text)
         yield Chunk(finish_reason=answer.finish_reason, prompt_tokens=answer.prompt_tokens,  # type: ignore[arg-type]
-                    completion_tokens=answer.completion_tokens, cached_tokens=answer.prompt_tokens)
+                    completion_tokens=answer.completion_tokens, cached_tokens=answer.prompt_tokens,
+                    choices=answer.choices)
 
     return chunks()
 
@@ -123,6 +127,22 @@ class CallKeys:
         return key
 
 
+class SemanticAnswer(msgspec.Struct, frozen=True, kw_only=True):
+    """What the semantic step found for a key: the lookup (its vector indexes the answer on a miss) and, on a hit,
+    the answer. ``first``: this caller ran the lookup rather than waiting on an identical one."""
+
+    lookup: Lookup
+    answer: CachedAnswer | None = None
+    similarity: float | None = None
+    first: bool = True
+
+
+def _fresh_enough(answer: CachedAnswer, call: Call) -> bool:
+    """A caller's explicit TTL is also the oldest answer it accepts: the first computation's TTL must not decide
+    for everyone (an answer stored for a day is not an answer for a caller who asked for a minute)."""
+    return call.ttl_s is None or time.time() - answer.created_at <= call.ttl_s
+
+
 class RequestPipeline:
     """The request path. Its collaborators are handed in: ``stores`` gives a tenant's own result store,
     ``ttl_for`` decides an answer's lifetime, ``admission`` guards the engine, ``semantic`` may be None."""
@@ -138,14 +158,15 @@ class RequestPipeline:
         self.admission = admission
         self.semantic = semantic
         self._keys = CallKeys()
+        self._semantic_lookups: dict[str, asyncio.Future[SemanticAnswer]] = {}
 
     async def serve(self, call: Call) -> Reply:
         policy = POLICIES[call.policy]
         if not (is_cacheable(call.request) or policy.sampled):
             # Sampling without a seed: every call should differ, so no layer may share or keep it.
-            return Reply(served="miss", chunks=self._engine_stream(call))
+            return await self._uncached(call)
         if not (policy.read or policy.write):
-            return Reply(served="miss", chunks=self._engine_stream(call))  # bypass
+            return await self._uncached(call)  # bypass
         key = self._keys.key(call, self.engine.version)
         store = self.stores(call.tenant)  # the tenant's own store: its own quota, its own LRU
         probe: Probe | None = None
@@ -153,30 +174,32 @@ class RequestPipeline:
 
         if policy.read:
             # 1. exact result store (memory first: a hot hit never leaves the event loop)
-            answer = store.get_memory(key) or await store.get(key)
-            if answer is not None:
-                return Reply(served="exact", answer=answer, ttl_s=answer.expires_at - time.time())
+            reply = await self._exact(call, key, store)
+            if reply is not None:
+                return reply
 
             # 2. in-flight de-duplication
             flight = self.inflight.get(key)
             if flight is not None:
                 return Reply(served="shared", chunks=flight.follow())
 
-            # 3. semantic cache: first-turn chat prompts only, nearest neighbour over threshold, past the guard
-            probe = probe_for(call.request, self.engine.version) if self.semantic and policy.semantic else None
+        # Bounds before any work that grows with the prompt or waits: a prompt the context cannot hold is refused
+        # (400) and a full engine queue refuses at once (429), before the prompt is embedded.
+        await self._refuse_early(call)
+
+        if policy.read:
+            # 3. semantic cache: first-turn chat prompts only, the nearest candidates, accepted by threshold + guard or the verifier
+            probe = await self._probe(call, policy)
             if probe is not None:
-                lookup = await self._semantic_lookup(call, probe)
-                if lookup.hit is not None:
-                    answer = await store.get(lookup.hit.store_key)
-                    if answer is not None:
-                        if policy.write:  # kept under this request's own key too: its repeats are exact hits
-                            await store.put(key, answer, tag=call.scenario)
-                        return Reply(served="semantic", answer=answer, similarity=lookup.hit.similarity,
-                                     ttl_s=answer.expires_at - time.time())
-                    # The answer expired or was evicted: its vector goes too, and this is a miss.
-                    await self.semantic.forget(call.tenant, call.scenario, probe,  # type: ignore[union-attr]
-                                               lookup.hit.vector_key)
-                # An identical request may have started computing while this one looked.
+                found = await self._semantic_once(call, key, probe, policy)
+                lookup = found.lookup
+                if found.answer is not None:
+                    return Reply(served="semantic" if found.first else "shared", answer=found.answer,
+                                 similarity=found.similarity, ttl_s=found.answer.expires_at - time.time())
+                # While this one looked, an identical request may have computed its answer or started to.
+                reply = await self._exact(call, key, store)
+                if reply is not None:
+                    return reply
                 flight = self.inflight.get(key)
                 if flight is not None:
                     return Reply(served="shared", chunks=flight.follow())
@@ -185,38 +208,124 @@ class RequestPipeline:
             return Reply(served="miss", chunks=self._engine_stream(call))  # no-store: compute, keep nothing
 
         # 4. engine: lead a flight that streams to every listener and stores the complete answer.
-        if probe is None and self.semantic and policy.semantic:
-            probe = probe_for(call.request, self.engine.version)  # no-cache skipped the read: index the answer
+        if probe is None and not policy.read:
+            probe = await self._probe(call, policy)  # no-cache skipped the read: index the answer
         ttl_s = self.ttl_for(call)
         if lookup is None and probe is not None:
             lookup = Lookup(vector=None)  # no-cache: the vector is computed after the answer, for the write
         flight = self.inflight.lead(key, lambda f: self._compute_and_store(call, key, ttl_s, f, probe, lookup))
         return Reply(served="miss", chunks=flight.follow(), ttl_s=ttl_s)
 
-    async def store_known_answer(self, call: Call, text: str) -> bool:
-        """Warmup: keep ``text`` as the answer to ``call``, in the store and (first-turn chat) the semantic index,
-        as if the engine had written it. False when the call already has an answer. Token counts are unknown for
-        such an answer and are reported as 0."""
-        key = request_key(call.request, model_version=self.engine.version, tenant=call.tenant,
-                          scenario=call.scenario)
-        store = self.stores(call.tenant)
-        if await store.get(key) is not None:
-            return False
-        now = time.time()
-        await store.put(key, CachedAnswer(text=text, finish_reason="stop", prompt_tokens=0, completion_tokens=0,
-                                          created_at=now, expires_at=now + self.ttl_for(call)), tag=call.scenario)
-        probe = probe_for(call.request, self.engine.version) if self.semantic is not None else None
-        if probe is not None and self.semantic is not None:
-            vector = await self.semantic.batcher.embed(probe.text)
-            await self.semantic.remember(call.tenant, call.scenario, probe, vector, key)
-        return True
+    async def _probe(self, call: Call, policy: CachePolicy) -> Probe | None:
+        """The semantic probe of a call, or None when the semantic layer has no part in it: off, not a first-turn
+        chat prompt, or a prompt longer than the embedder takes whole."""
+        if self.semantic is None or not policy.semantic:
+            return None
+        probe = probe_for(call.request, self.engine.version)
+        if probe is None or not await self.semantic.accepts(probe.text):
+            return None
+        return probe
 
-    async def _semantic_lookup(self, call: Call, probe: Probe) -> Lookup:
+    async def _uncached(self, call: Call) -> Reply:
+        await self._refuse_early(call)
+        return Reply(served="miss", chunks=self._engine_stream(call))
+
+    async def _refuse_early(self, call: Call) -> None:
+        self.admission.refuse_if_full(call.tenant, call.tenant_limit)
+        await self.engine.check_prompt(call.request)
+        self.admission.refuse_if_full(call.tenant, call.tenant_limit)  # the check awaited: look again
+
+    async def _exact(self, call: Call, key: str, store: ResultStore) -> Reply | None:
+        answer = store.get_memory(key) or await store.get(key)
+        if answer is None or not _fresh_enough(answer, call):
+            return None
+        return Reply(served="exact", answer=answer, ttl_s=answer.expires_at - time.time())
+
+    async def _semantic_once(self, call: Call, key: str, probe: Probe, policy: CachePolicy) -> SemanticAnswer:
+        """The semantic lookup, once per key at a time: a burst of identical requests embeds once and writes a
+        semantic hit under the key once; the others share the outcome (their label: ``shared``)."""
+        pending = self._semantic_lookups.get(key)
+        if pending is not None:
+            return msgspec.structs.replace(await asyncio.shield(pending), first=False)
+        pending = asyncio.ensure_future(self._semantic_answer(call, key, probe, policy))
+        self._semantic_lookups[key] = pending
+        pending.add_done_callback(lambda done: self._semantic_lookups.pop(key, None)
+                                  if self._semantic_lookups.get(key) is done else None)
+        # Shielded: the first caller leaving (its client gone) must not cancel the lookup others wait on.
+        return await asyncio.shield(pending)
+
+    async def _semantic_answer(self, call: Call, key: str, probe: Probe, policy: CachePolicy) -> SemanticAnswer:
         assert self.semantic is not None
         lookup = await self.semantic.lookup(call.tenant, call.scenario, probe)
+        if lookup.score is not None:
+            self.metrics.semantic_verifier_score.labels(call.scenario).observe(lookup.score)
+        if lookup.refusal is not None:
+            self.metrics.semantic_refusals.labels(call.scenario, lookup.refusal).inc()
         if lookup.refused_by_guard is not None:
             self.metrics.semantic_guard_rejections.labels(lookup.refused_by_guard.split(":", 1)[0]).inc()
-        return lookup
+        if lookup.hit is None:
+            return SemanticAnswer(lookup=lookup)
+        store = self.stores(call.tenant)
+        answer = await store.get(lookup.hit.store_key)
+        if answer is None:
+            # The answer expired or was evicted: its vector goes too, and this is a miss.
+            await self.semantic.forget(call.tenant, call.scenario, probe, lookup.hit.vector_key)
+            return SemanticAnswer(lookup=lookup)
+        if not _fresh_enough(answer, call):
+            return SemanticAnswer(lookup=lookup)
+        if policy.write:  # kept under this request's own key too: its repeats are exact hits
+            await store.put(key, answer, tag=call.scenario)
+        return SemanticAnswer(lookup=lookup, answer=answer, similarity=lookup.hit.similarity)
+
+    async def store_known_answers(self, known: Sequence[tuple[Call, str]]) -> list[bool | None]:
+        """Warmup: keep each ``text`` as the answer to its ``call``, in the store and (first-turn chat) the semantic
+        index, as if the engine had written it. Per item: True written, False already answered (in the store, or
+        earlier in ``known``), None when the store refused the write (a full disk: counted by the store). Batched
+        all the way down: one existence read and one write transaction per tenant, embeddings in large batches,
+        one index insert per index. Token counts are unknown for such an answer and are reported as 0."""
+        now = time.time()
+        version = self.engine.version
+        keys = [request_key(call.request, model_version=version, tenant=call.tenant, scenario=call.scenario)
+                for call, _ in known]
+        outcome: list[bool | None] = [False] * len(known)
+        by_tenant: dict[str, list[int]] = {}
+        seen: set[tuple[str, str]] = set()
+        for i, (call, _) in enumerate(known):
+            if (call.tenant, keys[i]) not in seen:  # a repeated line is "already answered"
+                seen.add((call.tenant, keys[i]))
+                by_tenant.setdefault(call.tenant, []).append(i)
+        for tenant, items in by_tenant.items():
+            store = self.stores(tenant)
+            present = await store.contains_many([keys[i] for i in items])
+            fresh = [i for i, there in zip(items, present) if not there]
+            answers = [(keys[i], CachedAnswer(text=known[i][1], finish_reason="stop", prompt_tokens=0,
+                                              completion_tokens=0, created_at=now,
+                                              expires_at=now + self.ttl_for(known[i][0])), known[i][0].scenario)
+                       for i in fresh]
+            stored = await store.put_many(answers)
+            for i in fresh:
+                outcome[i] = True if stored else None
+            if stored and self.semantic is not None:
+                await self._index_known(tenant, [(known[i][0], keys[i]) for i in fresh])
+        return outcome
+
+    async def _index_known(self, tenant: str, calls: list[tuple[Call, str]]) -> None:
+        assert self.semantic is not None
+        probed = [(call, probe, key) for call, key in calls
+                  if (probe := probe_for(call.request, self.engine.version)) is not None
+                  and await self.semantic.accepts(probe.text)]  # a prompt the embedder cuts is not indexed
+        if not probed:
+            return
+        vectors = await self.semantic.embed_many([probe.text for _, probe, _ in probed])
+        by_scenario: dict[str, list[tuple[Probe, np.ndarray, str]]] = {}
+        for (call, probe, key), vector in zip(probed, vectors):
+            by_scenario.setdefault(call.scenario, []).append((probe, vector, key))
+        for scenario, items in by_scenario.items():
+            await self.semantic.remember_many(tenant, scenario, items)
+
+    async def store_known_answer(self, call: Call, text: str) -> bool:
+        """:meth:`store_known_answers` for one call: False when it already has an answer or was not stored."""
+        return bool((await self.store_known_answers([(call, text)]))[0])
 
     async def _engine_stream(self, call: Call) -> AsyncIterator[Chunk]:
         """One engine call, inside an admission slot (raises Overloaded, a 429, when none is to be had)."""
@@ -238,13 +347,23 @@ class RequestPipeline:
                     final = chunk
         if final is None:
             raise EngineError("the engine ended its stream without a finish reason")
-        # Listeners have the whole answer now; storing it is the flight's last job (it stays joinable meanwhile).
-        flight.finish()
-        now = time.time()
-        await self.stores(call.tenant).put(key, CachedAnswer(
-            text="".join(c.text for c in flight.chunks), finish_reason=final.finish_reason,
-            prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
-            created_at=now, expires_at=now + ttl_s), tag=call.scenario)
-        if probe is not None and lookup is not None and self.semantic is not None:
-            vector = lookup.vector if lookup.vector is not None else await self.semantic.batcher.embed(probe.text)
-            await self.semantic.remember(call.tenant, call.scenario, probe, vector, key)
+        # Streaming listeners have the whole answer now (the final chunk is out). The flight finishes only once
+        # the answer is stored and its vector indexed: a non-streaming reply waits for that, so a client that has
+        # its answer and asks again (or asks a paraphrase) finds it in every layer. Finishing before the writes
+        # let a quick repeat miss the index: the guard-rejection test failed about 1 run in 17 that way.
+        try:
+            now = time.time()
+            first = final.choices[0] if final.choices else None
+            await self.stores(call.tenant).put(key, CachedAnswer(
+                text=first.text if first else "".join(c.text for c in flight.chunks),
+                finish_reason=first.finish_reason if first else final.finish_reason,
+                prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
+                created_at=now, expires_at=now + ttl_s, choices=final.choices), tag=call.scenario)
+            if probe is not None and lookup is not None and self.semantic is not None:
+                vector = (lookup.vector if lookup.vector is not None
+                          else await self.semantic.batcher.embed(probe.text))
+                await self.semantic.remember(call.tenant, call.scenario, probe, vector, key)
+        finally:
+            # A failed write must not fail the answer its listeners already have (the error still reaches the
+            # flight's task, which logs it).
+            flight.finish()

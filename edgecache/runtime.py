@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 from pathlib import Path
 
+from edgecache.access_log import AccessLog
 from edgecache.admission import AdmissionGate
 from edgecache.calls import ParsedRequests
 from edgecache.embedders import Embedder
@@ -27,10 +28,11 @@ from edgecache.metrics import Metrics
 from edgecache.openai_api import IdSource
 from edgecache.pipeline import Call, RequestPipeline
 from edgecache.stores.disk import TenantStores
-from edgecache.semantic_cache import SemanticCache
+from edgecache.semantic_cache import MatchRule, SemanticCache
 from edgecache.settings import Settings
 from edgecache.tenants import TenantDirectory
 from edgecache.ttl_tiers import TtlClassifier
+from edgecache.warmup import Prefilled
 
 if TYPE_CHECKING:
     from edgecache.fleet import Fleet
@@ -78,17 +80,21 @@ class Runtime:
                                             model_version=lambda: self.engine.version)
         else:
             self.stores = TenantStores(settings.data_path / "results", quota_for=self.quota_for,
-                                       memory_bytes=settings.store.memory_bytes)
+                                       memory_bytes=settings.store.memory_bytes, faults=self.storage_faults,
+                                       damaged_dir=self.damaged_dir)
         adm = settings.admission
         self.admission = AdmissionGate(max_running=adm.max_concurrent_misses, max_queue=adm.max_queue,
                                        queue_timeout_s=adm.queue_timeout_s, retry_after_s=adm.retry_after_s)
         self.metrics.track_admission(self.admission)
         self.metrics.ttft_p99_target_seconds.set(settings.slo.ttft_p99_s)
+        self.access_log = AccessLog(enabled=settings.server.access_log,
+                                    count_refusal=lambda reason: self.metrics.refused_requests.labels(reason).inc())
         self.ttl = TtlClassifier(settings.ttl_tiers)
         self.semantic: SemanticCache | None = None
         self.semantic_error: str | None = None  # why the (optional) semantic layer is off, while it is
         self._embedder: Embedder | None = None
         self.pipeline: RequestPipeline | None = None
+        self.warm_prefilled: Prefilled = set()  # system prompts /admin/warmup has prefilled (see edgecache.warmup)
         self.ready = False
         self.load_error: str | None = None
         self.health.register("model", self._model_health)
@@ -202,6 +208,7 @@ class Runtime:
             await self.semantic.drop(tenant=tenant, scenario=scenario)
         if tenant is None and scenario is None:
             await self.engine.flush()
+            self.warm_prefilled.clear()
         self.parsed.clear()
         if self.fleet is not None:
             # The other nodes drop their memory copies and vectors, and no flight from before this joins after.
@@ -259,6 +266,7 @@ class Runtime:
         self.ready = False
         for task in self._background:
             task.cancel()
+        self.access_log.flush()
         try:
             await self.inflight.drain(SHUTDOWN_GRACE_S)
             await self.engine.close()
@@ -286,21 +294,31 @@ def load_semantic_embedder(settings: Settings) -> Embedder:
 def build_semantic_cache(settings: Settings, metrics: Metrics, embedder: Embedder,
                          cap_for: Callable[[str], int | None] = lambda tenant: None,
                          faults: StorageFaults | None = None, damaged_dir: Path | None = None) -> SemanticCache:
-    """Open the indexes (blocking: disk) around ``embedder``. Thresholds: the scenario's own, else the value
-    calibrated for this embedder."""
+    """Open the indexes (blocking: disk) around ``embedder``, and load the verifier.
+
+    ``semantic.decision`` picks the rule. Under the verifier, a scenario's raw ``threshold`` still overrides it, and an
+    embedder the verifier was not fitted for keeps the cosine threshold calibrated for it (and the guard's veto).
+    """
     from edgecache.embedders import default_threshold
     from edgecache.semantic_index import SemanticIndex
+    from edgecache.verifier import Verifier
 
     sem = settings.semantic
     index = SemanticIndex(settings.data_path / "semantic", dim=embedder.dim, embedder_version=embedder.version,
                           dtype=sem.vector_dtype, max_vectors=sem.max_vectors_per_index,
                           damaged_dir=damaged_dir or settings.data_path / "damaged")
+    verifier = Verifier.load(sem.verifier_params) if sem.decision == "verifier" else None
+    if verifier is not None and verifier.embedder != embedder.version:
+        verifier = None  # its weights read another model's cosine
 
-    def threshold_for(scenario: str) -> float:
-        configured = settings.scenarios[scenario].threshold
-        return configured if configured is not None else default_threshold(embedder.version, scenario)
+    def rule_for(scenario: str) -> MatchRule:
+        configured = settings.scenarios[scenario]
+        threshold = configured.threshold
+        if threshold is None and verifier is None:
+            threshold = default_threshold(embedder.version, scenario)
+        return MatchRule(target_false_hit_rate=configured.target_false_hit_rate, threshold=threshold)
 
-    return SemanticCache(embedder=embedder, index=index, threshold_for=threshold_for, cap_for=cap_for,
-                         max_batch=sem.batch_max, faults=faults,
+    return SemanticCache(embedder=embedder, index=index, rule_for=rule_for, verifier=verifier,
+                         candidates=sem.candidates, cap_for=cap_for, max_batch=sem.batch_max, faults=faults,
                          max_wait_s=sem.batch_wait_ms / 1000, observe_embed=metrics.embed_seconds.observe,
                          observe_search=metrics.semantic_search_seconds.observe)

@@ -6,13 +6,16 @@ version, the salt, the system prompt and the output-affecting parameters are has
 :attr:`Probe.namespace`, and each (tenant, scenario, namespace) has an index of its own. A later turn of a
 conversation, a raw completion, or a request whose system prompt differs never meets another's vectors.
 
-When a candidate serves. The nearest stored prompt only (falling through to the second-nearest served more wrong
-answers in the measurements), when its cosine similarity reaches the scenario's threshold and the guard
-(:mod:`edgecache.guard`) finds no difference the answer depends on. The caller then reads the candidate's result
-store entry; when that entry has expired or was evicted, the vector is dropped and the lookup is a miss, so a
-semantic hit never serves an expired answer.
+When a candidate serves. The verifier (:mod:`edgecache.verifier`) scores the nearest ``candidates`` stored prompts
+(cosine, lexical overlap, the guard's rules as features) and the best-scored one serves when its score reaches the
+cut that the scenario's target false-hit rate calibrates to. A scenario with a raw ``threshold`` (the override), or
+an embedder the verifier was not fitted for, keeps the rule from before the verifier: the nearest candidate only,
+when its cosine reaches the threshold and the guard (:mod:`edgecache.guard`) finds no difference the answer depends
+on. The caller then reads the chosen candidate's result store entry; when that entry has expired or was evicted, the
+vector is dropped and the lookup is a miss, so a semantic hit never serves an expired answer.
 
-Cost. Embedding runs on a worker thread in micro-batches (:class:`EmbedBatcher`): concurrent lookups share one
+Cost. A prompt longer than the embedder's input (``max_input_tokens``) is not matched at all (:meth:`accepts`);
+judging that tokenizes a bounded prefix, so a 1 MB prompt costs milliseconds. Embedding runs on a worker thread in micro-batches (:class:`EmbedBatcher`): concurrent lookups share one
 model call. Index search and the guard run on the index's own worker thread. Nothing here blocks the event loop.
 """
 
@@ -32,6 +35,7 @@ from edgecache.engines.base import GenerationRequest
 from edgecache.guard import DEFAULT_RULES, check
 from edgecache.health import STORAGE_ERRORS, StorageFaults
 from edgecache.semantic_index import Candidate, SemanticIndex
+from edgecache.verifier import Verifier
 
 _encoder = msgspec.json.Encoder()
 
@@ -52,9 +56,9 @@ def probe_for(request: GenerationRequest, model_version: str) -> Probe | None:
         (systems if message.role in ("system", "developer") and not rest else rest).append(message)
     if len(rest) != 1 or rest[0].role != "user" or not rest[0].content.strip():
         return None
-    p = request.params
-    context = (model_version, request.salt, [(m.role, m.content) for m in systems], p.max_tokens, p.temperature,
-               p.top_p, list(p.stop), p.seed, p.presence_penalty, p.frequency_penalty)
+    # Everything but the user's text: the system prompt, the sampling, and the tools, tool choice and response
+    # format, so a paraphrase is never served across different tool sets or schemas.
+    context = (model_version, msgspec.structs.replace(request, messages=tuple(systems)))
     return Probe(text=rest[0].content, namespace=hashlib.blake2b(_encoder.encode(context), digest_size=8).hexdigest())
 
 
@@ -65,12 +69,28 @@ class SemanticHit(msgspec.Struct, frozen=True):
 
 
 class Lookup(msgspec.Struct, frozen=True):
-    """A lookup's outcome: the hit (if any) and the query's vector, kept to index the answer on a miss."""
+    """A lookup's outcome: the hit (if any) and the query's vector, kept to index the answer on a miss.
+
+    When candidates were there but none served: ``refusal`` says why (``below_threshold``, ``below_cut``,
+    ``veto:<rule>`` or ``guard:<rule>``) and ``refused_by_guard`` is the guard's reason when a rule fired on the
+    refused candidate. ``score`` is the verifier's score of the best candidate (None under a threshold rule).
+    """
 
     vector: np.ndarray | None
     hit: SemanticHit | None = None
     refused_by_guard: str | None = None
     similarity: float | None = None
+    score: float | None = None
+    refusal: str | None = None
+
+
+class MatchRule(msgspec.Struct, frozen=True):
+    """How a scenario decides (profiles are data): the verifier at a target false-hit rate, or a cosine threshold
+    with the guard's veto when ``threshold`` is set (the override, and the rule for an embedder the verifier was not
+    fitted for)."""
+
+    target_false_hit_rate: float = 0.005
+    threshold: float | None = None
 
 
 class EmbedBatcher:
@@ -122,9 +142,10 @@ class EmbedBatcher:
 
 
 class SemanticCache:
-    """Embedder + per-namespace indexes + thresholds + guard, behind lookup / remember / forget."""
+    """Embedder + per-namespace indexes + verifier (or threshold + guard), behind lookup / remember / forget."""
 
-    def __init__(self, *, embedder: Embedder, index: SemanticIndex, threshold_for: Callable[[str], float],
+    def __init__(self, *, embedder: Embedder, index: SemanticIndex, rule_for: Callable[[str], MatchRule],
+                 verifier: Verifier | None = None, candidates: int = 3,
                  cap_for: Callable[[str], int | None] = lambda tenant: None,
                  max_batch: int = 32, max_wait_s: float = 0.002, guard_rules: Sequence[str] | None = None,
                  observe_embed: Callable[[float], None] | None = None,
@@ -132,7 +153,9 @@ class SemanticCache:
                  faults: StorageFaults | None = None) -> None:
         self.embedder = embedder
         self.index = index
-        self.threshold_for = threshold_for
+        self.rule_for = rule_for
+        self.verifier = verifier
+        self.candidates = candidates
         self.cap_for = cap_for  # tenant -> most vectors one of its indexes keeps (its plan)
         self._guard_rules = tuple(guard_rules) if guard_rules is not None else DEFAULT_RULES
         self._observe_search = observe_search
@@ -153,6 +176,15 @@ class SemanticCache:
     async def _in_index_thread(self, fn: Callable[..., object], *args: object) -> object:
         return await asyncio.get_running_loop().run_in_executor(self._index_executor, fn, *args)
 
+    async def accepts(self, text: str) -> bool:
+        """Whether ``text`` is embedded whole (at most the embedder's ``max_input_tokens``). A longer one is not
+        matched semantically: its tail would not count. Short texts are answered at once; longer ones are
+        counted on the embedding thread (bounded work, see ``embedders.fits_in_tokens``)."""
+        if len(text) <= self.embedder.max_input_tokens - 2:
+            return True
+        fits = await asyncio.get_running_loop().run_in_executor(self._embed_executor, self.embedder.fits, text)
+        return bool(fits)
+
     async def _on_disk(self, action: str, fallback: object, write: bool, fn: Callable[..., object],
                        *args: object) -> object:
         """Run an index call that touches the mapping or the index files. The semantic layer is optional, so a
@@ -172,29 +204,53 @@ class SemanticCache:
 
     async def lookup(self, tenant: str, scenario: str, probe: Probe) -> Lookup:
         vector = await self.batcher.embed(probe.text)
-        threshold = self.threshold_for(scenario)
+        rule = self.rule_for(scenario)
         name = self.index_scenario(scenario, probe.namespace)
+        decide = self._by_threshold if rule.threshold is not None or self.verifier is None else self._by_verifier
 
-        def search() -> tuple[Candidate | None, str | None, float]:
+        def search() -> tuple[Lookup, float]:
             started = time.perf_counter()
-            found = self.index.search(tenant, name, vector, k=1)
-            elapsed = time.perf_counter() - started
-            if not found or found[0].similarity < threshold:
-                return (found[0] if found else None), None, elapsed
-            verdict = check(probe.text, found[0].text, self._guard_rules)
-            return found[0], (None if verdict.allowed else verdict.reason or "guard"), elapsed
+            k = 1 if decide == self._by_threshold else self.candidates
+            found = self.index.search(tenant, name, vector, k=k)
+            outcome = decide(probe.text, found, rule, vector)
+            return outcome, time.perf_counter() - started
 
-        best, refusal, elapsed = await self._on_disk(  # type: ignore[misc]
-            "lookup answered as a miss", (None, None, 0.0), False, search)
+        lookup, elapsed = await self._on_disk(  # type: ignore[misc]
+            "lookup answered as a miss", (Lookup(vector=vector), 0.0), False, search)
         if self._observe_search is not None:
             self._observe_search(elapsed)
-        if best is None:
+        return lookup
+
+    def _by_threshold(self, query: str, found: list[Candidate], rule: MatchRule, vector: np.ndarray) -> Lookup:
+        """The rule before the verifier: the nearest candidate, over the threshold, past the guard's veto."""
+        if not found:
             return Lookup(vector=vector)
-        if best.similarity < threshold or refusal is not None:
-            return Lookup(vector=vector, refused_by_guard=refusal, similarity=best.similarity)
+        best = found[0]
+        threshold = rule.threshold if rule.threshold is not None else 1.0
+        if best.similarity < threshold:
+            return Lookup(vector=vector, similarity=best.similarity, refusal="below_threshold")
+        verdict = check(query, best.text, self._guard_rules)
+        if not verdict.allowed:
+            reason = verdict.reason or "guard"
+            return Lookup(vector=vector, similarity=best.similarity, refused_by_guard=reason,
+                          refusal="guard:" + reason.split(":", 1)[0])
         return Lookup(vector=vector, similarity=best.similarity,
                       hit=SemanticHit(similarity=best.similarity, store_key=best.store_key,
                                       vector_key=best.vector_key))
+
+    def _by_verifier(self, query: str, found: list[Candidate], rule: MatchRule, vector: np.ndarray) -> Lookup:
+        if not found:
+            return Lookup(vector=vector)
+        assert self.verifier is not None
+        judged = self.verifier.judge(query, [(c.text, c.similarity) for c in found],
+                                     self.verifier.cut(rule.target_false_hit_rate, query))
+        if judged.chosen is None:
+            return Lookup(vector=vector, similarity=found[0].similarity, score=judged.score, refusal=judged.refusal,
+                          refused_by_guard=judged.rule)
+        chosen = found[judged.chosen]
+        return Lookup(vector=vector, similarity=chosen.similarity, score=judged.score,
+                      hit=SemanticHit(similarity=chosen.similarity, store_key=chosen.store_key,
+                                      vector_key=chosen.vector_key))
 
     async def remember(self, tenant: str, scenario: str, probe: Probe, vector: np.ndarray, store_key: str) -> None:
         await self._on_disk("vector not indexed", None, True, self.index.add, tenant,
@@ -202,9 +258,10 @@ class SemanticCache:
                             self.cap_for(tenant))
 
     async def embed_many(self, texts: Sequence[str], batch: int = 256) -> np.ndarray:
-        """Vectors of many texts (a warmup), in batches far larger than a lookup's micro-batch, on the embedding
-        thread (so lookups still interleave between batches). Identical texts are embedded once."""
-        unique = list(dict.fromkeys(texts))
+        """Vectors of many texts (a warmup), in the order given, in batches far larger than a lookup's micro-batch,
+        on the embedding thread (so lookups still interleave between batches). Identical texts are embedded once."""
+        # Sorted by length, so a batch's texts pad to similar lengths (about 10 % faster on mixed zh/en lines).
+        unique = sorted(dict.fromkeys(texts), key=len)
         loop = asyncio.get_running_loop()
         parts = []
         for start in range(0, len(unique), batch):

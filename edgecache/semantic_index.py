@@ -256,6 +256,8 @@ class SemanticIndex:
     # ---- internals ----
 
     def _connect(self) -> sqlite3.Connection:
+        from edgecache.health import quick_check
+
         db = sqlite3.connect(self.mapping_path, check_same_thread=False, isolation_level=None)
         try:
             # WAL + NORMAL: a commit survives a process kill (not necessarily a power cut), without an fsync per add.
@@ -263,7 +265,7 @@ class SemanticIndex:
             db.execute("PRAGMA synchronous=NORMAL")
             # quick_check reads every page (a 1M-vector mapping in about a second) but skips the slow index
             # cross-checks: enough to find a truncated or overwritten file before it fails a request.
-            verdict = db.execute("PRAGMA quick_check").fetchone()[0]
+            verdict = quick_check(self.mapping_path)
             if verdict != "ok":
                 raise sqlite3.DatabaseError(f"database disk image is malformed: {verdict}")
             db.executescript(_SCHEMA)
@@ -277,7 +279,7 @@ class SemanticIndex:
         or emptied while index files still hold vectors) is moved aside with the index files under
         ``damaged_dir``, and a new mapping starts with every row that can still be read from the old one. A full
         disk or another I/O error propagates: that is not damage, and moving files would not help."""
-        from edgecache.data_dir import move_aside
+        from edgecache.data_dir import move_aside, salvage_rows
         from edgecache.health import fault_kind
 
         path = self.mapping_path
@@ -295,8 +297,9 @@ class SemanticIndex:
         lost = self._vectors_in_index_files()
         moved = move_aside(self._root, self._damaged_dir)
         self._root.mkdir(parents=True, exist_ok=True)
+        self._connect().close()  # a new, empty mapping (its schema), filled below before it serves
+        kept = salvage_rows(moved / path.name, path, "vectors", "tenant, scenario, store_key, text, vector")
         db = self._connect()
-        kept = self._salvage(moved / path.name, db)
         report = (f"semantic mapping {path} was damaged ({problem}); moved it and its index files to {moved}, "
                   f"kept {kept} vectors readable from it")
         if kept == 0 and lost:
@@ -315,35 +318,6 @@ class SemanticIndex:
                 continue
             total += len(index)
         return total
-
-    @staticmethod
-    def _salvage(old_path: Path, db: sqlite3.Connection) -> int:
-        """Copy every row still readable from a damaged mapping into ``db``, keeping their keys."""
-        if not old_path.is_file() or old_path.stat().st_size == 0:
-            return 0
-        kept, last = 0, -1
-        try:
-            old = sqlite3.connect(f"file:{old_path}?mode=ro", uri=True)
-        except sqlite3.Error:
-            return 0
-        try:
-            while True:
-                rows = old.execute("SELECT key, tenant, scenario, store_key, text, vector FROM vectors "
-                                   "WHERE key > ? ORDER BY key LIMIT 1000", (last,)).fetchall()
-                if not rows:
-                    break
-                db.execute("BEGIN")
-                db.executemany("INSERT OR IGNORE INTO vectors (key, tenant, scenario, store_key, text, vector) "
-                               "VALUES (?, ?, ?, ?, ?, ?)", rows)
-                db.execute("COMMIT")
-                kept += len(rows)
-                last = rows[-1][0]
-        except sqlite3.Error:
-            if db.in_transaction:  # the rest is unreadable: keep what came out
-                db.execute("ROLLBACK")
-        finally:
-            old.close()
-        return kept
 
     def _as_vector(self, vector: np.ndarray) -> np.ndarray:
         vec = np.asarray(vector, dtype=np.float32).reshape(-1)

@@ -83,6 +83,17 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         ByteSize(1_000_000)
     max_messages: Annotated[int, Meta(ge=1), _help("Most messages one chat request may carry.")] = 256
     log_level: Annotated[Literal["debug", "info", "warning", "error"], _help("Server log level.")] = "info"
+    max_header_bytes: Annotated[ByteSize, _help(
+        "Largest request head (request line plus headers) accepted; larger heads get 431 and the connection "
+        "closes.")] = ByteSize(64 * 2**10)
+    read_timeout_s: Annotated[float, Meta(gt=0), _help(
+        "Longest a client may take to send its headers, or between two parts of its body; past it, 408 and the "
+        "connection closes (a slow-loris client holds nothing longer).")] = 30.0
+    keep_alive_s: Annotated[float, Meta(gt=0), _help(
+        "How long an idle keep-alive connection stays open.")] = 5.0
+    access_log: Annotated[bool, _help(
+        "Log one line per request (method, route, status, served-by, tenant, latency; never keys or prompts), "
+        "written in batches to the edgecache.access logger.")] = True
 
 
 class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -94,7 +105,8 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     model_id: Annotated[str | None, _help(
         "The name clients send as `model` and /v1/models lists; defaults to the model file's stem.")] = None
     context_tokens: Annotated[int, Meta(ge=128), _help("Context window (prompt + answer) in tokens.")] = 4096
-    threads: Annotated[int, Meta(ge=0), _help("CPU threads for the engine; 0 means one per core.")] = 0
+    threads: Annotated[int, Meta(ge=0), _help(
+        "CPU threads for the engine; 0 means one per core but one (left for the event loop and the embedder).")] = 0
     batch_tokens: Annotated[int, Meta(ge=8), _help("Prompt tokens evaluated per batch (prefill chunk).")] = 512
     prefix_cache_bytes: Annotated[ByteSize, _help(
         "Byte budget of the engine's prefix (KV state) cache, per tenant; least recently used prefixes go first.")] \
@@ -163,7 +175,8 @@ class StoreSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 class SemanticSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     enabled: Annotated[bool, _help("Answer paraphrases of cached first-turn chat prompts (layer 3).")] = True
     embedder: Annotated[str, _help(
-        "Sentence embedder: use-multilingual (zh + en, CPU default), minilm-int8 (English, ONNX), "
+        "Sentence embedder: use-multilingual (zh + en, CPU default), e5-small (multilingual-e5-small 4-bit, the e5 "
+        "extra), minilm-int8 (English, ONNX), "
         "bge-small-zh / bge-small-en (ONNX, from semantic.model_dir or a model hub).")] = "use-multilingual"
     model_dir: Annotated[str | None, _help(
         "A local directory with model.onnx and tokenizer.json for the ONNX embedders.")] = None
@@ -180,11 +193,25 @@ class SemanticSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         "How often changed indexes are written to disk (the vectors themselves are committed at once).")] = 5.0
     gpu_mem_limit: Annotated[ByteSize | None, _help(
         "GPU memory the ONNX embedder may take on cuda (onnxruntime's gpu_mem_limit).")] = None
+    decision: Annotated[Literal["threshold", "verifier"], _help(
+        "How a semantic candidate is accepted: threshold (its cosine reaches the scenario's threshold, else the "
+        "value calibrated for the embedder, and the guard finds no difference) or verifier (a calibrated score over "
+        "the nearest candidates meets the scenario's target_false_hit_rate; fitted for use-multilingual only).")] \
+        = "threshold"
+    candidates: Annotated[int, Meta(ge=1, le=16), _help(
+        "Nearest stored prompts the verifier scores per lookup; the best-scored one over the cut serves.")] = 3
+    verifier_params: Annotated[str | None, _help(
+        "A verifier parameter file written by scripts/fit_verifier.py; unset means the one the package ships.")] \
+        = None
 
 
 class ScenarioSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    target_false_hit_rate: Annotated[float, Meta(gt=0.0, le=0.5), _help(
+        "With semantic.decision = verifier: the share of semantic lookups that may get a wrong answer; the "
+        "verifier's calibration turns it into its cut.")] = 0.005
     threshold: Annotated[Annotated[float, Meta(ge=0.0, le=1.0)] | None, _help(
-        "Cosine similarity a semantic candidate needs; unset means the value calibrated for the embedder.")] = None
+        "Cosine similarity the nearest candidate needs (with the guard's veto); unset means the value calibrated "
+        "for the embedder. Set, it also overrides the verifier.")] = None
     ttl_s: Annotated[Annotated[float, Meta(gt=0)] | None, _help(
         "How long answers in this scenario stay valid; unset lets the TTL tier classifier decide.")] = None
 
@@ -287,11 +314,16 @@ def pick_profile(gpu_memory_gb: float) -> str:
     return max(fitting)[1]
 
 
+# Variables of the command line, not settings: the profile's name, and the server the client verbs (stats,
+# flush, warmup) talk to with its admin key. An operator exports them in the same shell as the settings.
+NOT_OVERRIDES = frozenset({ENV_PREFIX + "PROFILE", ENV_PREFIX + "URL", ENV_PREFIX + "ADMIN_KEY"})
+
+
 def env_overrides(environ: Mapping[str, str]) -> dict[str, str]:
-    """``EDGECACHE_SERVER__PORT=9000`` -> ``{"server.port": "9000"}``. ``EDGECACHE_PROFILE`` is not an override."""
+    """``EDGECACHE_SERVER__PORT=9000`` -> ``{"server.port": "9000"}``. The :data:`NOT_OVERRIDES` are skipped."""
     out = {}
     for name, value in environ.items():
-        if name.startswith(ENV_PREFIX) and name != ENV_PREFIX + "PROFILE":
+        if name.startswith(ENV_PREFIX) and name not in NOT_OVERRIDES:
             out[name[len(ENV_PREFIX):].lower().replace("__", ".")] = value
     return out
 

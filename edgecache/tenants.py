@@ -13,7 +13,10 @@ The tenants file is TOML::
     keys = ["sk-acme-1"]
 
     [admin]
-    keys = ["sk-admin-1"]          # for the admin routes (flush, warmup)
+    keys = ["sk-admin-1"]          # for the admin routes (flush, warmup, stats) and /metrics
+
+    [metrics]
+    keys = ["sk-scraper-1"]        # for /metrics only (a Prometheus scraper's bearer token)
 
 Keys are never kept in clear: the directory holds their SHA-256 digests, a presented key is hashed and compared
 with every digest by ``hmac.compare_digest``, so neither timing nor a memory dump gives a key away. Keys are never
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -65,6 +69,7 @@ class TenantsFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     plans: dict[str, Plan] = {}
     tenants: list[TenantEntry] = []
     admin: AdminEntry = AdminEntry()
+    metrics: AdminEntry = AdminEntry()
 
 
 class Tenant(msgspec.Struct, frozen=True):
@@ -83,7 +88,8 @@ def _digest(key: str) -> bytes:
 class TenantDirectory:
     """API key -> tenant. ``open`` directories (no tenants file) answer every request as the default tenant."""
 
-    def __init__(self, tenants: list[tuple[Tenant, list[str]]], admin_keys: list[str], *, open_: bool) -> None:
+    def __init__(self, tenants: list[tuple[Tenant, list[str]]], admin_keys: list[str], *, open_: bool,
+                 metrics_keys: Sequence[str] = ()) -> None:
         self.open = open_
         self._by_digest: dict[bytes, Tenant] = {}
         self._tenants: dict[str, Tenant] = {}
@@ -96,6 +102,7 @@ class TenantDirectory:
                                         f"{self._by_digest[digest].id!r}")
                 self._by_digest[digest] = tenant
         self._admin_digests = [_digest(k) for k in admin_keys]
+        self._metrics_digests = [_digest(k) for k in metrics_keys]
         if open_:
             self._tenants[DEFAULT_TENANT.id] = DEFAULT_TENANT
 
@@ -122,7 +129,7 @@ class TenantDirectory:
                 raise SettingsError(f"tenants file {path}: tenant {entry.id!r} has unknown plan {entry.plan!r}; "
                                     f"plans: {', '.join(sorted(parsed.plans)) or 'none'}")
             entries.append((Tenant(entry.id, entry.plan, parsed.plans[entry.plan]), entry.keys))
-        return cls(entries, parsed.admin.keys, open_=False)
+        return cls(entries, parsed.admin.keys, open_=False, metrics_keys=parsed.metrics.keys)
 
     @property
     def tenants(self) -> dict[str, Tenant]:
@@ -155,8 +162,27 @@ class TenantDirectory:
             return
         key = _bearer(authorization)
         digest = _digest(key) if key is not None else b""
-        if not any(hmac.compare_digest(digest, d) for d in self._admin_digests):
+        if not _any_match(digest, self._admin_digests):
             raise Unauthorized("an admin key is needed for this route")
+
+    def authenticate_metrics(self, authorization: str | None) -> None:
+        """``/metrics`` names every tenant with its traffic: with a tenants file it needs the admin key or a key
+        from the file's ``[metrics]`` section (a scraper's token that opens nothing else)."""
+        if self.open:
+            return
+        key = _bearer(authorization)
+        digest = _digest(key) if key is not None else b""
+        # Both lists are compared in full (no short circuit), like every key comparison here.
+        admin, metrics = _any_match(digest, self._admin_digests), _any_match(digest, self._metrics_digests)
+        if not (admin or metrics):
+            raise Unauthorized("a metrics or admin key is needed for /metrics")
+
+
+def _any_match(digest: bytes, digests: list[bytes]) -> bool:
+    found = False
+    for candidate in digests:
+        found |= hmac.compare_digest(digest, candidate)
+    return found
 
 
 def _bearer(authorization: str | None) -> str | None:

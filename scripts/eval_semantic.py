@@ -1,6 +1,6 @@
-"""Measure the semantic lookup path (embedder -> index -> threshold -> guard) against plain cosine, side by side.
+"""Measure the semantic lookup path (embedder -> index -> verifier) against plain cosine, side by side.
 
-Protocols (see issue 3, "Measure"):
+Protocols:
 
   --pairs PATH     TSV ``s1<TAB>s2<TAB>label`` (1 = same meaning): s1 is the only cached entry, s2 is looked up.
                    hit_rate = hits on label-1 pairs / label-1 pairs; false_hit_rate = hits on label-0 / all pairs.
@@ -9,9 +9,21 @@ Protocols (see issue 3, "Measure"):
                    true, on any other origin false.
   --intents PATH   CSV ``text,category`` or JSON lines {"text", "intent"} (intent ``oos`` = out of scope): the first
                    ``--per-intent`` texts of each in-scope intent (seeded shuffle) are cached, all others looked up.
+                   ``--splits train,val`` keeps only rows of those splits (JSON lines with a ``split`` field).
 
-The baseline is the same embedder and index with the guard off (top-1 candidate only). The last line printed is
-one JSON object: n, hit_rate, false_hit_rate, threshold, embedder, hit_rate_at_1pct, baseline_hit_rate_at_1pct.
+"Ours" is the path the profile ships (``semantic.decision``): the threshold rule (the nearest candidate, its cosine
+over the scenario's threshold or the embedder's calibrated one, the guard's veto), or the verifier
+(:mod:`edgecache.verifier`: the nearest ``semantic.candidates`` candidates scored, the best-scored one served when it
+reaches the cut of the scenario's target false-hit rate). ``--decision`` / ``--threshold`` / ``--target`` override.
+The baseline is plain cosine on the same embedder and index, top-1, its threshold picked on the very set (its
+oracle).
+
+Latency: the first ``--latency-lookups`` lookups are also run one at a time the way the server does (embed one text,
+search, verify) and their p50 / p99 reported, with the share that paid for a second stage (none ships yet).
+
+The last line printed is one JSON object: n, hit_rate, false_hit_rate, threshold, embedder, hit_rate_at_1pct,
+baseline_hit_rate_at_1pct, baseline_threshold_at_1pct, oos_hit_rate (intent sets with out-of-scope rows, else
+null), target_false_hit_rate, candidates, lookup_p50_ms, lookup_p99_ms, second_stage_share.
 
   python scripts/eval_semantic.py --pairs ../shared/data/pawsx_zh_test.tsv --scenario knowledge
 """
@@ -28,6 +40,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,149 +48,44 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from edgecache import guard  # noqa: E402
 from edgecache.embedders import Embedder, default_threshold, load_embedder  # noqa: E402
 from edgecache.semantic_index import SemanticIndex  # noqa: E402
-
-K = 1  # candidates per search: only the nearest one may be served
-
-
-class Lookups:
-    """Per lookup: the similarity our path would serve at and whether that hit would be right; same for baseline."""
-
-    def __init__(self) -> None:
-        self.ours_sim: list[float] = []
-        self.ours_ok: list[bool] = []
-        self.base_sim: list[float] = []
-        self.base_ok: list[bool] = []
-        self.positive: list[bool] = []  # a lookup that has a right answer in the cache
-
-    def add(self, ours: tuple[float, bool], base: tuple[float, bool], positive: bool) -> None:
-        self.ours_sim.append(ours[0])
-        self.ours_ok.append(ours[1])
-        self.base_sim.append(base[0])
-        self.base_ok.append(base[1])
-        self.positive.append(positive)
+from edgecache.settings import resolve_settings  # noqa: E402
+from edgecache.verifier import Verifier  # noqa: E402
 
 
-def rates(sim: np.ndarray, ok: np.ndarray, n_pos: int, thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """hit_rate and false_hit_rate at every threshold (vectorised over the sweep)."""
-    hits = sim[None, :] >= thresholds[:, None] - 1e-9
-    true_hits = (hits & ok[None, :]).sum(axis=1)
-    false_hits = (hits & ~ok[None, :]).sum(axis=1)
-    return true_hits / max(n_pos, 1), false_hits / max(len(sim), 1)
+class Case(msgspec.Struct):
+    """One lookup: the query, its nearest candidates (text, cosine, right answer?), and whether any right answer
+    is in the cache at all (``positive``); ``oos`` marks an out-of-scope query."""
+
+    query: str
+    candidates: list[tuple[str, float, bool]]
+    positive: bool
+    oos: bool = False
+    set_name: str = ""
 
 
-def best_at(hit: np.ndarray, fhr: np.ndarray, thresholds: np.ndarray, max_fhr: float) -> tuple[float, float]:
-    allowed = fhr <= max_fhr + 1e-12
-    if not allowed.any():
-        return 0.0, 1.0
-    i = int(np.argmax(np.where(allowed, hit, -1.0)))
-    return float(hit[i]), float(thresholds[i])
-
-
-def serve(index: SemanticIndex, tenant: str, scenario: str, vec: np.ndarray, query: str, rules: list[str]):
-    """(ours, baseline) served candidates: the top-1 candidate, ours only if the guard allows it.
-
-    A refused top candidate is a miss, not a reason to try the next one: the next is less similar still, and
-    falling through measurably served more wrong answers (docs/notes/semantic.md).
-    """
-    cands = index.search(tenant, scenario, vec, K)
-    base = cands[0] if cands else None
-    ours = base if base is not None and guard.check(query, base.text, rules).allowed else None
-    return ours, base
-
-
-def run_pairs_tsv(path: Path, emb: Embedder, index: SemanticIndex, args, rules: list[str]) -> Lookups:
+def read_pairs_tsv(path: Path) -> list[tuple[str, str, bool]]:
     rows = []
     with path.open(encoding="utf-8") as f:
         for line in f:
             parts = line.rstrip("\n").split("\t")
             if len(parts) >= 3 and parts[2].strip() in ("0", "1"):
                 rows.append((parts[0], parts[1], parts[2].strip() == "1"))
-    rows = subset(rows, args)
-    v1 = embed_all(emb, [r[0] for r in rows])
-    v2 = embed_all(emb, [r[1] for r in rows])
-    out = Lookups()
-    for i, (s1, s2, label) in enumerate(rows):
-        scenario = f"pair{i}"
-        if s1 == s2:  # an exact-cache hit, always served
-            out.add((1.0, label), (1.0, label), label)
-            continue
-        index.add("eval", scenario, v1[i], f"k{i}", s1)
-        ours, base = serve(index, "eval", scenario, v2[i], s2, rules)
-        out.add(score(ours, label), score(base, label), label)
-        index.drop("eval", scenario)
-    return out
+    return rows
 
 
-def score(cand, right: bool) -> tuple[float, bool]:
-    return (-2.0, False) if cand is None else (cand.similarity, right)
-
-
-def run_retrieval(pairs: list[tuple[str, str]], emb: Embedder, index: SemanticIndex, rules: list[str]) -> Lookups:
-    origins = sorted({o for o, _ in pairs})
-    for text, vec in zip(origins, embed_all(emb, origins)):
-        index.add("eval", "retrieval", vec, text, text)
-    out = Lookups()
-    qv = embed_all(emb, [s for _, s in pairs])
-    for (origin, similar), vec in zip(pairs, qv):
-        if similar == origin:
-            out.add((1.0, True), (1.0, True), True)
-            continue
-        ours, base = serve(index, "eval", "retrieval", vec, similar, rules)
-        out.add(
-            score(ours, ours is not None and ours.store_key == origin),
-            score(base, base is not None and base.store_key == origin),
-            True,
-        )
-    return out
-
-
-def run_intents(path: Path, emb: Embedder, index: SemanticIndex, args, rules: list[str]) -> Lookups:
+def read_intents(path: Path, splits: set[str] | None = None) -> list[tuple[str, str]]:
     items: list[tuple[str, str]] = []
     if path.suffix in (".jsonl", ".json"):
         for line in path.read_text(encoding="utf-8").splitlines():
             if line.strip():
                 obj = json.loads(line)
-                items.append((obj["text"], obj.get("intent") or obj.get("category")))
+                if splits is None or obj.get("split") in splits:
+                    items.append((obj["text"], obj.get("intent") or obj.get("category")))
     else:
         with path.open(encoding="utf-8", newline="") as f:
             for row in csv.DictReader(f):
                 items.append((row["text"], row.get("category") or row.get("intent")))
-    random.Random(args.seed).shuffle(items)
-    stored: list[tuple[str, str]] = []
-    queries: list[tuple[str, str]] = []
-    per: dict[str, int] = defaultdict(int)
-    for text, intent in items:
-        if intent != "oos" and per[intent] < args.per_intent:
-            per[intent] += 1
-            stored.append((text, intent))
-        else:
-            queries.append((text, intent))
-    if args.limit:
-        queries = queries[: args.limit]
-    intent_of = {}
-    for (text, intent), vec in zip(stored, embed_all(emb, [t for t, _ in stored])):
-        key = index.add("eval", "intents", vec, f"{intent}\x00{text}", text)
-        intent_of[key] = intent
-    out = Lookups()
-    for (text, intent), vec in zip(queries, embed_all(emb, [t for t, _ in queries])):
-        ours, base = serve(index, "eval", "intents", vec, text, rules)
-        in_scope = intent != "oos"
-        out.add(
-            score(ours, in_scope and ours is not None and intent_of[ours.vector_key] == intent),
-            score(base, in_scope and base is not None and intent_of[base.vector_key] == intent),
-            in_scope,
-        )
-    return out
-
-
-def subset(rows: list, args) -> list:
-    """--half 0/1 splits a seeded shuffle in two (calibrate on one half, report on the other); --limit caps."""
-    if args.half is not None:
-        order = list(range(len(rows)))
-        random.Random(args.seed).shuffle(order)
-        keep = sorted(order[args.half :: 2])
-        rows = [rows[i] for i in keep]
-    return rows[: args.limit] if args.limit else rows
+    return items
 
 
 def embed_all(emb: Embedder, texts: list[str], batch: int = 64) -> np.ndarray:
@@ -186,67 +94,259 @@ def embed_all(emb: Embedder, texts: list[str], batch: int = 64) -> np.ndarray:
     return np.concatenate([emb.embed(texts[i : i + batch]) for i in range(0, len(texts), batch)])
 
 
+def pair_cases(rows: list[tuple[str, str, bool]], emb: Embedder, index: SemanticIndex, name: str = "") -> list[Case]:
+    v1 = embed_all(emb, [r[0] for r in rows])
+    v2 = embed_all(emb, [r[1] for r in rows])
+    out = []
+    for i, (s1, s2, label) in enumerate(rows):
+        scenario = f"pair{i}"
+        index.add("eval", scenario, v1[i], f"k{i}", s1)
+        found = index.search("eval", scenario, v2[i], 1)
+        index.drop("eval", scenario)
+        out.append(Case(s2, [(c.text, c.similarity, label) for c in found], label, set_name=name))
+    return out
+
+
+def retrieval_cases(pairs: list[tuple[str, str]], emb: Embedder, index: SemanticIndex, k: int,
+                    name: str = "") -> list[Case]:
+    origins = sorted({o for o, _ in pairs})
+    for text, vec in zip(origins, embed_all(emb, origins)):
+        index.add("eval", "retrieval", vec, text, text)
+    out = []
+    for (origin, similar), vec in zip(pairs, embed_all(emb, [s for _, s in pairs])):
+        found = index.search("eval", "retrieval", vec, k)
+        out.append(Case(similar, [(c.text, c.similarity, c.store_key == origin) for c in found], True,
+                        set_name=name))
+    return out
+
+
+def intent_cases(items: list[tuple[str, str]], emb: Embedder, index: SemanticIndex, k: int, *, seed: int,
+                 per_intent: int, limit: int, name: str = "") -> list[Case]:
+    items = list(items)
+    random.Random(seed).shuffle(items)
+    stored: list[tuple[str, str]] = []
+    queries: list[tuple[str, str]] = []
+    per: dict[str, int] = defaultdict(int)
+    for text, intent in items:
+        if intent != "oos" and per[intent] < per_intent:
+            per[intent] += 1
+            stored.append((text, intent))
+        else:
+            queries.append((text, intent))
+    if limit:
+        queries = queries[:limit]
+    intent_of = {}
+    for (text, intent), vec in zip(stored, embed_all(emb, [t for t, _ in stored])):
+        intent_of[index.add("eval", "intents", vec, f"{intent}\x00{text}", text)] = intent
+    out = []
+    for (text, intent), vec in zip(queries, embed_all(emb, [t for t, _ in queries])):
+        found = index.search("eval", "intents", vec, k)
+        in_scope = intent != "oos"
+        out.append(Case(text, [(c.text, c.similarity, in_scope and intent_of[c.vector_key] == intent) for c in found],
+                        in_scope, oos=not in_scope, set_name=name))
+    return out
+
+
+def subset(rows: list, *, half: int | None, seed: int, limit: int) -> list:
+    """``half`` 0/1 splits a seeded shuffle in two (calibrate on one half, report on the other); ``limit`` caps."""
+    if half is not None:
+        order = list(range(len(rows)))
+        random.Random(seed).shuffle(order)
+        rows = [rows[i] for i in sorted(order[half::2])]
+    return rows[:limit] if limit else rows
+
+
+def load_cases(kind: str, path: Path, emb: Embedder, *, k: int, seed: int = 0, limit: int = 0,
+               half: int | None = None, per_intent: int = 3, splits: set[str] | None = None) -> list[Case]:
+    """The lookups of one data file under its protocol (``kind`` pairs or intents), nearest ``k`` candidates each."""
+    with tempfile.TemporaryDirectory() as tmp:
+        index = SemanticIndex(tmp, dim=emb.dim, embedder_version=emb.version, dtype="f16", max_vectors=10**6)
+        try:
+            if kind == "pairs" and path.suffix == ".json":
+                data = json.loads(path.read_text(encoding="utf-8"))
+                pairs = subset([(d["origin"], d["similar"]) for d in data], half=half, seed=seed, limit=limit)
+                return retrieval_cases(pairs, emb, index, k, path.name)
+            if kind == "pairs":
+                rows = subset(read_pairs_tsv(path), half=half, seed=seed, limit=limit)
+                return pair_cases(rows, emb, index, path.name)
+            return intent_cases(read_intents(path, splits), emb, index, k, seed=seed, per_intent=per_intent,
+                                limit=limit, name=path.name)
+        finally:
+            index.close()
+
+
+# ---- decisions ----
+
+
+def verifier_decisions(verifier: Verifier, cases: list[Case]) -> tuple[np.ndarray, np.ndarray]:
+    """Per lookup, the score of the candidate the verifier would serve (-1 when none may be) and whether it is right.
+
+    The served candidate is the best-scored one not vetoed (the cut only decides whether it is served), so one pass
+    gives the whole sweep over cuts.
+    """
+    score, ok = np.full(len(cases), -1.0), np.zeros(len(cases), dtype=bool)
+    for i, case in enumerate(cases):
+        judged = verifier.judge(case.query, [(t, s) for t, s, _ in case.candidates], cut=0.0)
+        if judged.chosen is not None:
+            score[i], ok[i] = judged.score, case.candidates[judged.chosen][2]
+    return score, ok
+
+
+def threshold_decisions(cases: list[Case], rules: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The pre-verifier rule (a scenario's ``threshold`` override): top-1 cosine, refused by any guard rule."""
+    sim, ok = np.full(len(cases), -2.0), np.zeros(len(cases), dtype=bool)
+    for i, case in enumerate(cases):
+        if case.candidates:
+            text, cos, right = case.candidates[0]
+            if guard.check(case.query, text, rules).allowed:
+                sim[i], ok[i] = cos, right
+    return sim, ok
+
+
+def cosine_decisions(cases: list[Case]) -> tuple[np.ndarray, np.ndarray]:
+    sim, ok = np.full(len(cases), -2.0), np.zeros(len(cases), dtype=bool)
+    for i, case in enumerate(cases):
+        if case.candidates:
+            sim[i], ok[i] = case.candidates[0][1], case.candidates[0][2]
+    return sim, ok
+
+
+def rates(sim: np.ndarray, ok: np.ndarray, n_pos: int, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """hit_rate and false_hit_rate at every cut (vectorised over the sweep)."""
+    hits = sim[None, :] >= cuts[:, None] - 1e-9
+    true_hits = (hits & ok[None, :]).sum(axis=1)
+    false_hits = (hits & ~ok[None, :]).sum(axis=1)
+    return true_hits / max(n_pos, 1), false_hits / max(len(sim), 1)
+
+
+def best_at(hit: np.ndarray, fhr: np.ndarray, cuts: np.ndarray, max_fhr: float) -> tuple[float, float]:
+    allowed = fhr <= max_fhr + 1e-12
+    if not allowed.any():
+        return 0.0, 1.0
+    i = int(np.argmax(np.where(allowed, hit, -1.0)))
+    return float(hit[i]), float(cuts[i])
+
+
+def measure_latency(cases: list[Case], emb: Embedder, verifier: Verifier | None, k: int, n: int,
+                    target: float) -> list[float]:
+    """Lookups one at a time as the server runs them: embed one query, search an index of the cached texts, verify."""
+    cases = cases[:n]
+    if not cases:
+        return []
+    texts = sorted({t for c in cases for t, _, _ in c.candidates})
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        index = SemanticIndex(tmp, dim=emb.dim, embedder_version=emb.version, dtype="f16", max_vectors=10**6)
+        try:
+            for text, vec in zip(texts, embed_all(emb, texts)):
+                index.add("eval", "latency", vec, text, text)
+            for case in cases:
+                started = time.perf_counter()
+                vec = emb.embed([case.query])[0]
+                found = index.search("eval", "latency", vec, k)
+                if verifier is not None:
+                    verifier.judge(case.query, [(c.text, c.similarity) for c in found],
+                                   verifier.cut(target, case.query))
+                out.append((time.perf_counter() - started) * 1000)
+        finally:
+            index.close()
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--pairs", type=Path)
     src.add_argument("--intents", type=Path)
-    p.add_argument("--scenario", default="default", help="whose default threshold to use")
-    p.add_argument("--threshold", type=float, help="override the scenario's calibrated threshold")
-    p.add_argument("--embedder", default=None, help="registered embedder name (default: the CPU default)")
+    p.add_argument("--scenario", default="default", help="whose target false-hit rate (cpu profile) to use")
+    p.add_argument("--profile", default="cpu", help="the profile whose scenarios and semantic settings apply")
+    p.add_argument("--decision", choices=("threshold", "verifier"), help="default: the profile's semantic.decision")
+    p.add_argument("--threshold", type=float, help="the threshold rule at this cosine (top-1, guard veto)")
+    p.add_argument("--target", type=float, help="override the scenario's target false-hit rate")
+    p.add_argument("--verifier", type=Path, help="a verifier parameter file (default: the shipped one)")
+    p.add_argument("--embedder", default=None, help="registered embedder name (default: the profile's)")
+    p.add_argument("--candidates", type=int, help="nearest candidates the verifier sees (default: the profile's)")
     p.add_argument("--limit", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--per-intent", type=int, default=3)
+    p.add_argument("--splits", help="intents JSON lines: keep only these splits (comma-separated)")
     p.add_argument("--half", type=int, choices=(0, 1), help="use one half of a seeded split (pairs protocol)")
-    p.add_argument("--rules", default=",".join(guard.DEFAULT_RULES), help="guard rules, comma-separated, or 'none'")
-    p.add_argument("--dtype", default="f16", choices=("f16", "i8"))
+    p.add_argument("--rules", default=",".join(guard.DEFAULT_RULES),
+                   help="guard rules of the --threshold rule, comma-separated, or 'none'")
+    p.add_argument("--latency-lookups", type=int, default=200)
     args = p.parse_args(argv)
     rules = [] if args.rules == "none" else [r for r in args.rules.split(",") if r]
 
-    emb = load_embedder(args.embedder, threads=1)
-    threshold = args.threshold if args.threshold is not None else default_threshold(emb.version, args.scenario)
+    settings = resolve_settings(args.profile, {}, environ={})
+    scenario = settings.scenarios.get(args.scenario) or settings.scenarios["default"]
+    decision = args.decision or settings.semantic.decision
+    threshold = args.threshold if args.threshold is not None else scenario.threshold
+    target = args.target if args.target is not None else scenario.target_false_hit_rate
+    k = args.candidates or settings.semantic.candidates
+    emb = load_embedder(args.embedder or settings.semantic.embedder, threads=1)
+    verifier = Verifier.load(args.verifier or settings.semantic.verifier_params)
+    use_verifier = decision == "verifier" and threshold is None and verifier.embedder == emb.version
+    if threshold is None and not use_verifier:
+        threshold = default_threshold(emb.version, args.scenario)  # as the server does
+
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        index = SemanticIndex(tmp, dim=emb.dim, embedder_version=emb.version, dtype=args.dtype, max_vectors=10**6)
-        try:
-            if args.pairs is not None and args.pairs.suffix == ".json":
-                data = json.loads(args.pairs.read_text(encoding="utf-8"))
-                pairs = subset([(d["origin"], d["similar"]) for d in data], args)
-                res = run_retrieval(pairs, emb, index, rules)
-            elif args.pairs is not None:
-                res = run_pairs_tsv(args.pairs, emb, index, args, rules)
-            else:
-                res = run_intents(args.intents, emb, index, args, rules)
-        finally:
-            index.close()
+    kind, path = ("pairs", args.pairs) if args.pairs is not None else ("intents", args.intents)
+    splits = set(args.splits.split(",")) if args.splits else None
+    cases = load_cases(kind, path, emb, k=k if use_verifier else 1, seed=args.seed, limit=args.limit,
+                       half=args.half, per_intent=args.per_intent, splits=splits)
     elapsed = time.perf_counter() - t0
 
-    pos = np.array(res.positive)
+    pos = np.array([c.positive for c in cases])
+    oos = np.array([c.oos for c in cases])
     n_pos = int(pos.sum())
-    sweep = np.round(np.arange(0.0, 1.0005, 0.001), 3)
-    ours = rates(np.array(res.ours_sim), np.array(res.ours_ok), n_pos, sweep)
-    base = rates(np.array(res.base_sim), np.array(res.base_ok), n_pos, sweep)
-    at = int(np.argmin(np.abs(sweep - threshold)))
+    if use_verifier:
+        ours_sim, ours_ok = verifier_decisions(verifier, cases)
+        served = ours_sim >= np.array([verifier.cut(target, c.query) for c in cases]) - 1e-12
+        sweep = np.round(np.arange(0.0, 1.0005, 0.001), 3)
+    else:
+        ours_sim, ours_ok = threshold_decisions(cases, rules)
+        served = ours_sim >= threshold - 1e-9
+        sweep = np.round(np.arange(0.0, 1.0005, 0.001), 3)
+    base_sim, base_ok = cosine_decisions(cases)
+    cos_sweep = np.round(np.arange(0.0, 1.0005, 0.001), 3)
+    hit_rate = float((served & ours_ok).sum() / max(n_pos, 1))
+    false_hit_rate = float((served & ~ours_ok).sum() / max(len(cases), 1))
+    oos_hit_rate = float((served & oos).sum() / oos.sum()) if oos.any() else None
+    ours = rates(ours_sim, ours_ok, n_pos, sweep)
+    base = rates(base_sim, base_ok, n_pos, cos_sweep)
     ours_1, ours_t1 = best_at(*ours, sweep, 0.01)
-    base_1, base_t1 = best_at(*base, sweep, 0.01)
-    ours_01, _ = best_at(*ours, sweep, 0.001)
-    base_01, _ = best_at(*base, sweep, 0.001)
-    print(f"embedder {emb.version}  lookups {len(pos)} ({n_pos} with a right answer)  rules {rules or 'none'}")
-    print(f"{'':28}{'ours (guard)':>16}{'plain cosine':>16}")
-    print(f"{'hit rate @ t=' + format(threshold, '.3f'):28}{ours[0][at]:16.3f}{base[0][at]:16.3f}")
-    print(f"{'false-hit rate @ t':28}{ours[1][at]:16.4f}{base[1][at]:16.4f}")
-    print(f"{'best hit rate, FHR<=1%':28}{ours_1:16.3f}{base_1:16.3f}   (t = {ours_t1:.3f} / {base_t1:.3f})")
-    print(f"{'best hit rate, FHR<=0.1%':28}{ours_01:16.3f}{base_01:16.3f}")
-    ratio = ours_1 / base_1 if base_1 else float("inf")
-    print(f"ratio at 1%: {ratio:.2f}x   ({elapsed:.1f} s)")
+    base_1, base_t1 = best_at(*base, cos_sweep, 0.01)
+    latencies = measure_latency(cases, emb, verifier if use_verifier else None, k if use_verifier else 1,
+                                args.latency_lookups, target or 0.0)
+    p50 = float(np.percentile(latencies, 50)) if latencies else None
+    p99 = float(np.percentile(latencies, 99)) if latencies else None
+
+    rule = f"verifier, target {target:.2%}, {k} candidates" if use_verifier else f"cosine >= {threshold:.3f} + guard"
+    print(f"embedder {emb.version}  lookups {len(pos)} ({n_pos} with a right answer)  ours: {rule}")
+    print(f"{'':28}{'ours':>16}{'plain cosine':>16}")
+    print(f"{'at the defaults: hit rate':28}{hit_rate:16.3f}")
+    print(f"{'at the defaults: false hits':28}{false_hit_rate:16.4f}")
+    if oos_hit_rate is not None:
+        print(f"{'at the defaults: oos hits':28}{oos_hit_rate:16.4f}")
+    print(f"{'best hit rate, FHR<=1%':28}{ours_1:16.3f}{base_1:16.3f}   (cut {ours_t1:.3f} / cosine {base_t1:.3f})")
+    if p50 is not None:
+        print(f"lookup p50 {p50:.2f} ms  p99 {p99:.2f} ms  ({len(latencies)} lookups one at a time, "
+              f"second stage 0 %)   ({elapsed:.1f} s)")
     result = {
         "n": len(pos),
-        "hit_rate": round(float(ours[0][at]), 4),
-        "false_hit_rate": round(float(ours[1][at]), 4),
+        "hit_rate": round(hit_rate, 4),
+        "false_hit_rate": round(false_hit_rate, 4),
         "threshold": threshold,
         "embedder": emb.version,
         "hit_rate_at_1pct": round(ours_1, 4),
         "baseline_hit_rate_at_1pct": round(base_1, 4),
+        "baseline_threshold_at_1pct": base_t1,
+        "oos_hit_rate": None if oos_hit_rate is None else round(oos_hit_rate, 4),
+        "target_false_hit_rate": target if use_verifier else None,
+        "candidates": k if use_verifier else 1,
+        "lookup_p50_ms": None if p50 is None else round(p50, 3),
+        "lookup_p99_ms": None if p99 is None else round(p99, 3),
+        "second_stage_share": 0.0,
     }
     print(json.dumps(result))
     return result

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from edgecache.engines.base import Chunk, GenerationRequest
-from edgecache.errors import EngineError
+from edgecache.errors import BadRequest, EngineError
 
 
 class FakeEngine:
@@ -35,12 +35,21 @@ class FakeEngine:
         self.started = False
         self.closed = False
         self.flushed = 0
+        self.context_chars: int | None = None
 
     async def start(self) -> None:
         self.started = True
 
     async def close(self) -> None:
         self.closed = True
+
+    async def check_prompt(self, request: GenerationRequest) -> None:
+        """A prompt of more than ``context_chars`` characters is over the context (when set)."""
+        if self.context_chars is not None:
+            size = len(request.prompt or "") + sum(len(m.content) for m in request.messages or ())
+            if size > self.context_chars:
+                raise BadRequest(f"the prompt has {size} characters; this fake's context holds "
+                                 f"{self.context_chars}", code="context_length_exceeded")
 
     async def flush(self) -> None:
         self.flushed += 1

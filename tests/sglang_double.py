@@ -82,9 +82,13 @@ class FakeTokenizer:
         tokenize: bool = True,
         add_generation_prompt: bool = False,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        **template_kwargs: Any,
     ) -> str | list[int]:
+        # Like transformers: tools and any extra keyword become template variables.
         template = jinja2.Template(chat_template or _DEFAULT_TEMPLATE)
-        text = template.render(messages=conversation, add_generation_prompt=add_generation_prompt)
+        text = template.render(messages=conversation, add_generation_prompt=add_generation_prompt, tools=tools,
+                               **template_kwargs)
         return self.encode(text) if tokenize else text
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

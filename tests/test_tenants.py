@@ -152,7 +152,8 @@ async def test_keys_never_appear_in_logs_or_metrics(make_settings: Any, tenants_
         await ask(c, "t01", "hello")
         await c.post("/v1/chat/completions", json=chat_body("hi"), headers={"Authorization": "Bearer sk-wrong-123456"})
         await c.post("/admin/flush", json={"tenant": "t01"}, headers=ADMIN)
-        exposed = caplog.text + (await c.get("/metrics")).text + (await c.get("/stats", headers=ADMIN)).text
+        exposed = (caplog.text + (await c.get("/metrics", headers=ADMIN)).text
+                   + (await c.get("/stats", headers=ADMIN)).text)
     for secret in [key_of(t) for t in TENANTS] + ["sk-wrong-123456", "sk-admin-secret-01"]:
         assert secret not in exposed
 
@@ -330,7 +331,7 @@ async def test_stats_report_per_tenant_figures(make_settings: Any, tenants_file:
         assert stats["by_tenant"]["t01"]["default"] == {"miss": 1, "exact": 1}
         assert stats["by_tenant"]["t02"]["default"] == {"miss": 1}
         assert stats["stores"]["t01"]["entries"] == 1 and stats["stores"]["t01"]["budget_bytes"] == 2 * 10**9
-        metrics = (await c.get("/metrics")).text
+        metrics = (await c.get("/metrics", headers=ADMIN)).text
         assert 'edgecache_requests_total{outcome="exact",scenario="default",tenant="t01"} 1.0' in metrics
 
 

@@ -21,12 +21,47 @@ from typing import Literal, Protocol, runtime_checkable
 import msgspec
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
-class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+class ToolCall(msgspec.Struct, frozen=True, array_like=True):
+    """A function call the model made (or one in the history): its id, the function's name and its arguments, a JSON
+    object as text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaults=True):
+    """A chat message. ``content`` is the caller's text: engines render it as text, never as control tokens.
+    ``tool_calls`` (assistant) and ``tool_call_id`` (tool) carry a tool-using conversation's history."""
+
     role: Role
     content: str
+    name: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+
+
+class ToolSpec(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A function the model may call. ``parameters`` is its JSON schema as canonical JSON text (sorted keys), so
+    the same tool always hashes the same."""
+
+    name: str
+    description: str = ""
+    parameters: str = "{}"
+    strict: bool = False
+
+
+class OutputFormat(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A structured-output constraint: any JSON object (``json_object``) or one matching ``schema`` (canonical JSON
+    text) for ``json_schema``."""
+
+    kind: Literal["json_object", "json_schema"]
+    schema: str = ""
+    name: str = ""
+    strict: bool = False
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -39,25 +74,77 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # SGLang's and vLLM's extensions; the defaults turn each off.
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    # (token id, bias) pairs sorted by token id.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
 
-class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True):
+class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One generation. Exactly one of ``messages`` (chat) and ``prompt`` (raw completion) is set.
 
     ``salt`` namespaces the engine's prefix cache: requests with different salts never share cached prefixes
     (the tenant id goes here; SGLang calls it ``cache_salt``).
+
+    Every field here can change what the model writes, and the whole struct goes into the cache key; a request
+    field that cannot change the output never reaches it (see :mod:`edgecache.request_surface`). Defaults mean
+    "not asked for", so a plain request encodes (and hashes) without the rest.
+
+    ``tool_choice``: ``auto``, ``none``, ``required`` or the name of the one function to call.
+    ``logprobs``: None for none; k >= 0 for each token's logprob and its k most likely alternatives.
+    ``template_kwargs``: extra chat-template variables (``chat_template_kwargs``) as canonical JSON text.
     """
 
     messages: tuple[Message, ...] | None = None
     prompt: str | None = None
     params: SamplingParams = SamplingParams()
     salt: str = ""
+    tools: tuple[ToolSpec, ...] = ()
+    tool_choice: str = "auto"
+    parallel_tool_calls: bool = True
+    response_format: OutputFormat | None = None
+    n: int = 1
+    logprobs: int | None = None
+    echo: bool = False
+    template_kwargs: str = ""
+
+
+class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token: str
+    logprob: float
+    bytes: tuple[int, ...] | None = None
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One generated token: its text, its logprob, its UTF-8 bytes and the most likely alternatives."""
+
+    token: str
+    logprob: float
+    bytes: tuple[int, ...] | None = None
+    top: tuple[TopLogprob, ...] = ()
+
+
+class Choice(msgspec.Struct, frozen=True, array_like=True):
+    """One whole choice of an answer (what the cache stores and replays): its text, tool calls and logprobs."""
+
+    index: int
+    text: str
+    finish_reason: FinishReason
+    tool_calls: tuple[ToolCall, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    refusal: str | None = None
 
 
 class Chunk(msgspec.Struct, kw_only=True):
     """A piece of a generation. ``text`` is the delta since the previous chunk.
 
     Token counts are cumulative and only meaningful on the last chunk (the one with ``finish_reason`` set).
+
+    A plain answer (one choice, text only) streams as text deltas. An answer with more to it (tool calls, logprobs,
+    several choices) comes whole: its last chunk carries every :class:`Choice` in ``choices`` and no text deltas
+    precede it, because tool calls are only known once complete (they are parsed from constrained output).
     """
 
     text: str = ""
@@ -65,6 +152,7 @@ class Chunk(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    choices: tuple[Choice, ...] | None = None
 
 
 @runtime_checkable
@@ -73,6 +161,10 @@ class Engine(Protocol):
 
     ``model_id`` is the name clients use; ``version`` identifies the weights and config (it goes into every cache
     key, so a different model never answers from an old entry).
+
+    ``kind`` names the engine in errors; ``features`` lists the request fields beyond plain sampling that it
+    honours (:data:`edgecache.request_surface.FEATURES`): a request using another one is refused with a 400 that
+    names the field and the engine, never silently ignored. An engine without these attributes honours none.
     """
 
     model_id: str
@@ -80,6 +172,10 @@ class Engine(Protocol):
 
     async def start(self) -> None:
         """Load the model. Called once by the app's lifespan before the server reports ready."""
+
+    async def check_prompt(self, request: GenerationRequest) -> None:
+        """Raise BadRequest (``context_length_exceeded``) for a prompt the context cannot hold. Called before the
+        request queues for the engine or is embedded, so it must not wait behind a running generation."""
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         """Stream one generation. Closing the iterator early aborts the generation."""

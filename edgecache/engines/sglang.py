@@ -18,6 +18,18 @@ What this adapter relies on in SGLang (``python/sglang/srt/entrypoints/engine.py
 - ``engine.tokenizer_manager.abort_request(rid)`` stops a request; closing the output generator alone does not
   tell the scheduler, so the adapter calls it when a consumer stops reading early.
 - ``engine.shutdown()`` kills the engine's child processes (scheduler, detokenizer).
+- Structured output: ``sampling_params["json_schema"]`` (a JSON schema as text) constrains decoding
+  (``python/sglang/srt/sampling/sampling_params.py``); SGLang's own OpenAI route uses the same parameter to force a
+  tool call when ``tool_choice`` is ``required`` or names a function (``get_json_schema_constraint`` in
+  ``python/sglang/srt/function_call/utils.py``, called from ``FunctionCallParser.get_structure_constraint`` in
+  ``python/sglang/srt/function_call/function_call_parser.py``). ``top_k``, ``min_p`` and ``repetition_penalty`` are
+  sampling parameters of the same names.
+
+Tools are rendered by the model's chat template (``apply_chat_template(..., tools=...)``, as HF templates do), a
+forced call is constrained by the JSON schema of ``{"name", "arguments"}`` (:mod:`edgecache.engines.structured_output`)
+and the output parsed as such an object (optionally in ``<tool_call>`` tags: the hermes/qwen25 format). SGLang's
+per-model ``FunctionCallParser`` detectors (other native tool-call formats) are not wired in. ``n``, logprobs,
+``echo`` and ``logit_bias`` are refused with a 400 naming the field and this engine.
 """
 
 from __future__ import annotations
@@ -25,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
+import json
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
@@ -33,11 +46,14 @@ from typing import Any, Literal, Protocol
 import msgspec
 
 from edgecache.engines.base import (
+    Choice,
     Chunk,
     FinishReason,
     GenerationRequest,
     SamplingParams,
+    ToolCall,
 )
+from edgecache.engines.structured_output import json_or_text, output_schema, parse_tool_calls, tool_call_id
 from edgecache.errors import EngineError, NotReady
 
 INSTALL_HINT = 'pip install "edgecache[gpu]" (sglang + onnxruntime-gpu), on a machine with a CUDA GPU'
@@ -183,7 +199,19 @@ def _sampling_params(params: SamplingParams) -> dict[str, object]:
         out["stop"] = list(params.stop)
     if params.seed is not None:
         out["sampling_seed"] = params.seed
+    for name, value, off in (("top_k", params.top_k, 0), ("min_p", params.min_p, 0.0),
+                             ("repetition_penalty", params.repetition_penalty, 1.0)):
+        if value != off:
+            out[name] = value
     return out
+
+
+def _constraint(request: GenerationRequest) -> dict[str, object]:
+    """The structured-output sampling parameter for this request, if any (SGLang's ``json_schema``)."""
+    schema = output_schema(request)
+    if schema is None and request.response_format is not None:
+        schema = {"type": "object"}  # json_object: any JSON object
+    return {"json_schema": json.dumps(schema)} if schema is not None else {}
 
 
 def _finish_reason(meta_info: Mapping[str, Any]) -> FinishReason | None:
@@ -225,6 +253,10 @@ class _TextDeltas:
 
 class SGLangEngine:
     """The :class:`~edgecache.engines.base.Engine` backed by an in-process ``sglang.Engine``."""
+
+    kind = "sglang"
+    features = frozenset({"tools", "tool_choice", "response_format", "top_k", "min_p", "repetition_penalty",
+                          "chat_template_kwargs"})
 
     def __init__(self, options: SGLangOptions, *, engine_factory: EngineFactory = load_sglang_engine) -> None:
         self.options = options
@@ -288,10 +320,27 @@ class SGLangEngine:
         tokenizer = engine.tokenizer_manager.tokenizer
         if tokenizer is None:
             raise EngineError("the SGLang engine has no tokenizer, so it cannot apply a chat template")
-        messages = [{"role": m.role, "content": m.content} for m in request.messages or ()]
+        messages = []
+        for m in request.messages or ():
+            entry: dict[str, Any] = {"role": m.role, "content": m.content}
+            if m.tool_calls:
+                entry["tool_calls"] = [{"id": c.id, "type": "function",
+                                        "function": {"name": c.name, "arguments": json_or_text(c.arguments)}}
+                                       for c in m.tool_calls]
+            if m.tool_call_id:
+                entry["tool_call_id"] = m.tool_call_id
+            if m.name:
+                entry["name"] = m.name
+            messages.append(entry)
+        extra: dict[str, Any] = json.loads(request.template_kwargs) if request.template_kwargs else {}
+        if request.tools:
+            extra["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                                "parameters": json.loads(t.parameters)}}
+                              for t in request.tools]
         try:
             text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, chat_template=self.options.chat_template
+                messages, tokenize=False, add_generation_prompt=True, chat_template=self.options.chat_template,
+                **extra
             )
             ids: list[int] = list(tokenizer.encode(text, add_special_tokens=False))
         except Exception as exc:  # template errors (e.g. a role the template refuses) are the request's failure
@@ -308,13 +357,15 @@ class SGLangEngine:
         else:
             inputs = {"prompt": request.prompt or ""}
         deltas = _TextDeltas(incremental=self.options.incremental_streaming_output)
+        calls_tools = bool(request.tools) and request.tool_choice != "none"
+        whole: list[str] = []  # a tool-using answer is parsed once complete, so it is collected, not streamed
         finished = False
         stream: Any = None
         try:
             try:
                 stream = await engine.async_generate(
                     **inputs,
-                    sampling_params=_sampling_params(request.params),
+                    sampling_params={**_sampling_params(request.params), **_constraint(request)},
                     stream=True,
                     rid=rid,
                     cache_salt=request.salt or None,
@@ -324,7 +375,9 @@ class SGLangEngine:
                     reason = _finish_reason(meta)
                     piece = deltas.delta(out.get("text"), final=reason is not None)
                     if reason is None:
-                        if piece:
+                        if piece and calls_tools:
+                            whole.append(piece)
+                        elif piece:
                             yield Chunk(text=piece)
                         continue
                     finished = True
@@ -335,6 +388,8 @@ class SGLangEngine:
                         completion_tokens=int(meta.get("completion_tokens") or 0),
                         cached_tokens=int(meta.get("cached_tokens") or 0),
                     )
+                    if calls_tools:
+                        chunk = self._tool_answer(request, "".join(whole) + piece, chunk)
                     self._count(chunk)
                     yield chunk
                     return
@@ -352,11 +407,28 @@ class SGLangEngine:
             if stream is not None:
                 await stream.aclose()
 
+    def _tool_answer(self, request: GenerationRequest, text: str, final: Chunk) -> Chunk:
+        """The whole answer of a request with tools: a call when the text is one, else the text."""
+        calls = parse_tool_calls(text, request, forced=request.tool_choice != "auto")
+        assert final.finish_reason is not None
+        choice = Choice(index=0, text=text, finish_reason=final.finish_reason)
+        if calls:
+            choice = Choice(index=0, text="", finish_reason="tool_calls", tool_calls=tuple(
+                ToolCall(id=tool_call_id(request, 0, j), name=name, arguments=arguments)
+                for j, (name, arguments) in enumerate(calls)))
+        final.text = ""
+        final.choices = (choice,)
+        return final
+
     def _count(self, chunk: Chunk) -> None:
         self._requests += 1
         self._prompt_tokens += chunk.prompt_tokens
         self._cached_tokens += chunk.cached_tokens
         self._completion_tokens += chunk.completion_tokens
+
+    async def check_prompt(self, request: GenerationRequest) -> None:
+        """Nothing before the call: SGLang tokenizes on its own workers and refuses an over-long prompt itself,
+        without holding up other requests."""
 
     async def flush(self) -> None:
         """Drop the radix prefix cache. SGLang refuses while requests are running; that refusal is an error."""

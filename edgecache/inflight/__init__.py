@@ -37,7 +37,7 @@ class FlightTable(Protocol):
         ...
 
     def lead(self, key: str, produce: Producer) -> SharedFlight:
-        """Start a flight for ``key``; ``produce`` publishes its chunks, calls ``finish()``, then persists."""
+        """Start a flight for ``key``; ``produce`` publishes its chunks, persists the answer, then calls ``finish()``."""
         ...
 
     async def drain(self, timeout_s: float) -> None:

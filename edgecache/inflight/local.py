@@ -10,7 +10,9 @@ engine call is aborted when the last listener leaves before the answer is comple
 costs nothing more and, being partial, is never stored. An engine error reaches every listener.
 
 A flight stays in the table after its answer is complete until the producer has written it to the result store
-(the window in which the store does not yet have it), so a request arriving in that gap shares it too.
+(the window in which the store does not yet have it), so a request arriving in that gap shares it too. The producer
+calls ``finish()`` only after those writes: a listener that waits for the end (a non-streaming reply) returns once
+the answer is in every layer, so its client's next request finds it there.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ class InflightTable:
         return flight
 
     def lead(self, key: str, produce: Producer) -> Flight:
-        """Start a flight for ``key``; ``produce`` publishes its chunks, calls ``finish()``, then persists."""
+        """Start a flight for ``key``; ``produce`` publishes its chunks, persists the answer, then calls ``finish()``."""
         flight = Flight(key)
         self._flights[key] = flight
         flight.task = asyncio.create_task(self._run(flight, produce), name=f"flight-{key[:8]}")

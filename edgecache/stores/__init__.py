@@ -7,13 +7,21 @@ dir, the default for one box) and :mod:`edgecache.stores.redis` (one store share
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import msgspec
 
+from edgecache.engines.base import Choice
+
 
 class CachedAnswer(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
-    """A complete, successful answer. ``expires_at`` is wall-clock seconds (it must survive restarts)."""
+    """A complete, successful answer. ``expires_at`` is wall-clock seconds (it must survive restarts).
+
+    ``choices`` holds the whole answer when it is more than one text choice (tool calls, logprobs, n > 1); then
+    ``text`` and ``finish_reason`` repeat its first choice's. It is the last field, so entries written before it
+    existed still decode (as plain answers).
+    """
 
     text: str
     finish_reason: str
@@ -21,6 +29,7 @@ class CachedAnswer(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     completion_tokens: int
     created_at: float
     expires_at: float
+    choices: tuple[Choice, ...] | None = None
 
 
 class ResultStore(Protocol):
@@ -32,7 +41,17 @@ class ResultStore(Protocol):
 
     async def get(self, key: str) -> CachedAnswer | None: ...
 
-    async def put(self, key: str, answer: CachedAnswer, tag: str | None = None) -> None: ...
+    async def put(self, key: str, answer: CachedAnswer, tag: str | None = None) -> bool:
+        """Store ``answer``; False when it could not be stored (a full disk: counted, never raised)."""
+        ...
+
+    async def put_many(self, items: Sequence[tuple[str, CachedAnswer, str | None]]) -> bool:
+        """Store many ``(key, answer, tag)`` at once (a warmup), in one transaction where the backend has them."""
+        ...
+
+    async def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key has a live answer (a warmup skips those)."""
+        ...
 
     async def clear(self, tag: str | None = None) -> int: ...
 

@@ -5,33 +5,53 @@ the data dir, so they survive restarts, with diskcache's least-recently-used evi
 front of it sits :class:`MemoryLRU`, a small byte-bounded copy of recently used entries: a hit found there costs a
 dict lookup and never leaves the event loop, which is what lets a hit run at close to the speed of a bare endpoint.
 Disk reads and writes run on the store's own worker threads, because SQLite can block on its file lock.
+
+Faults. The store is checked when it opens (SQLite's ``quick_check``): a damaged ``cache.db`` (truncated,
+overwritten, a directory in its place) is moved into the data dir's ``damaged/`` folder, a new one is created and
+every row still readable from the old one is copied in; the path is logged and counted. While running, a storage
+error never fails a request: a read that fails is a miss, a write that fails (a full disk) is skipped, each
+counted and logged once per interval by :class:`~edgecache.health.StorageFaults`, and /health shows the store
+degraded until a write succeeds again. A store that cannot open at all (a full disk at start) serves from memory
+and tries to open again every :attr:`DiskResultStore.REOPEN_INTERVAL_S`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import diskcache
 import msgspec
 
+from edgecache.data_dir import move_aside, salvage_rows
+from edgecache.health import STORAGE_ERRORS, StorageFaults, fault_kind, quick_check
 from edgecache.stores import CachedAnswer
 from edgecache.stores.memory import MemoryLRU
+
+log = logging.getLogger("edgecache")
+T = TypeVar("T")
+COMPONENT = "results"
+DB_NAME = "cache.db"  # diskcache's file
 
 
 class DiskResultStore:
     """diskcache on disk + :class:`MemoryLRU` in front. Construct, use, then :meth:`close` (safe twice)."""
 
     READ_SYNC_BATCH = 256
+    REOPEN_INTERVAL_S = 5.0
 
-    def __init__(self, directory: Path, *, disk_bytes: int, memory_bytes: int) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        # LRU, not diskcache's default least-recently-stored: a hot FAQ answer must outlive a one-off.
-        self._disk = diskcache.Cache(str(directory), size_limit=disk_bytes, tag_index=True,
-                                     eviction_policy="least-recently-used", cull_limit=16)
+    def __init__(self, directory: Path, *, disk_bytes: int, memory_bytes: int, faults: StorageFaults | None = None,
+                 damaged_dir: Path | None = None) -> None:
+        self.directory = directory
+        self._disk_bytes = disk_bytes
+        self._faults = faults
+        self._damaged_dir = damaged_dir if damaged_dir is not None else directory.parent / "damaged"
         self._memory = MemoryLRU(memory_bytes)
         # One writer thread keeps SQLite writes (and stats, which must see them) in order; a reader thread lets a
         # read pass a slow write.
@@ -41,6 +61,88 @@ class DiskResultStore:
         self._decoder = msgspec.msgpack.Decoder(CachedAnswer)
         self._unsynced_reads: set[str] = set()
         self._closed = False
+        self.repairs: list[str] = []  # damage found at open: what, where it went, what was kept
+        self._disk: diskcache.Cache | None = None
+        self._next_open = 0.0
+        self._try_open()
+
+    # ---- opening, checked ----
+
+    def _try_open(self) -> bool:
+        """Open the disk store unless open; False (the fault recorded) when the disk refuses. Without ``faults``
+        the error propagates, as it always did."""
+        if self._disk is not None:
+            return True
+        if time.monotonic() < self._next_open:
+            return False
+        try:
+            self._disk = self._open_checked()
+        except STORAGE_ERRORS as exc:
+            if self._faults is None:
+                raise
+            self._next_open = time.monotonic() + self.REOPEN_INTERVAL_S
+            self._faults.record(COMPONENT, exc, action="store not open, serving misses; retrying",
+                                path=self.directory)
+            return False
+        if self._faults is not None:
+            self._faults.recovered(COMPONENT)  # it opened: a fault from an earlier try is over
+        for report in self.repairs:
+            if self._faults is not None:
+                self._faults.repaired(COMPONENT, report)
+            else:
+                log.error("%s", report)
+        return True
+
+    def _open(self) -> diskcache.Cache:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        db = self.directory / DB_NAME
+        if db.is_file():
+            # quick_check reads every page but skips the slow index cross-checks: it finds a truncated or
+            # overwritten file at open instead of failing the requests that touch it.
+            verdict = quick_check(db)
+            if verdict != "ok":
+                raise sqlite3.DatabaseError(f"database disk image is malformed: {verdict}")
+        # LRU, not diskcache's default least-recently-stored: a hot FAQ answer must outlive a one-off.
+        return diskcache.Cache(str(self.directory), size_limit=self._disk_bytes, tag_index=True,
+                               eviction_policy="least-recently-used", cull_limit=16)
+
+    def _open_checked(self) -> diskcache.Cache:
+        db = self.directory / DB_NAME
+        if db.is_dir():
+            problem = "a directory stands where the database file should be"
+        else:
+            try:
+                return self._open()
+            except sqlite3.DatabaseError as exc:
+                if fault_kind(exc) != "damaged":
+                    raise
+                problem = str(exc)
+        moved = move_aside(db, self._damaged_dir, db.with_name(DB_NAME + "-wal"), db.with_name(DB_NAME + "-shm"))
+        self._open().close()  # a new, empty store (its schema), filled below before it serves
+        kept = salvage_rows(moved, db, "Cache", "key, raw, store_time, expire_time, access_time, access_count, "
+                            "tag, size, mode, filename, value")
+        self.repairs.append(f"result store {db} was damaged ({problem}); moved it to {moved} and rebuilt it "
+                            f"with the {kept} entries still readable")
+        return self._open()
+
+    # ---- storage calls: a failure is a fault to count, never a failed request ----
+
+    async def _on_disk(self, executor: ThreadPoolExecutor, action: str, fallback: T, write: bool,
+                       fn: Callable[[diskcache.Cache], T]) -> T:
+        if not self._try_open():
+            return fallback
+        disk = self._disk
+        assert disk is not None
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(executor, fn, disk)
+        except STORAGE_ERRORS as exc:
+            if self._faults is None:
+                raise
+            self._faults.record(COMPONENT, exc, action=action, path=self.directory / DB_NAME)
+            return fallback
+        if write and self._faults is not None:
+            self._faults.recovered(COMPONENT)
+        return result
 
     def get_memory(self, key: str) -> CachedAnswer | None:
         """The hit path's first look: no I/O, no thread hop."""
@@ -57,13 +159,17 @@ class DiskResultStore:
             self._sync_reads()
 
     def _sync_reads(self) -> None:
-        if not self._unsynced_reads:
+        if not self._unsynced_reads or self._disk is None:
             return
         keys, self._unsynced_reads = self._unsynced_reads, set()
+        disk = self._disk
 
         def touch() -> None:
-            for key in keys:
-                self._disk.get(key)  # under the LRU policy a get stamps the entry's access time
+            try:
+                for key in keys:
+                    disk.get(key)  # under the LRU policy a get stamps the entry's access time
+            except STORAGE_ERRORS:
+                pass  # only recency is lost; the next write reports the disk's state
 
         self._writer.submit(touch)
 
@@ -71,7 +177,8 @@ class DiskResultStore:
         answer = self.get_memory(key)
         if answer is not None:
             return answer
-        raw = await asyncio.get_running_loop().run_in_executor(self._reader, self._disk.get, key)
+        raw = await self._on_disk(self._reader, "read answered as a miss", None, False,
+                                  lambda disk: disk.get(key))
         if raw is None:
             return None
         try:
@@ -79,40 +186,79 @@ class DiskResultStore:
                 raise msgspec.DecodeError(f"not an answer: {type(raw).__name__}")
             answer = self._decoder.decode(raw)
         except msgspec.DecodeError:
-            # An entry written by an incompatible version: treat as a miss and drop it.
-            await asyncio.get_running_loop().run_in_executor(self._writer, self._disk.delete, key)
+            # An entry written by an incompatible version (or damaged): a miss, and dropped.
+            await self._on_disk(self._writer, "damaged entry kept", False, True, lambda disk: disk.delete(key))
             return None
         if answer.expires_at <= time.time():
             return None
         self._memory.put(key, answer, len(raw))
         return answer
 
-    async def put(self, key: str, answer: CachedAnswer, tag: str | None = None) -> None:
-        """Store ``answer`` (``tag``: its scenario, for a selective flush). The memory copy is made before the
-        first await, so a request that arrives while the disk write is still running is already an exact hit."""
+    async def put(self, key: str, answer: CachedAnswer, tag: str | None = None) -> bool:
+        """Store ``answer`` (``tag``: its scenario, for a selective flush); False when it could not reach the
+        disk (counted as a fault; the memory copy still serves). The memory copy is made before the first await,
+        so a request that arrives while the disk write is still running is already an exact hit."""
         raw = self._encoder.encode(answer)
         ttl = answer.expires_at - time.time()
         if ttl <= 0:
-            return
+            return False
         self._memory.put(key, answer, len(raw))
         self._sync_reads()  # recorded reads reach the disk before this write can make it cull
-        await asyncio.get_running_loop().run_in_executor(
-            self._writer, lambda: self._disk.set(key, raw, expire=ttl, tag=tag))
+        return await self._on_disk(self._writer, "write skipped", False, True,
+                                   lambda disk: disk.set(key, raw, expire=ttl, tag=tag))
+
+    async def put_many(self, items: Sequence[tuple[str, CachedAnswer, str | None]]) -> bool:
+        """:meth:`put` for many ``(key, answer, tag)`` in one SQLite transaction (a warmup: one commit, not one
+        per line). The memory copy is not filled: a bulk load would only evict the answers traffic is using."""
+        now = time.time()
+        rows = [(key, self._encoder.encode(answer), answer.expires_at - now, tag)
+                for key, answer, tag in items if answer.expires_at > now]
+        if not rows:
+            return True
+        self._sync_reads()
+
+        def write(disk: diskcache.Cache) -> bool:
+            with disk.transact():
+                for key, raw, ttl, tag in rows:
+                    disk.set(key, raw, expire=ttl, tag=tag)
+            return True
+
+        return await self._on_disk(self._writer, f"{len(rows)} writes skipped", False, True, write)
+
+    async def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key has a live entry (memory or disk), read in one pass on the reader thread."""
+        now = time.time()
+
+        def read(disk: diskcache.Cache) -> list[bool]:
+            found = []
+            for key in keys:
+                raw = disk.get(key)
+                found.append(isinstance(raw, bytes) and self._decoder.decode(raw).expires_at > now)
+            return found
+
+        on_disk = await self._on_disk(self._reader, "reads answered as misses", [False] * len(keys), False, read)
+        return [self._memory.get(key, now) is not None or hit for key, hit in zip(keys, on_disk)]
 
     async def clear(self, tag: str | None = None) -> int:
         """Drop every entry, or those stored with ``tag`` (a scenario). Returns how many went from disk."""
         # The memory copy has no tags; it is dropped whole (it refills from disk on the next reads).
         self._memory.clear()
+        if not self._try_open():
+            return 0
+        disk = self._disk
+        assert disk is not None
+        loop = asyncio.get_running_loop()
         if tag is None:
-            return await asyncio.get_running_loop().run_in_executor(self._writer, self._disk.clear)
-        return await asyncio.get_running_loop().run_in_executor(self._writer, self._disk.evict, tag)
+            return await loop.run_in_executor(self._writer, disk.clear)
+        return await loop.run_in_executor(self._writer, disk.evict, tag)
 
     async def stats(self) -> dict[str, int]:
-        def read() -> tuple[int, int]:
-            return len(self._disk), self._disk.volume()
+        def read(disk: diskcache.Cache) -> tuple[int, int, int]:
+            return len(disk), disk.volume(), int(disk.size_limit)
 
-        entries, volume = await asyncio.get_running_loop().run_in_executor(self._writer, read)
-        return {"entries": entries, "bytes": volume, "budget_bytes": int(self._disk.size_limit),
+        entries, volume, budget = await self._on_disk(self._writer, "stats not read", (0, 0, self._disk_bytes),
+                                                      False, read)
+        return {"entries": entries, "bytes": volume, "budget_bytes": budget,
                 "memory_entries": len(self._memory), "memory_bytes": self._memory.bytes}
 
     def close(self) -> None:
@@ -122,7 +268,8 @@ class DiskResultStore:
         self._sync_reads()
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=True)
-        self._disk.close()
+        if self._disk is not None:
+            self._disk.close()
 
 
 class TenantStores:
@@ -132,17 +279,21 @@ class TenantStores:
     of one tenant can be looked up in another's store.
     """
 
-    def __init__(self, root: Path, *, quota_for: Callable[[str], int], memory_bytes: int) -> None:
+    def __init__(self, root: Path, *, quota_for: Callable[[str], int], memory_bytes: int,
+                 faults: StorageFaults | None = None, damaged_dir: Path | None = None) -> None:
         self.root = root
         self._quota_for = quota_for
         self._memory_bytes = memory_bytes
+        self._faults = faults
+        self._damaged_dir = damaged_dir
         self._stores: dict[str, DiskResultStore] = {}
 
     def __call__(self, tenant: str) -> DiskResultStore:
         store = self._stores.get(tenant)
         if store is None:
             store = self._stores[tenant] = DiskResultStore(
-                self.root / tenant, disk_bytes=self._quota_for(tenant), memory_bytes=self._memory_bytes)
+                self.root / tenant, disk_bytes=self._quota_for(tenant), memory_bytes=self._memory_bytes,
+                faults=self._faults, damaged_dir=self._damaged_dir)
         return store
 
     def opened(self) -> dict[str, DiskResultStore]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from urllib.parse import quote, unquote
 
 import msgspec
@@ -200,14 +200,14 @@ class RedisResultStore:
         self._memory.put(key, answer, len(raw))
         return answer
 
-    async def put(self, key: str, answer: CachedAnswer, tag: str | None = None) -> None:
+    async def put(self, key: str, answer: CachedAnswer, tag: str | None = None) -> bool:
         raw = self._encoder.encode(answer)
         ttl_ms = int((answer.expires_at - time.time()) * 1000)
         if ttl_ms <= 0:
-            return
+            return False
         self._memory.put(key, answer, len(raw))  # before the first await, as on disk
         if not self._link.up:
-            return
+            return False
         await self._sync_reads()
         tag = tag or ""
         try:
@@ -216,7 +216,18 @@ class RedisResultStore:
                       self._tag_prefix + tag if tag else ""],
                 args=[raw, ttl_ms, time.time() * 1000, self.quota_bytes, tag, self._tag_prefix]))
         except LinkDown:
-            pass  # kept in this node's memory tier; the fleet recomputes it at worst
+            return False  # kept in this node's memory tier; the fleet recomputes it at worst
+        return True
+
+    async def put_many(self, items: Sequence[tuple[str, CachedAnswer, str | None]]) -> bool:
+        """A warmup's answers, one script call each (each keeps the quota and the LRU exact)."""
+        stored = True
+        for key, answer, tag in items:
+            stored = await self.put(key, answer, tag) and stored
+        return stored
+
+    async def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        return [await self.get(key) is not None for key in keys]
 
     def forget_memory(self) -> None:
         """Another node flushed this tenant: drop the memory copy (Redis itself is already cleared)."""

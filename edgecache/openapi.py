@@ -1,0 +1,96 @@
+"""The OpenAPI document served at ``/openapi.json``, generated from the msgspec structs that decode the requests and
+encode the responses, so it cannot drift from what the server does: a field added to a request struct appears here,
+and one the schema lists is one the server accepts.
+
+litestar's own generator is off (``openapi_config=None``): the handlers take the raw body and decode it themselves
+(the strict structs are the validation), so litestar cannot see their request bodies.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from edgecache.embeddings_api import EmbeddingList, EmbeddingRequest
+from edgecache.errors import ErrorBody
+from edgecache.openai_api import ChatCompletion, ChatCompletionChunk, ModelCard, ModelList, TextCompletion
+from edgecache.request_surface import ChatCompletionRequest, CompletionRequest
+from edgecache.warmup import WarmupBatch
+
+_REF = "#/components/schemas/{name}"
+
+
+def _ref(struct: type) -> dict[str, str]:
+    return {"$ref": _REF.format(name=struct.__name__)}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    reasons = {400: "Invalid request (the error's param names the field)", 401: "Missing or unknown API key",
+               403: "Not allowed by the tenant's plan", 404: "Unknown model", 413: "Request too large",
+               429: "Overloaded; see Retry-After", 503: "The model is loading or failed to load"}
+    return {str(s): {"description": reasons[s], "content": {"application/json": {"schema": _ref(ErrorBody)}}}
+            for s in statuses}
+
+
+def _json_body(struct: type) -> dict[str, Any]:
+    return {"required": True, "content": {"application/json": {"schema": _ref(struct)}}}
+
+
+def _generation(request: type, answer: type, summary: str) -> dict[str, Any]:
+    return {"post": {
+        "summary": summary,
+        "requestBody": _json_body(request),
+        "responses": {
+            "200": {"description": "The answer; a text/event-stream of chunks when stream is true. X-EdgeCache "
+                                   "says which layer served it (exact, shared, semantic, miss).",
+                    "content": {"application/json": {"schema": _ref(answer)},
+                                "text/event-stream": {"schema": {"type": "string"}}}},
+            **_errors(400, 401, 403, 404, 413, 429, 503)}}}
+
+
+def openapi_document(version: str) -> dict[str, Any]:
+    structs = (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ChatCompletion, ChatCompletionChunk,
+               TextCompletion, EmbeddingList, ModelList, ModelCard, ErrorBody, WarmupBatch)
+    _, components = msgspec.json.schema_components(structs, ref_template=_REF)
+    plain_json = {"200": {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "EdgeCache", "version": version,
+                 "description": "An OpenAI-compatible inference cache. See docs/api.md."},
+        "paths": {
+            "/v1/chat/completions": _generation(ChatCompletionRequest, ChatCompletion, "Chat completion"),
+            "/v1/completions": _generation(CompletionRequest, TextCompletion, "Text completion"),
+            "/v1/embeddings": {"post": {
+                "summary": "Embeddings from the co-hosted sentence embedder",
+                "requestBody": _json_body(EmbeddingRequest),
+                "responses": {"200": {"description": "The vectors",
+                                      "content": {"application/json": {"schema": _ref(EmbeddingList)}}},
+                              **_errors(400, 401, 404, 413, 503)}}},
+            "/v1/models": {"get": {"summary": "The chat model and the embedder", "responses": {
+                "200": {"description": "OK", "content": {"application/json": {"schema": _ref(ModelList)}}}}}},
+            "/v1/models/{model_id}": {"get": {
+                "summary": "One model",
+                "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "OK",
+                                      "content": {"application/json": {"schema": _ref(ModelCard)}}},
+                              **_errors(404)}}},
+            "/health": {"get": {"summary": "Ready, degraded (and why) or failed", "responses": {
+                **plain_json, "503": {"description": "Not ready"}}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
+                "200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+            "/stats": {"get": {"summary": "Cache, engine and admission figures", "responses": {
+                **plain_json, **_errors(401)}}},
+            "/admin/flush": {"post": {
+                "summary": "Drop cached entries: {tenant}, {scenario}, both, or {all: true}",
+                "requestBody": {"content": {"application/json": {"schema": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {"tenant": {"type": "string"}, "scenario": {"type": "string"},
+                                   "all": {"type": "boolean"}}}}}},
+                "responses": {**plain_json, **_errors(400, 401, 404, 503)}}},
+            "/admin/warmup": {"post": {
+                "summary": "Warm the caches with prompts-file lines", "requestBody": _json_body(WarmupBatch),
+                "responses": {**plain_json, **_errors(400, 401, 503)}}},
+        },
+        "components": {"schemas": components},
+    }

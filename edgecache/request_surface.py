@@ -1,0 +1,390 @@
+"""The OpenAI request surface: every field of the Chat Completions and Completions request bodies, decoded strictly,
+and what each one does to an answer.
+
+Each field is one of three kinds:
+
+- **changes the output** (``messages``, sampling, ``tools``, ``response_format``, ``logprobs``, ``n``, ...): it is
+  copied into the :class:`~edgecache.engines.base.GenerationRequest`, the whole of which is the cache key, and the
+  running engine must honour it; an engine that cannot is named in a 400 (:func:`check_engine_supports`), because
+  ignoring the field would serve an answer the caller did not ask for, and cache it under a key that says it did;
+- **cannot change the output** (``store``, ``metadata``, ``service_tier``, ``user``, ``stream``,
+  ``stream_options``, ``prediction``, ``prompt_cache_key``, ``safety_identifier``, and "off" values such as
+  ``logprobs: false``, ``response_format: {"type": "text"}``, ``logit_bias: {}``, ``n: 1``, ``tool_choice:
+  "none"`` without tools): accepted and left out of the key, so it never splits the cache;
+- **unknown**: a 400 naming it, as OpenAI answers. A typo (``max_token``) must not pass as a default.
+
+Normalisation happens here once: a field's "off" value and its absence build the same request, so they share a key.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+from edgecache.engines.base import GenerationRequest, Message, OutputFormat, SamplingParams, ToolCall, ToolSpec
+from edgecache.errors import BadRequest
+
+T = TypeVar("T")
+Probability = Annotated[float, Meta(ge=0.0, le=2.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+# Work grows with these, so they are bounded before anything runs.
+MAX_CHOICES = 8
+MAX_TOOLS = 128
+MAX_STOPS = 4
+
+# The request fields, beyond messages/prompt and plain sampling, that an engine may or may not honour. An engine
+# lists those it does in ``Engine.features``.
+FEATURES = ("tools", "tool_choice", "response_format", "n", "logprobs", "top_logprobs", "echo", "top_k", "min_p",
+            "repetition_penalty", "logit_bias", "chat_template_kwargs")
+
+
+def _canonical(value: Any) -> str:
+    """JSON text with sorted keys: two spellings of one schema hash the same."""
+    return msgspec.json.encode(value, order="sorted").decode()
+
+
+# --- messages ---------------------------------------------------------------------------------------------------
+
+
+class ContentPart(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """A part of a message's content. Only text (and an assistant's refusal) can reach a text-only model."""
+
+    type: Literal["text", "image_url", "input_audio", "file", "refusal"]
+    text: str | None = None
+    refusal: str | None = None
+    image_url: dict[str, Any] | None = None
+    input_audio: dict[str, Any] | None = None
+    file: dict[str, Any] | None = None
+
+
+class FunctionCallIn(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(msgspec.Struct, forbid_unknown_fields=True):
+    id: str
+    function: FunctionCallIn
+    type: Literal["function"] = "function"
+
+
+class ChatMessageIn(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+    # Refused below when set: audio replies and the deprecated function_call need what a text model lacks.
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+
+    def to_message(self, index: int) -> Message:
+        at = f"messages[{index}]"
+        if self.audio is not None:
+            raise BadRequest("audio in the history needs an audio model; this server's model is text-only",
+                             param=f"{at}.audio")
+        if self.function_call is not None:
+            raise BadRequest("function_call is deprecated and not supported; send tool_calls",
+                             param=f"{at}.function_call")
+        if self.role == "tool" and not self.tool_call_id:
+            raise BadRequest("a tool message needs the tool_call_id it answers", param=f"{at}.tool_call_id")
+        if self.tool_calls and self.role != "assistant":
+            raise BadRequest("only assistant messages carry tool_calls", param=f"{at}.tool_calls")
+        if isinstance(self.content, list):
+            texts = []
+            for j, part in enumerate(self.content):
+                if part.type in ("image_url", "input_audio", "file"):
+                    raise BadRequest(f"{part.type} content parts need a multimodal model; this server's model is "
+                                     f"text-only: send text parts", param=f"{at}.content[{j}]")
+                value = part.text if part.type == "text" else part.refusal
+                if value is None:
+                    raise BadRequest(f"a {part.type} part needs its {part.type} field", param=f"{at}.content[{j}]")
+                texts.append(value)
+            text = "".join(texts)
+        else:
+            text = self.content or ""
+        if self.content is None and not self.tool_calls and self.refusal is None:
+            raise BadRequest("a message needs content (or, from the assistant, tool_calls)", param=f"{at}.content")
+        calls = tuple(ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                      for c in self.tool_calls or ())
+        return Message(role=self.role, content=text, name=self.name, tool_calls=calls,
+                       tool_call_id=self.tool_call_id)
+
+
+# --- tools and structured output ---------------------------------------------------------------------------------
+
+
+class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolIn(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaIn(msgspec.Struct, forbid_unknown_fields=True, rename={"schema_": "schema"}):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponseFormatIn(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaIn | None = None
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+    include_obfuscation: bool | None = None
+
+
+class CacheOptions(msgspec.Struct, forbid_unknown_fields=True):
+    """The ``edgecache`` body field (the openai client's ``extra_body``): how this request may use the cache."""
+
+    scenario: str | None = None
+    policy: Literal["default", "no-store", "no-cache", "exact-only", "bypass", "reuse"] | None = None
+    ttl: Annotated[float, Meta(gt=0)] | None = None
+    ttl_tier: Literal["realtime", "near-realtime", "static"] | None = None
+
+
+# --- the request bodies ----------------------------------------------------------------------------------------
+
+
+class _CommonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Probability = 1.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | Annotated[list[str], Meta(max_length=MAX_STOPS)] | None = None
+    seed: int | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    user: str | None = None
+    # SGLang's and vLLM's sampling extensions (top_k -1 is vLLM's "off").
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
+    # SGLang's and vLLM's per-request prefix-cache namespace. Accepted so that an EdgeCache (or any client that
+    # salts) can sit in front of this one; it namespaces within the tenant, never across tenants.
+    cache_salt: Annotated[str, Meta(max_length=256)] | None = None
+    edgecache: CacheOptions | None = None
+
+    def sampling(self, default_max_tokens: int, max_tokens_override: int | None = None) -> SamplingParams:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not s for s in stop):
+            raise BadRequest("stop strings must not be empty: an empty stop would end every answer before it "
+                             "starts", param="stop")
+        bias = []
+        for token, value in (self.logit_bias or {}).items():
+            if not token.isdigit():
+                raise BadRequest(f"logit_bias keys are token ids; {token!r} is not one", param="logit_bias")
+            if value != 0.0:
+                bias.append((int(token), float(value)))
+        return SamplingParams(
+            max_tokens=max_tokens_override or self.max_tokens or default_max_tokens,
+            temperature=float(self.temperature), top_p=float(self.top_p),
+            # Order does not change the output, so it must not change the key.
+            stop=tuple(sorted(set(stop))), seed=self.seed,
+            presence_penalty=float(self.presence_penalty), frequency_penalty=float(self.frequency_penalty),
+            top_k=max(0, self.top_k or 0), min_p=float(self.min_p or 0.0),
+            repetition_penalty=float(self.repetition_penalty or 1.0), logit_bias=tuple(sorted(bias)),
+        )
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_CommonRequest, kw_only=True, forbid_unknown_fields=True):
+    messages: Annotated[list[ChatMessageIn], Meta(min_length=1)]
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    tools: Annotated[list[ToolIn], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormatIn | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Accepted and left out of the key: none of them changes what the model writes.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prediction: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    # Accepted only when unset: each changes the output in a way no engine here can honour.
+    audio: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+    def generation(self, default_max_tokens: int, salt: str) -> GenerationRequest:
+        for name, hint in (("audio", "audio output needs an audio model"),
+                           ("reasoning_effort", "this server's model has no reasoning-effort control; for a "
+                                                "model with a thinking switch send chat_template_kwargs"),
+                           ("verbosity", "this server's model has no verbosity control"),
+                           ("web_search_options", "this server does not search the web"),
+                           ("functions", "functions is deprecated and not supported; send tools"),
+                           ("function_call", "function_call is deprecated and not supported; send tool_choice")):
+            if getattr(self, name) is not None:
+                raise BadRequest(f"{name} is not supported: {hint}", param=name)
+        if self.modalities and "audio" in self.modalities:
+            raise BadRequest("audio output needs an audio model; this server's model is text-only",
+                             param="modalities")
+        messages = tuple(m.to_message(i) for i, m in enumerate(self.messages))
+        tools = tuple(ToolSpec(name=t.function.name, description=t.function.description or "",
+                               parameters=_canonical(t.function.parameters or {"type": "object", "properties": {}}),
+                               strict=bool(t.function.strict)) for t in self.tools or ())
+        if len({t.name for t in tools}) != len(tools):
+            raise BadRequest("two tools share a name", param="tools")
+        choice = self._tool_choice(tools)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+        fmt = self._output_format()
+        if fmt is not None and tools and choice != "none":
+            raise BadRequest("response_format together with tools is not supported: the answer would have to be "
+                             "either a tool call or the format; send one of them", param="response_format")
+        return GenerationRequest(
+            messages=messages, params=self.sampling(default_max_tokens, self.max_completion_tokens), salt=salt,
+            tools=tools, tool_choice=choice if tools else "auto",
+            # Without tools it cannot matter; with them, true is OpenAI's default.
+            parallel_tool_calls=self.parallel_tool_calls is not False or not tools,
+            response_format=fmt, n=self.n,
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            template_kwargs=_canonical(self.chat_template_kwargs) if self.chat_template_kwargs else "",
+        )
+
+    def _tool_choice(self, tools: tuple[ToolSpec, ...]) -> str:
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in {t.name for t in tools}:
+                raise BadRequest(f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                                 param="tool_choice")
+            return choice.function.name
+        if choice == "required" and not tools:
+            raise BadRequest("tool_choice 'required' needs tools", param="tool_choice")
+        return choice or "auto"
+
+    def _output_format(self) -> OutputFormat | None:
+        fmt = self.response_format
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return OutputFormat(kind="json_object")
+        if fmt.json_schema is None:
+            raise BadRequest("response_format json_schema needs its json_schema field", param="response_format")
+        spec = fmt.json_schema
+        return OutputFormat(kind="json_schema", schema=_canonical(spec.schema_ or {}), name=spec.name,
+                            strict=bool(spec.strict))
+
+
+class CompletionRequest(_CommonRequest, kw_only=True, forbid_unknown_fields=True):
+    prompt: str | Annotated[list[str], Meta(min_length=1, max_length=1)]
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+    echo: bool = False
+    best_of: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None
+    suffix: str | None = None
+
+    def generation(self, default_max_tokens: int, salt: str) -> GenerationRequest:
+        prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        if not prompt:
+            raise BadRequest("the prompt is empty; send some text", param="prompt")
+        if self.best_of is not None and self.best_of != self.n:
+            raise BadRequest("best_of other than n is not supported: it would rank choices by a score this server "
+                             "does not compute", param="best_of")
+        if self.suffix:
+            raise BadRequest("suffix (fill-in-the-middle) is not supported", param="suffix")
+        return GenerationRequest(prompt=prompt, params=self.sampling(default_max_tokens), salt=salt, n=self.n,
+                                 logprobs=self.logprobs, echo=self.echo)
+
+
+def decode_request(body: bytes, request_type: type[_CommonRequest]) -> _CommonRequest:
+    """Strict decode; any problem becomes a 400 naming the field, never a traceback."""
+    return decode_body(body, request_type)
+
+
+def decode_body(body: bytes, request_type: type[T]) -> T:
+    """Strict decode of any request struct; any problem becomes a 400 naming the field, never a traceback."""
+    if not body:
+        raise BadRequest("the request body is empty; send a JSON object")
+    try:
+        return msgspec.json.decode(body, type=request_type)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(f"invalid request: {exc}", param=_param_of(str(exc))) from exc
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
+
+
+def _param_of(message: str) -> str | None:
+    # msgspec ends its messages with "- at `$.messages[0].role`"; an unknown field is "Object contains unknown
+    # field `tools`" (at the top level, with no path).
+    marker = "at `$."
+    if marker in message:
+        return message.split(marker, 1)[1].rstrip("`")
+    unknown = "unknown field `"
+    if unknown in message:
+        return message.split(unknown, 1)[1].split("`", 1)[0]
+    return None
+
+
+# --- what the engine must honour -----------------------------------------------------------------------------
+
+
+def features_used(request: GenerationRequest) -> frozenset[str]:
+    """The :data:`FEATURES` this request uses (with a value other than "off")."""
+    used = set()
+    if request.tools:
+        used.update(("tools", "tool_choice"))
+    if request.response_format is not None:
+        used.add("response_format")
+    if request.n != 1:
+        used.add("n")
+    if request.logprobs is not None:
+        used.add("logprobs")
+        if request.logprobs:
+            used.add("top_logprobs")
+    if request.echo:
+        used.add("echo")
+    if request.template_kwargs:
+        used.add("chat_template_kwargs")
+    p = request.params
+    for name, on in (("top_k", p.top_k), ("min_p", p.min_p), ("repetition_penalty", p.repetition_penalty != 1.0),
+                     ("logit_bias", p.logit_bias)):
+        if on:
+            used.add(name)
+    return frozenset(used)
+
+
+def check_engine_supports(used: frozenset[str], engine: object) -> None:
+    """A 400 naming the first field the engine cannot honour (in :data:`FEATURES` order)."""
+    if not used:
+        return
+    supported: frozenset[str] = getattr(engine, "features", frozenset())
+    missing = used - supported
+    if missing:
+        field = next(f for f in FEATURES if f in missing)
+        kind = getattr(engine, "kind", type(engine).__name__)
+        raise BadRequest(f"{field} is not supported by the {kind} engine this server runs", param=field)
