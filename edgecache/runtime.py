@@ -150,6 +150,11 @@ class Runtime:
         else:
             for report in self.semantic.index.repairs:
                 self.storage_faults.repaired("semantic", report)
+            if self.fleet is not None:  # this node's index also follows (and feeds) the fleet's vector streams
+                self.semantic.index = await self.fleet.share_vectors(  # type: ignore[assignment]
+                    self.semantic.index, embedder_version=self._embedder.version,
+                    cursor_file=self.settings.data_path / "semantic" / "fleet-cursors.json",
+                    cap_for=self.vector_cap_for)
             if self.semantic_error is not None:
                 log.info("the semantic layer is back")
             self.semantic_error = None
@@ -262,7 +267,7 @@ class Runtime:
 
     async def close(self) -> None:
         # 1. let in-flight answers finish (they may still be stored), 2. close the engine, 3. save the indexes,
-        # 4. close the store.
+        # 4. close the store, 5. leave the fleet.
         self.ready = False
         for task in self._background:
             task.cancel()
@@ -272,6 +277,8 @@ class Runtime:
             await self.engine.close()
         finally:
             try:
+                if self.fleet is not None and self.fleet.vectors is not None:
+                    await self.fleet.vectors.close()  # stop applying the fleet's vectors before the index closes
                 if self.semantic is not None:
                     self.semantic.close()
             finally:

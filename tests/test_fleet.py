@@ -24,7 +24,10 @@ from tests.test_tenants import ADMIN, TenantMarkingEngine, auth, write_tenants_f
 @asynccontextmanager
 async def fleet(make_settings: Callable[..., Settings], tmp_path: Path, redis_url: str, engines: list[FakeEngine],
                 **overrides: Any) -> AsyncIterator[list[httpx.AsyncClient]]:
-    """One in-process node per engine, each with its own data dir, all on ``redis_url``."""
+    """One in-process node per engine, each with its own data dir, all on ``redis_url``. Redis commands get a
+    generous timeout: on a busy test box a slow answer would count as Redis down, and the node (rightly) compute
+    alone."""
+    overrides.setdefault("store__redis_timeout_s", 5.0)
     async with AsyncExitStack() as stack:
         nodes = []
         for i, engine in enumerate(engines):
@@ -212,3 +215,23 @@ async def test_a_leader_failing_mid_stream_fails_every_follower_and_stores_nothi
             resp = await ask(node, "Fail please")
             assert served(resp) in ("miss", "exact")
         assert sum(e.calls for e in engines) == 2
+
+
+async def test_a_paraphrase_stored_on_one_node_is_a_semantic_hit_on_another(
+        make_settings: Any, tmp_path: Path, redis_url: str) -> None:
+    engines = [FakeEngine(), FakeEngine()]
+    async with fleet(make_settings, tmp_path, redis_url, engines, semantic__enabled=True) as (a, b):
+        first = await ask(a, "How do I reset my password?")
+        assert served(first) == "miss"
+        feed = b.app.state.runtime.fleet.vectors  # type: ignore[attr-defined]
+        await until(lambda: feed.applied >= 1)  # B's index took A's vector from the stream
+        para = await ask(b, "How can I reset my password?")
+        assert served(para) == "semantic"
+        assert text(para) == text(first)
+        assert sum(e.calls for e in engines) == 1
+        # A restarted node replays the stream from where it stopped: a third node starting now catches up too.
+        async with fleet(make_settings, tmp_path / "late", redis_url, [FakeEngine()],
+                         semantic__enabled=True) as (c,):
+            late_feed = c.app.state.runtime.fleet.vectors  # type: ignore[attr-defined]
+            await until(lambda: late_feed.applied >= 1)
+            assert served(await ask(c, "how do I reset my password?")) == "semantic"

@@ -46,7 +46,7 @@ async def collect(flight: Flight) -> list[str]:
 
 @pytest.fixture
 async def links(redis_url: str) -> AsyncIterator[list[RedisLink]]:
-    made = [RedisLink(redis_url, timeout_s=0.5, check_interval_s=0.05) for _ in range(3)]
+    made = [RedisLink(redis_url, timeout_s=5.0, check_interval_s=0.05) for _ in range(3)]
     for link in made:
         await link.start()
     yield made
