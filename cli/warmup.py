@@ -17,9 +17,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from edgecache.settings import Settings
-from edgecache.warmup import LineResult, NumberedLine, WarmupBatch, read_lines, warm_lines
+from edgecache.warmup import LineResult, NumberedLine, Prefilled, WarmupBatch, read_lines, warm_lines
 
-BATCH = 16
+# One send carries up to ANSWERED lines with an answer (stored in one batch: the fast road) but only UNANSWERED
+# lines without one (each is an engine call, so a send that held many would run for minutes), and stays well
+# under the server's 1 MB body limit.
+ANSWERED = 2048
+UNANSWERED = 16
+MAX_SEND_BYTES = 512 * 1024
 
 
 class Summary(msgspec.Struct):
@@ -40,11 +45,14 @@ def _batches(path: Path) -> tuple[int, Iterator[list[NumberedLine | LineResult]]
 
     def gen() -> Iterator[list[NumberedLine | LineResult]]:
         batch: list[NumberedLine | LineResult] = []
-        for item in read_lines(lines):
+        unanswered = size = 0
+        for item, text in zip(read_lines(lines), (t for t in lines if t.strip())):
             batch.append(item)
-            if len(batch) >= BATCH:
+            size += len(text)
+            unanswered += isinstance(item, NumberedLine) and item.request.answer is None
+            if len(batch) >= ANSWERED or unanswered >= UNANSWERED or size >= MAX_SEND_BYTES:
                 yield batch
-                batch = []
+                batch, unanswered, size = [], 0, 0
         if batch:
             yield batch
 
@@ -102,9 +110,11 @@ def warm_offline(path: Path, settings: Settings, tenant: str | None, console: Co
                     raise SystemExit(f"error: {rt.load_error}")
                 await asyncio.sleep(0.05)
             loop = asyncio.get_running_loop()
+            prefilled: Prefilled = set()
 
             def send(lines: list[NumberedLine]) -> list[LineResult]:
-                job = warm_lines(rt.pipeline, lines, tenants=rt.tenants, settings=rt.settings, tenant=tenant)
+                job = warm_lines(rt.pipeline, lines, tenants=rt.tenants, settings=rt.settings, tenant=tenant,
+                                 prefilled=prefilled)
                 return asyncio.run_coroutine_threadsafe(job, loop).result()
 
             return await asyncio.to_thread(_run, path, console, send)

@@ -382,7 +382,7 @@ async def admin_warmup(request: Request[Any, Any, Any]) -> Response[Any]:
         raise NotReady("the server is still loading")
     assert rt.pipeline is not None
     results = await warm_lines(rt.pipeline, batch.lines, tenants=rt.tenants, settings=rt.settings,
-                               tenant=batch.tenant)
+                               tenant=batch.tenant, prefilled=rt.warm_prefilled)
     return Response(_json.encode({"results": results}), media_type=JSON)
 
 

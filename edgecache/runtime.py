@@ -31,6 +31,7 @@ from edgecache.semantic_cache import MatchRule, SemanticCache
 from edgecache.settings import Settings
 from edgecache.tenants import TenantDirectory
 from edgecache.ttl_tiers import TtlClassifier
+from edgecache.warmup import Prefilled
 
 if TYPE_CHECKING:
     from edgecache.fleet import Fleet
@@ -87,6 +88,7 @@ class Runtime:
         self.semantic_error: str | None = None  # why the (optional) semantic layer is off, while it is
         self._embedder: Embedder | None = None
         self.pipeline: RequestPipeline | None = None
+        self.warm_prefilled: Prefilled = set()  # system prompts /admin/warmup has prefilled (see edgecache.warmup)
         self.ready = False
         self.load_error: str | None = None
         self.health.register("model", self._model_health)
@@ -200,6 +202,7 @@ class Runtime:
             await self.semantic.drop(tenant=tenant, scenario=scenario)
         if tenant is None and scenario is None:
             await self.engine.flush()
+            self.warm_prefilled.clear()
         self.parsed.clear()
         if self.fleet is not None:
             # The other nodes drop their memory copies and vectors, and no flight from before this joins after.

@@ -21,6 +21,7 @@ validated before anything is written, and its store entry goes in before its vec
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Iterator
 from contextlib import aclosing
 from typing import Annotated, Literal
@@ -111,26 +112,28 @@ async def _drain(pipeline: RequestPipeline, call: Call) -> str:
 ANSWERED_BATCH = 2048
 
 
-async def warm(pipeline: RequestPipeline, calls: list[tuple[int, Call, str | None]]) -> list[LineResult]:
-    """Warm the caches with ``(line number, call, known answer or None)``; one result per line.
+Prefilled = set[tuple[str, tuple[Message, ...]]]
+"""(tenant, system messages) already prefilled into the engine's prefix cache: a warmup sent in many batches
+prefills each system prompt once, not once per batch (its owner clears it when the engine's cache is flushed)."""
 
-    Answered lines go in batches through :meth:`RequestPipeline.store_known_answers` (that is what makes
-    onboarding a tenant's FAQ fast); each distinct system prompt among them is prefilled into the engine first.
-    Lines without an answer are run through the request path one by one, like requests."""
+#: Past this many remembered system prompts the memo starts over (a re-prefill costs one short engine call).
+PREFILLED_MAX = 4096
+
+
+async def _prefill(pipeline: RequestPipeline, calls: list[Call]) -> None:
+    """One token with just each call's system prompt, kept nowhere: only the engine's prefix cache keeps it, so the
+    first real request that shares it skips its prefill."""
+    for call in calls:
+        try:
+            await _drain(pipeline, msgspec.structs.replace(call, policy="bypass", request=GenerationRequest(
+                messages=(*_system_prompt(call), Message("user", "")),
+                params=SamplingParams(max_tokens=1, temperature=0.0), salt=call.request.salt)))
+        except EdgeCacheError:
+            pass  # an optimisation only: the lines are stored either way
+
+
+async def _store_answered(pipeline: RequestPipeline, answered: list[tuple[int, Call, str]]) -> list[LineResult]:
     results = []
-    prefilled: set[tuple[str, tuple[Message, ...]]] = set()
-    answered = [(number, call, answer) for number, call, answer in calls if answer is not None]
-    for number, call, _ in answered:
-        system = _system_prompt(call)
-        if system and (call.tenant, system) not in prefilled:
-            prefilled.add((call.tenant, system))
-            try:
-                # One token with just the system prompt, kept nowhere: only the engine's prefix cache keeps it.
-                await _drain(pipeline, msgspec.structs.replace(call, policy="bypass", request=GenerationRequest(
-                    messages=(*system, Message("user", "")), params=SamplingParams(max_tokens=1, temperature=0.0),
-                    salt=call.request.salt)))
-            except EdgeCacheError:
-                pass  # a prefill is an optimisation: its line is still stored below
     for start in range(0, len(answered), ANSWERED_BATCH):
         batch = answered[start:start + ANSWERED_BATCH]
         try:
@@ -144,6 +147,35 @@ async def warm(pipeline: RequestPipeline, calls: list[tuple[int, Call, str | Non
                                           detail="not stored: the result store refused the write (see /health)"))
             else:
                 results.append(LineResult(line=number, outcome="written" if written else "skipped"))
+    return results
+
+
+async def warm(pipeline: RequestPipeline, calls: list[tuple[int, Call, str | None]],
+               prefilled: Prefilled | None = None) -> list[LineResult]:
+    """Warm the caches with ``(line number, call, known answer or None)``; one result per line.
+
+    Answered lines go in batches through :meth:`RequestPipeline.store_known_answers` (that is what makes
+    onboarding a tenant's FAQ fast), while each distinct system prompt among them not in ``prefilled`` is
+    prefilled into the engine. Lines without an answer are run through the request path one by one, like
+    requests."""
+    results: list[LineResult] = []
+    prefilled = set() if prefilled is None else prefilled
+    if len(prefilled) > PREFILLED_MAX:
+        prefilled.clear()
+    answered = [(number, call, answer) for number, call, answer in calls if answer is not None]
+    systems = []
+    for _, call, _ in answered:
+        system = _system_prompt(call)
+        if system and (call.tenant, system) not in prefilled:
+            prefilled.add((call.tenant, system))
+            systems.append(call)
+    # The prefills (engine calls) run beside the store writes and embeddings (store and embedder threads), not
+    # before them: a warmup takes the longer of the two, not their sum.
+    prefills = asyncio.create_task(_prefill(pipeline, systems))
+    try:
+        results.extend(await _store_answered(pipeline, answered))
+    finally:
+        await prefills
     for number, call, answer in calls:
         if answer is not None:
             continue
@@ -157,7 +189,8 @@ async def warm(pipeline: RequestPipeline, calls: list[tuple[int, Call, str | Non
 
 
 async def warm_lines(pipeline: RequestPipeline, lines: list[NumberedLine], *, tenants: TenantDirectory,
-                     settings: Settings, tenant: str | None = None) -> list[LineResult]:
+                     settings: Settings, tenant: str | None = None,
+                     prefilled: Prefilled | None = None) -> list[LineResult]:
     """Check each line's tenant (the line's own, else ``tenant``, else ``default``) and scenario, then :func:`warm`
     the good ones. One result per line, in line order."""
     calls, results = [], []
@@ -174,5 +207,5 @@ async def warm_lines(pipeline: RequestPipeline, lines: list[NumberedLine], *, te
             call = to_call(line, tenant=who.id, tenant_limit=who.plan.max_concurrent_misses,
                            default_max_tokens=settings.engine.default_max_tokens)
             calls.append((numbered.line, call, line.answer))
-    results.extend(await warm(pipeline, calls))
+    results.extend(await warm(pipeline, calls, prefilled))
     return sorted(results, key=lambda r: r.line)

@@ -2,7 +2,8 @@
 
 Measures, in one run, on this machine:
   (a) a bare litestar POST endpoint returning a constant JSON body (same uvicorn, uvloop and httptools settings),
-  (b) EdgeCache exact hits (the same request body every time, answered from the result store),
+  (b) EdgeCache exact hits (the same request body every time, answered from the result store), for a plain chat
+      request, a tool-call answer (tools + a forced tool_choice) and a structured-output answer (json_schema),
   (c) EdgeCache misses against the CPU engine (distinct prompts, max_tokens=8),
   (d) TTFT of a streaming request sharing a ~1.5k-token system prompt, cold (new system prompt) vs warm.
 and prints requests/s and p50/p99 latency for each, and the ratio (b)/(a).
@@ -10,7 +11,7 @@ and prints requests/s and p50/p99 latency for each, and the ratio (b)/(a).
 (a) and (b) are driven by wrk (Debian package `wrk`), a C load generator, so the client is not the bottleneck;
 they alternate for --rounds rounds and the median round is reported. (c) and (d) use httpx: their cost is the model.
 
-    python scripts/bench_hitpath.py [--duration 5] [--rounds 3] [--connections 16]
+    python scripts/bench_hitpath.py [--duration 5] [--rounds 3] [--connections 16] [--hits-only]
 """
 
 
@@ -32,6 +33,20 @@ import httpx
 MODEL = "SmolLM2-135M-Instruct"
 HIT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
             "max_tokens": 8, "temperature": 0}
+
+TOOL_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+             "max_tokens": 48, "temperature": 0,
+             "tools": [{"type": "function", "function": {
+                 "name": "get_weather", "description": "The current weather in a city",
+                 "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                                "required": ["city"]}}}],
+             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+STRUCTURED_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "The weather in Oslo, as JSON."}],
+                   "max_tokens": 48, "temperature": 0,
+                   "response_format": {"type": "json_schema", "json_schema": {"name": "weather", "schema": {
+                       "type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                        "celsius": {"type": "integer"}},
+                       "required": ["city", "celsius"]}}}}
 
 
 def bare_app():  # the baseline: nothing but litestar, uvicorn, uvloop and httptools
@@ -136,6 +151,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--connections", type=int, default=16)
     ap.add_argument("--misses", type=int, default=20)
+    ap.add_argument("--hits-only", action="store_true", help="skip the miss and TTFT measurements")
     ap.add_argument("--bare-server", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
@@ -160,16 +176,31 @@ def main() -> None:
     try:
         wait_ready(bare_url, procs[0], path="/v1/chat/completions")
         wait_ready(ec_url, procs[1])
-        first = httpx.post(ec_url + "/v1/chat/completions", json=HIT_BODY, timeout=60)
-        assert first.headers["x-edgecache"] == "miss"
-        assert httpx.post(ec_url + "/v1/chat/completions", json=HIT_BODY).headers["x-edgecache"] == "exact"
+        for body in (HIT_BODY, TOOL_BODY, STRUCTURED_BODY):
+            first = httpx.post(ec_url + "/v1/chat/completions", json=body, timeout=120)
+            assert first.headers["x-edgecache"] == "miss", first.text
+            assert httpx.post(ec_url + "/v1/chat/completions", json=body).headers["x-edgecache"] == "exact"
+        tool_answer = httpx.post(ec_url + "/v1/chat/completions", json=TOOL_BODY).json()
+        assert tool_answer["choices"][0]["message"]["tool_calls"], tool_answer
 
-        bare_rounds, hit_rounds = [], []
-        for _ in range(args.rounds):  # alternate, so drift on a shared machine hits both alike
+        bare_rounds, hit_rounds, tool_rounds, structured_rounds = [], [], [], []
+        for _ in range(args.rounds):  # alternate, so drift on a shared machine hits all alike
             bare_rounds.append(run_wrk(bare_url, HIT_BODY, args.duration, args.connections, work))
             hit_rounds.append(run_wrk(ec_url, HIT_BODY, args.duration, args.connections, work))
+            tool_rounds.append(run_wrk(ec_url, TOOL_BODY, args.duration, args.connections, work))
+            structured_rounds.append(run_wrk(ec_url, STRUCTURED_BODY, args.duration, args.connections, work))
         med = lambda rounds: sorted(rounds, key=lambda r: r["rps"])[len(rounds) // 2]  # noqa: E731
-        bare, hit = med(bare_rounds), med(hit_rounds)
+        bare, hit, tool, structured = med(bare_rounds), med(hit_rounds), med(tool_rounds), med(structured_rounds)
+        if args.hits_only:
+            ratios = {name: round(r["rps"] / bare["rps"], 3) for name, r in
+                      (("hit_over_bare", hit), ("tool_hit_over_bare", tool),
+                       ("structured_hit_over_bare", structured))}
+            print(f"{'':38}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}")
+            for name, r in (("(a) bare litestar, constant JSON", bare), ("(b) EdgeCache exact hit", hit),
+                            ("(b') exact hit, tool call", tool), ("(b'') exact hit, structured", structured)):
+                print(f"{name:38}{r['rps']:>10.0f}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}")
+            print(json.dumps({"bare_rps": round(bare["rps"]), **ratios}))
+            return
         miss = bench_misses(ec_url, args.misses)
 
         cold, warm, cached = [], [], []
@@ -195,15 +226,19 @@ def main() -> None:
           f"rounds (median round)")
     print(f"{'':38}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}")
     for name, r in (("(a) bare litestar, constant JSON", bare), ("(b) EdgeCache exact hit", hit),
+                    ("(b') exact hit, tool call", tool), ("(b'') exact hit, structured", structured),
                     (f"(c) EdgeCache miss, CPU engine, 8 tokens", miss)):
         print(f"{name:38}{r['rps']:>10.0f}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}")
     ratio = hit["rps"] / bare["rps"]
-    print(f"\n(b)/(a) throughput ratio: {ratio:.2f}   (goal >= 0.8)")
+    print(f"\n(b)/(a) throughput ratio: {ratio:.2f}   (goal >= 0.8); tool-call hit {tool['rps'] / bare['rps']:.2f}, "
+          f"structured hit {structured['rps'] / bare['rps']:.2f}")
     print(f"(b)/(c) hit vs miss throughput: {hit['rps'] / miss['rps']:.0f}x")
     print(f"\nTTFT with a shared ~{prompt_tokens['prompt_tokens']}-token system prompt (median of 3):")
     print(f"  cold {statistics.median(cold):.0f} ms   warm {statistics.median(warm):.0f} ms   "
           f"-> {statistics.median(cold) / statistics.median(warm):.1f}x faster; warm cached_tokens {cached}")
     print(json.dumps({"bare_rps": round(bare["rps"]), "hit_rps": round(hit["rps"]), "hit_over_bare": round(ratio, 3),
+                      "tool_hit_over_bare": round(tool["rps"] / bare["rps"], 3),
+                      "structured_hit_over_bare": round(structured["rps"] / bare["rps"], 3),
                       "hit_p50_ms": hit["p50_ms"], "hit_p99_ms": hit["p99_ms"], "miss_rps": round(miss["rps"], 2),
                       "miss_p50_ms": round(miss["p50_ms"], 1), "ttft_cold_ms": round(statistics.median(cold)),
                       "ttft_warm_ms": round(statistics.median(warm)), "prompt_tokens": prompt_tokens["prompt_tokens"]}))

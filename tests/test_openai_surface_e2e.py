@@ -161,3 +161,17 @@ def test_models_retrieve_with_the_sdk(server: Server) -> None:
     assert sdk(server).models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         sdk(server).models.retrieve("gpt-9")
+
+
+def test_completions_logprobs_and_echo(server: Server) -> None:
+    c = sdk(server)
+    request = dict(model=MODEL, prompt="The sky is", max_tokens=4, temperature=0, logprobs=2)
+    first = c.completions.with_raw_response.create(**request)
+    second = c.completions.with_raw_response.create(**request)
+    assert (first.headers["x-edgecache"], second.headers["x-edgecache"]) == ("miss", "exact")
+    assert stable(first.parse()) == stable(second.parse())
+    logprobs = first.parse().choices[0].logprobs
+    assert "".join(logprobs.tokens) == first.parse().choices[0].text
+    assert all(len(top) == 2 for top in logprobs.top_logprobs)
+    echoed = c.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith("The sky is")

@@ -253,3 +253,22 @@ async def test_openapi_document_is_generated_from_the_request_structs(client: ht
         assert path in doc["paths"]
     body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/ChatCompletionRequest"}
+
+
+def test_tools_tool_choice_and_response_format_name_the_semantic_namespace() -> None:
+    from edgecache.engines.base import Message, OutputFormat, SamplingParams, ToolSpec
+    from edgecache.semantic_cache import probe_for
+
+    base = GenerationRequest(messages=(Message("user", "What is the weather in Paris?"),),
+                             params=SamplingParams(temperature=0.0))
+    tool = ToolSpec(name="weather", parameters='{"type":"object"}')
+    variants = [base, msgspec.structs.replace(base, tools=(tool,)),
+                msgspec.structs.replace(base, tools=(tool,), tool_choice="required"),
+                msgspec.structs.replace(base, tools=(ToolSpec(name="forecast"),)),
+                msgspec.structs.replace(base, response_format=OutputFormat(kind="json_object")),
+                msgspec.structs.replace(base, response_format=OutputFormat(kind="json_schema", schema="{}"))]
+    namespaces = [probe_for(r, "m@1").namespace for r in variants]  # type: ignore[union-attr]
+    assert len(set(namespaces)) == len(variants)
+    # The user's text is what is embedded, never part of the namespace.
+    paraphrase = msgspec.structs.replace(base, messages=(Message("user", "Weather in Paris now?"),))
+    assert probe_for(paraphrase, "m@1").namespace == namespaces[0]  # type: ignore[union-attr]

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from edgecache.app import create_app
 from edgecache.cli.warmup import warm_offline
-from edgecache.warmup import LineResult, NumberedLine, read_lines
+from edgecache.warmup import LineResult, NumberedLine, WarmupLine, read_lines
 from tests.conftest import chat_body, serve_in_process
 from tests.fakes import FakeEngine
 
@@ -97,3 +97,32 @@ def test_warmup_offline_on_a_data_dir(make_settings: Any, tmp_path: Path) -> Non
     summary = warm_offline(path, settings, None, Console(file=out, width=120))
     assert (summary.written, summary.failed) == (1, 1)
     assert "line 2" in out.getvalue()
+
+
+async def test_a_large_batch_of_answered_lines_is_stored_and_indexed_whole(make_settings: Any) -> None:
+    engine = FakeEngine()
+    system = {"role": "system", "content": "You answer questions about ACME orders."}
+    lines = [NumberedLine(line=i + 1, request=msgspec.convert(
+        {"messages": [system, {"role": "user", "content": f"Where is order number {i} right now?"}],
+         "answer": f"Order {i} is on its way.", "max_tokens": 16}, WarmupLine)) for i in range(3000)]
+    lines.append(NumberedLine(line=3001, request=lines[10].request))  # the same line twice: stored once
+    async with serve_in_process(create_app(make_settings(semantic__enabled=True), engine=engine)) as c:
+        body = msgspec.json.encode({"lines": lines})
+        resp = await c.post("/admin/warmup", content=body, headers={"content-type": "application/json"})
+        outcomes = [r["outcome"] for r in resp.json()["results"]]
+        assert outcomes[:3000] == ["written"] * 3000 and outcomes[3000] == "skipped"
+        assert engine.calls == 1  # the one system prompt's prefill, nothing per line
+        rt = c.app.state.runtime  # type: ignore[attr-defined]
+        assert sum((await rt.semantic.sizes()).values()) == 3000
+        for i in (0, 1234, 2999):
+            hit = await c.post("/v1/chat/completions", json={**chat_body(""), "messages": [
+                system, {"role": "user", "content": f"Where is order number {i} right now?"}]})
+            assert hit.headers["x-edgecache"] == "exact" and f"Order {i} " in hit.text
+        para = await c.post("/v1/chat/completions", json={**chat_body(""), "messages": [
+            system, {"role": "user", "content": "Where's order number 1234 right now?"}]})
+        assert para.headers["x-edgecache"] in ("semantic", "miss")
+        if para.headers["x-edgecache"] == "semantic":
+            assert "Order 1234 " in para.text
+        again = await c.post("/admin/warmup", content=body, headers={"content-type": "application/json"})
+        assert {r["outcome"] for r in again.json()["results"]} == {"skipped"}
+        assert engine.calls == 1  # the prefill is remembered across batches
