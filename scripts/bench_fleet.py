@@ -54,7 +54,7 @@ def start_node(work: Path, name: str, redis_url: str | None) -> tuple[subprocess
 def engine_calls(url: str) -> int:
     import httpx
 
-    text = httpx.get(url + "/metrics", timeout=30).text
+    text = httpx.get(url + "/metrics", timeout=30, headers={"authorization": f"Bearer {workload.ADMIN_KEY}"}).text
     match = re.search(r"^edgecache_engine_calls_total (\S+)$", text, re.M)
     return int(float(match.group(1))) if match else 0
 

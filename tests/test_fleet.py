@@ -170,20 +170,22 @@ async def test_concurrent_identical_requests_across_nodes_make_one_engine_call(
     for engine in engines:
         engine.gate = gate
     async with fleet(make_settings, tmp_path, redis_url, engines) as nodes:
-        async def one(i: int) -> str:
+        async def one(i: int) -> tuple[str, str]:
             stream = i % 2 == 1
             resp = await nodes[i % 3].post("/v1/chat/completions",
                                            json=chat_body("Tell me a story", stream=stream))
             assert resp.status_code == 200, resp.text
-            return sse_text(resp) if stream else text(resp)
+            return served(resp), sse_text(resp) if stream else text(resp)
 
         tasks = [asyncio.create_task(one(i)) for i in range(30)]
         # Every request is attached to the one flight before the engine produces anything.
         await until(lambda: sum(listeners(n) for n in nodes) == 30 + 1)
         gate.set()
-        answers = await asyncio.gather(*tasks)
+        outcomes = await asyncio.gather(*tasks)
         assert sum(e.calls for e in engines) == 1
-        assert set(answers) == {"answer to: Tell me a story"}
+        assert {answer for _, answer in outcomes} == {"answer to: Tell me a story"}
+        # Only the request that led says miss; the rest, on any node, were shared.
+        assert sorted(how for how, _ in outcomes) == ["miss"] + ["shared"] * 29
         assert sum(n.app.state.runtime.inflight.followed for n in nodes) == 2  # type: ignore[attr-defined]
 
 

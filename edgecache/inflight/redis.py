@@ -97,6 +97,7 @@ class RedisFlightTable:
                 break
             if leader is not None:
                 self.followed += 1
+                flight.led_elsewhere = True  # type: ignore[attr-defined]  # read by the pipeline: "shared"
                 await self._follow(flight, lease, leader)
                 return
             # The lease expired between the two commands: try to take it again.
