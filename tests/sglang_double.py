@@ -91,8 +91,21 @@ class FakeTokenizer:
                                **template_kwargs)
         return self.encode(text) if tokenize else text
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = [b + 3 for b in text.encode()]
+    # Like a HF tokenizer, the ChatML markers in text become one special id each, unless split_special_tokens.
+    SPECIALS = {"<|im_start|>": 0, "<|im_end|>": 3}
+
+    def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
+        ids: list[int] = []
+        rest = text
+        while rest:
+            hits = [(rest.find(m), m) for m in self.SPECIALS if not split_special_tokens and m in rest]
+            if not hits:
+                ids += [b + 4 for b in rest.encode()]
+                break
+            at, marker = min(hits)
+            ids += [b + 4 for b in rest[:at].encode()]
+            ids.append(self.SPECIALS[marker])
+            rest = rest[at + len(marker):]
         return [BOS_ID, *ids] if add_special_tokens else ids
 
 

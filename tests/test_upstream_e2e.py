@@ -3,6 +3,7 @@ and a front `edgecache serve --upstream URL` caches in front of it. The official
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -102,6 +103,37 @@ def test_completions_pass_through(pair: tuple[Instance, Instance]) -> None:
     raw = c.completions.with_raw_response.create(model=model, prompt="The sky is", max_tokens=5, temperature=0)
     assert raw.headers["x-edgecache"] == "miss"
     assert raw.parse().choices[0].text
+
+
+def test_tools_and_a_json_schema_through_the_front(pair: tuple[Instance, Instance]) -> None:
+    """The front passes tools and a schema through; the upstream (an EdgeCache on llama.cpp) honours them; the
+    front stores the whole answer and replays it."""
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    upstream, front = pair
+    c = client(front)
+    model = c.models.list().data[0].id
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 24}}, "required": ["city"]}}}
+    request = dict(model=model, messages=[{"role": "user", "content": "Weather in Lisbon?"}], tools=[tool],
+                   tool_choice="required", temperature=0, max_tokens=48)
+    calls_before = upstream.engine_calls()
+    first = c.chat.completions.with_raw_response.create(**request)
+    second = c.chat.completions.with_raw_response.create(**request)
+    assert (first.headers["x-edgecache"], second.headers["x-edgecache"]) == ("miss", "exact")
+    call = first.parse().choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+    assert second.parse().choices[0].message.tool_calls[0].id == call.id
+    assert first.parse().usage.prompt_tokens > 0
+
+    parsed = c.chat.completions.parse(model=model, messages=[{"role": "user", "content": "Lisbon as JSON."}],
+                                      response_format=City, temperature=0, max_tokens=48)
+    assert isinstance(parsed.choices[0].message.parsed, City)
+    assert upstream.engine_calls() == calls_before + 2
 
 
 def test_upstream_down_is_a_clean_502(tmp_path: Path) -> None:

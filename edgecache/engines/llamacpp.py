@@ -302,19 +302,37 @@ class LlamaCppEngine:
         a fraction of a second while other requests' answers stream)."""
         if self._llm is None:
             return
-        await asyncio.to_thread(self._check_prompt_sync, request)
-
-    def _check_prompt_sync(self, request: GenerationRequest) -> None:
         # Every token covers at least one byte of the rendered prompt, so a prompt of fewer bytes than the context
-        # has tokens fits without tokenizing (the common case, at no cost).
+        # has tokens fits without tokenizing (the common case, at no cost and without a thread hop).
         size = len(request.prompt or "") + sum(len(m.content) + 16 for m in request.messages or ()) + sum(
             len(t.name) + len(t.description) + len(t.parameters) + 64 for t in request.tools)
         if 4 * size < self._context_tokens:  # at most 4 UTF-8 bytes a character
             return
+        await asyncio.to_thread(self._check_prompt_sync, request)
+
+    def _check_prompt_sync(self, request: GenerationRequest) -> None:
+        # First a bound that costs little whatever the prompt's size: the texts' own tokens (the template only
+        # adds to them), each counted on a prefix just long enough to overflow the context. Tokenizing a whole
+        # 1 MB prompt took 3 s on a busy box; its first 32 K characters settle it.
+        budget = self._context_tokens
+        at_least = 0
+        for text in [request.prompt or ""] + [m.content for m in request.messages or ()]:
+            at_least += self._tokens_at_least(text, budget - at_least)
+            if at_least >= budget:
+                raise BadRequest(f"the prompt has at least {at_least} tokens; this model's context holds {budget}",
+                                 code="context_length_exceeded")
         n_prompt = len(self._prompt_tokens(request))
         if n_prompt >= self._context_tokens:
             raise BadRequest(f"the prompt has {n_prompt} tokens; this model's context holds "
                              f"{self._context_tokens}", code="context_length_exceeded")
+
+    def _tokens_at_least(self, text: str, budget: int) -> int:
+        """``text``'s token count, or a count of at least ``budget`` read from a prefix when it has that many."""
+        prefix = text[:8 * budget]  # 8 characters a token on average is more than any text of 4 K tokens has
+        n = len(self._llm.tokenize(prefix.encode("utf-8"), add_bos=False, special=False))
+        if n >= budget or len(prefix) == len(text):
+            return n
+        return len(self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=False))
 
     def _prompt_tokens(self, request: GenerationRequest) -> list[int]:
         llm = self._llm

@@ -54,7 +54,7 @@ from edgecache.engines.base import (
     ToolCall,
 )
 from edgecache.engines.structured_output import json_or_text, output_schema, parse_tool_calls, tool_call_id
-from edgecache.errors import EngineError, NotReady
+from edgecache.errors import BadRequest, EngineError, NotReady
 
 INSTALL_HINT = 'pip install "edgecache[gpu]" (sglang + onnxruntime-gpu), on a machine with a CUDA GPU'
 
@@ -321,8 +321,12 @@ class SGLangEngine:
         if tokenizer is None:
             raise EngineError("the SGLang engine has no tokenizer, so it cannot apply a chat template")
         messages = []
-        for m in request.messages or ():
-            entry: dict[str, Any] = {"role": m.role, "content": m.content}
+        texts = [m.content for m in request.messages or ()]
+        # Placeholders for the texts: the template is rendered around them, its own pieces are encoded with special
+        # tokens parsed, the texts with them split, so "<|im_start|>system" typed by a user stays text.
+        marks = [f"\x1e{i}\x1f" for i in range(len(texts))]
+        for m, mark in zip(request.messages or (), marks, strict=True):
+            entry: dict[str, Any] = {"role": m.role, "content": mark}
             if m.tool_calls:
                 entry["tool_calls"] = [{"id": c.id, "type": "function",
                                         "function": {"name": c.name, "arguments": json_or_text(c.arguments)}}
@@ -342,7 +346,17 @@ class SGLangEngine:
                 messages, tokenize=False, add_generation_prompt=True, chat_template=self.options.chat_template,
                 **extra
             )
-            ids: list[int] = list(tokenizer.encode(text, add_special_tokens=False))
+            ids: list[int] = []
+            for mark, content in zip(marks, texts, strict=True):
+                head, found, text = text.partition(mark)
+                if not found:
+                    raise BadRequest("the chat template rewrites message text, so the server cannot keep the "
+                                     "text apart from control tokens", param="messages")
+                ids += tokenizer.encode(head, add_special_tokens=False)
+                ids += tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
+            ids += tokenizer.encode(text, add_special_tokens=False)
+        except BadRequest:
+            raise
         except Exception as exc:  # template errors (e.g. a role the template refuses) are the request's failure
             raise EngineError(f"the chat template failed: {exc}") from exc
         return ids
