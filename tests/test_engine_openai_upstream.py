@@ -370,3 +370,23 @@ async def test_no_salt_field_for_upstreams_that_reject_unknown_fields() -> None:
     assert [c.text for c in chunks] == ["x"]
     assert "cache_salt" not in bodies[0] and "stream_options" not in bodies[0]
     await engine.close()
+
+
+async def test_a_failed_usage_probe_leaves_the_answer_whole() -> None:
+    """A stream without usage gets its prompt count from a probe; when the probe fails the answer still stands."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        if body.get("stream"):
+            events = [{"choices": [{"index": 0, "delta": {"content": "Blue"}, "finish_reason": None}]},
+                      {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}]
+            sse = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+            return httpx.Response(200, content=sse, headers={"content-type": "text/event-stream"})
+        return httpx.Response(503, json={"error": {"message": "busy"}})
+
+    engine = OpenAIUpstreamEngine("http://upstream.test/v1", model="m", transport=httpx.MockTransport(handler))
+    await engine.start()
+    chunks = await collect(engine, CHAT)
+    await engine.close()
+    assert "".join(c.text for c in chunks) == "Blue"
+    assert (chunks[-1].finish_reason, chunks[-1].prompt_tokens, chunks[-1].completion_tokens) == ("stop", 0, 1)

@@ -4,6 +4,7 @@ flushes, tenants and Redis outages across the fleet. tests/test_fleet_e2e.py cov
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -23,7 +24,10 @@ from tests.test_tenants import ADMIN, TenantMarkingEngine, auth, write_tenants_f
 @asynccontextmanager
 async def fleet(make_settings: Callable[..., Settings], tmp_path: Path, redis_url: str, engines: list[FakeEngine],
                 **overrides: Any) -> AsyncIterator[list[httpx.AsyncClient]]:
-    """One in-process node per engine, each with its own data dir, all on ``redis_url``."""
+    """One in-process node per engine, each with its own data dir, all on ``redis_url``. Redis commands get a
+    generous timeout: on a busy test box a slow answer would count as Redis down, and the node (rightly) compute
+    alone."""
+    overrides.setdefault("store__redis_timeout_s", 5.0)
     async with AsyncExitStack() as stack:
         nodes = []
         for i, engine in enumerate(engines):
@@ -131,3 +135,105 @@ async def test_redis_killed_and_restarted_mid_run(make_settings: Any, tmp_path: 
         assert "edgecache_redis_disconnects_total 1.0" in (await b.get("/metrics")).text
         await ask(b, "after the outage")
         assert served(await ask(a, "after the outage")) == "exact"
+
+
+def sse_text(resp: httpx.Response) -> str:
+    """The content of an SSE chat stream; an error event fails the caller's comparison with its message."""
+    out = []
+    for line in resp.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            event = json.loads(line[6:])
+            if "error" in event:
+                return f"ERROR: {event['error']['message']}"
+            out.extend(choice["delta"].get("content") or "" for choice in event["choices"])
+    return "".join(out)
+
+
+def listeners(node: httpx.AsyncClient) -> int:
+    """Clients listening to this node's flights (a leader's own mirror to Redis counts as one)."""
+    flights = node.app.state.runtime.inflight._local._flights.values()  # type: ignore[attr-defined]
+    return sum(f.listeners for f in flights)
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the condition never held")
+
+
+async def test_concurrent_identical_requests_across_nodes_make_one_engine_call(
+        make_settings: Any, tmp_path: Path, redis_url: str) -> None:
+    engines = [FakeEngine(pieces=6), FakeEngine(pieces=6), FakeEngine(pieces=6)]
+    gate = asyncio.Event()
+    for engine in engines:
+        engine.gate = gate
+    async with fleet(make_settings, tmp_path, redis_url, engines) as nodes:
+        async def one(i: int) -> tuple[str, str]:
+            stream = i % 2 == 1
+            resp = await nodes[i % 3].post("/v1/chat/completions",
+                                           json=chat_body("Tell me a story", stream=stream))
+            assert resp.status_code == 200, resp.text
+            return served(resp), sse_text(resp) if stream else text(resp)
+
+        tasks = [asyncio.create_task(one(i)) for i in range(30)]
+        # Every request is attached to the one flight before the engine produces anything.
+        await until(lambda: sum(listeners(n) for n in nodes) == 30 + 1)
+        gate.set()
+        outcomes = await asyncio.gather(*tasks)
+        assert sum(e.calls for e in engines) == 1
+        assert {answer for _, answer in outcomes} == {"answer to: Tell me a story"}
+        # Only the request that led says miss; the rest, on any node, were shared.
+        assert sorted(how for how, _ in outcomes) == ["miss"] + ["shared"] * 29
+        assert sum(n.app.state.runtime.inflight.followed for n in nodes) == 2  # type: ignore[attr-defined]
+
+
+async def test_a_leader_failing_mid_stream_fails_every_follower_and_stores_nothing(
+        make_settings: Any, tmp_path: Path, redis_url: str) -> None:
+    engines = [FakeEngine(pieces=6, fail_after=2) for _ in range(3)]
+    gate = asyncio.Event()
+    for engine in engines:
+        engine.gate = gate
+    async with fleet(make_settings, tmp_path, redis_url, engines) as nodes:
+        async def one(i: int) -> tuple[int, str]:
+            stream = i % 2 == 1
+            resp = await nodes[i % 3].post("/v1/chat/completions", json=chat_body("Fail please", stream=stream))
+            return resp.status_code, sse_text(resp) if stream and resp.status_code == 200 else resp.text
+
+        tasks = [asyncio.create_task(one(i)) for i in range(6)]
+        await until(lambda: sum(listeners(n) for n in nodes) == 6 + 1)
+        gate.set()
+        outcomes = await asyncio.gather(*tasks)
+        assert sum(e.calls for e in engines) == 1
+        for status, body in outcomes:
+            # Before the first byte the error keeps its status (502); a stream already under way ends in an
+            # error event. Never a complete answer.
+            assert status == 502 or body.startswith("ERROR:"), (status, body)
+            assert "failed mid-stream" in body
+        for engine in engines:
+            engine.fail_after = None
+        for node in nodes:  # nothing was stored anywhere: each node's next request computes
+            resp = await ask(node, "Fail please")
+            assert served(resp) in ("miss", "exact")
+        assert sum(e.calls for e in engines) == 2
+
+
+async def test_a_paraphrase_stored_on_one_node_is_a_semantic_hit_on_another(
+        make_settings: Any, tmp_path: Path, redis_url: str) -> None:
+    engines = [FakeEngine(), FakeEngine()]
+    async with fleet(make_settings, tmp_path, redis_url, engines, semantic__enabled=True) as (a, b):
+        first = await ask(a, "How do I reset my password?")
+        assert served(first) == "miss"
+        feed = b.app.state.runtime.fleet.vectors  # type: ignore[attr-defined]
+        await until(lambda: feed.applied >= 1)  # B's index took A's vector from the stream
+        para = await ask(b, "How can I reset my password?")
+        assert served(para) == "semantic"
+        assert text(para) == text(first)
+        assert sum(e.calls for e in engines) == 1
+        # A restarted node replays the stream from where it stopped: a third node starting now catches up too.
+        async with fleet(make_settings, tmp_path / "late", redis_url, [FakeEngine()],
+                         semantic__enabled=True) as (c,):
+            late_feed = c.app.state.runtime.fleet.vectors  # type: ignore[attr-defined]
+            await until(lambda: late_feed.applied >= 1)
+            assert served(await ask(c, "how do I reset my password?")) == "semantic"

@@ -27,7 +27,9 @@ def count(metrics_text: str, name: str) -> float:
 
 
 async def embed_batches(c: httpx.AsyncClient) -> float:
-    return count((await c.get("/metrics")).text, "edgecache_embed_seconds_count")
+    metrics = c.app.state.runtime.metrics.render().decode()  # type: ignore[attr-defined]  # (no key needed)
+    assert "edgecache_embed_seconds_count" in metrics
+    return count(metrics, "edgecache_embed_seconds_count")
 
 
 async def test_a_client_that_has_its_answer_finds_it_in_every_layer(make_settings: Any) -> None:
@@ -52,13 +54,18 @@ async def test_a_client_that_has_its_answer_finds_it_in_every_layer(make_setting
 
 
 async def test_an_over_long_prompt_is_refused_before_embedding_while_another_tenants_miss_runs(
-        make_settings: Any) -> None:
+        make_settings: Any, tmp_path: Path) -> None:
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[plans.p]\n[[tenants]]\nid = "a"\nplan = "p"\nkeys = ["sk-aaaa-0001"]\n'
+                       '[[tenants]]\nid = "b"\nplan = "p"\nkeys = ["sk-bbbb-0001"]\n')
     engine = FakeEngine()
     engine.context_chars = 4000
-    settings = make_settings(semantic__enabled=True, admission__max_concurrent_misses=1)
+    settings = make_settings(semantic__enabled=True, admission__max_concurrent_misses=1,
+                             tenants_file=str(tenants))
     async with serve_in_process(create_app(settings, engine=engine)) as c:
         engine.gate = asyncio.Event()
-        other = asyncio.create_task(c.post("/v1/chat/completions", json=chat_body("another question")))
+        other = asyncio.create_task(c.post("/v1/chat/completions", json=chat_body("another question"),
+                                           headers={"Authorization": "Bearer sk-bbbb-0001"}))
         rt = c.app.state.runtime  # type: ignore[attr-defined]
         for _ in range(500):
             if engine.running:
@@ -66,7 +73,8 @@ async def test_an_over_long_prompt_is_refused_before_embedding_while_another_ten
             await asyncio.sleep(0.01)
         assert engine.running == 1
         batches = await embed_batches(c)
-        huge = await c.post("/v1/chat/completions", json=chat_body("please " * 140_000))  # ~1 MB of prompt
+        huge = await c.post("/v1/chat/completions", json=chat_body("please " * 140_000),  # ~1 MB of prompt
+                            headers={"Authorization": "Bearer sk-aaaa-0001"})
         assert huge.status_code == 400 and huge.json()["error"]["code"] == "context_length_exceeded"
         assert not other.done()  # refused while the other miss still holds the engine
         assert await embed_batches(c) == batches  # never embedded

@@ -28,7 +28,7 @@ def answer(text: str, ttl_s: float = 60.0) -> CachedAnswer:
 
 @pytest.fixture
 async def link(redis_url: str) -> AsyncIterator[RedisLink]:
-    link = RedisLink(redis_url, timeout_s=0.5, check_interval_s=0.05)
+    link = RedisLink(redis_url, timeout_s=5.0, check_interval_s=0.05)
     await link.start()
     assert link.up
     yield link

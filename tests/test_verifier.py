@@ -220,3 +220,23 @@ async def test_over_http_the_verifier_serves_a_paraphrase_and_refuses_a_swap(mak
         metrics = (await c.get("/metrics")).text
         assert 'edgecache_semantic_refusals_total{reason="veto:order",scenario="support"} 1.0' in metrics
         assert 'edgecache_semantic_verifier_score_count{scenario="support"}' in metrics
+
+
+async def test_the_server_runs_on_e5_small_with_its_threshold_rule(make_settings) -> None:
+    # The verifier is fitted for use-multilingual only: with e5-small, even decision = verifier keeps the cosine
+    # threshold rule (the strictest known threshold, as for any uncalibrated embedder) and the guard.
+    from edgecache.app import create_app
+    from tests.conftest import chat_body, serve_in_process
+    from tests.fakes import FakeEngine
+    from tests.test_semantic_http import settled
+
+    settings = make_settings(semantic__enabled=True, semantic__embedder="e5-small", semantic__decision="verifier")
+    async with serve_in_process(create_app(settings, engine=FakeEngine())) as c:
+        served = []
+        for text in ("How do I reset my password?", "How do I reset my password?", "狗咬了人", "人咬了狗"):
+            resp = await c.post("/v1/chat/completions", json=chat_body(text))
+            assert resp.status_code == 200, resp.text
+            served.append(resp.headers["x-edgecache"])
+            await settled(c)
+        assert served == ["miss", "exact", "miss", "miss"]
+        assert c.app.state.runtime.semantic.verifier is None  # type: ignore[attr-defined]

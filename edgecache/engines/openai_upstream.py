@@ -219,7 +219,12 @@ class OpenAIUpstreamEngine:
         docstring). 0 when the upstream reports none there either."""
         probe = {k: v for k, v in payload.items() if k not in ("stream_options", "n")}
         probe.update(stream=False, max_tokens=1)
-        body = await self._request_json(client, "POST", path, probe)
+        try:
+            body = await self._request_json(client, "POST", path, probe)
+        except (EngineError, BadRequest):
+            # The answer is complete and good: a failed count must not turn it into an error (nor keep it out of
+            # the cache). The prompt count stays unknown (0), as it was before the probe existed.
+            return 0
         usage = body.get("usage") if isinstance(body, Mapping) else None
         return int(usage.get("prompt_tokens") or 0) if isinstance(usage, Mapping) else 0
 

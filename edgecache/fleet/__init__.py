@@ -11,10 +11,13 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from edgecache.fleet.events import FleetEvents, FlushHandler
 from edgecache.fleet.link import RedisLink
+from edgecache.fleet.vectors import SharedIndex, VectorFeed
 from edgecache.health import READY, Health
 from edgecache.metrics import Metrics
 from edgecache.settings import Settings
@@ -29,6 +32,7 @@ class Fleet:
         self.link = RedisLink(settings.store.redis_url, timeout_s=settings.store.redis_timeout_s,
                               on_state=metrics.observe_redis)
         self.events = FleetEvents(self.link, self.node_id, on_flush)
+        self.vectors: VectorFeed | None = None
 
     async def start(self) -> None:
         await self.link.start()
@@ -45,6 +49,18 @@ class Fleet:
         return Health("degraded", f"redis unreachable ({self.link.error}); serving from this node's memory tier "
                                   "and engine, reconnecting")
 
+    async def share_vectors(self, local_index: Any, *, embedder_version: str, cursor_file: Path,
+                            cap_for: Callable[[str], int | None]) -> SharedIndex:
+        """Wrap the node's semantic index so its additions reach the fleet, and start applying the fleet's."""
+        if self.vectors is not None:
+            await self.vectors.close()
+        self.vectors = VectorFeed(self.link, self.node_id, embedder_version=embedder_version,
+                                  local_index=local_index, cursor_file=cursor_file, cap_for=cap_for)
+        self.vectors.start()
+        return SharedIndex(local_index, self.vectors)
+
     async def close(self) -> None:
+        if self.vectors is not None:
+            await self.vectors.close()
         await self.events.close()
         await self.link.close()

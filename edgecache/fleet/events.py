@@ -52,6 +52,7 @@ class FleetEvents:
         self._decoder = msgspec.msgpack.Decoder(FleetEvent)
         self._task: asyncio.Task[None] | None = None
         self.applied = 0
+        self._closing = False
 
     async def start(self) -> None:
         self._link.on_reconnect(self._resync)
@@ -87,7 +88,7 @@ class FleetEvents:
             self._cursor = last[0][0] if last else b"0-0"
 
     async def _follow(self) -> None:
-        while True:
+        while not self._closing:
             if not self._link.up or self._cursor is None:
                 await asyncio.sleep(0.2)
                 continue
@@ -118,6 +119,7 @@ class FleetEvents:
             log.info("node %s serves model version %s", event.origin, event.version)
 
     async def close(self) -> None:
+        self._closing = True
         if self._task is not None:
             self._task.cancel()
             await asyncio.wait([self._task])

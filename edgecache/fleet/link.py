@@ -50,6 +50,7 @@ class RedisLink:
         self._on_state = on_state
         self._reconnect_callbacks: list[Callable[[], Awaitable[None]]] = []
         self._monitor: asyncio.Task[None] | None = None
+        self._closing = False
 
     @property
     def block_ms(self) -> int:
@@ -82,6 +83,7 @@ class RedisLink:
         try:
             return await command
         except self.errors as exc:
+            _reraise_cancellation(exc)
             self.failed(exc)
             raise LinkDown(self.error or "redis unreachable") from exc
 
@@ -98,6 +100,7 @@ class RedisLink:
         try:
             await self.client.ping()
         except self.errors as exc:
+            _reraise_cancellation(exc)
             self.failed(exc)
             return
         if not self.up:
@@ -113,7 +116,7 @@ class RedisLink:
                     return
 
     async def _watch(self) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.check_interval_s)
             await self._check()
 
@@ -123,11 +126,21 @@ class RedisLink:
             self._on_state(up)
 
     async def close(self) -> None:
+        self._closing = True
         if self._monitor is not None:
             self._monitor.cancel()
             await asyncio.wait([self._monitor])
             self._monitor = None
         await self.client.aclose()
+
+
+def _reraise_cancellation(exc: BaseException) -> None:
+    """redis-py can turn a cancellation that lands inside a command into a ConnectionError ("Connection closed by
+    server"). A cancelled task (a client that left, a shutdown) is not Redis failing: let it stop instead of
+    marking the link down."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError() from exc
 
 
 class LinkDown(Exception):

@@ -1,0 +1,188 @@
+"""The semantic layer across a fleet: every node keeps its own usearch index, fed by the others' additions.
+
+A vector added on one node (its answer was just stored in the shared store) is appended to a Redis stream of its
+tenant, ``ec:v:<embedder version>:<tenant>``, with the prompt's text and the vector itself (float16). Every node
+follows every tenant's stream and adds what others added to its own index, so a paraphrase first answered on node A
+is a semantic hit on node B a moment later. Each node keeps its read position per stream in a file beside its
+indexes and, after a restart, replays the streams from there; applying a record twice is harmless (a vector for a
+store key replaces the one before).
+
+Removals are not broadcast. The shared store is the truth: a node whose vector points at an answer that expired
+or was flushed finds the store entry gone on its next hit, drops the vector itself and treats it as a miss (the
+same path a single box takes), so a stale vector costs one lookup and never serves a stale answer. A flush reaches
+every node's indexes through the flush event (:mod:`edgecache.fleet.events`).
+
+Vectors from another embedder are never mixed in: the stream name carries the embedder version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from edgecache.fleet.link import LinkDown, RedisLink
+from edgecache.stores.redis import tenant_part
+
+log = logging.getLogger("edgecache.fleet")
+
+STREAM_KEPT = 200_000  # records per tenant stream, roughly: a node away for longer rebuilds from new traffic
+QUEUE_MAX = 10_000
+
+
+class VectorRecord(msgspec.Struct, frozen=True, array_like=True):
+    origin: str
+    tenant: str
+    index: str       # the index within the tenant (scenario + namespace)
+    store_key: str
+    text: str
+    vector: bytes    # float16
+
+
+class SharedIndex:
+    """A :class:`~edgecache.semantic_index.SemanticIndex` whose additions also go to the fleet's streams.
+
+    Everything but ``add`` is the local index's own (reads, removals, drops, saves): :meth:`__getattr__` passes
+    them through, so the semantic cache cannot tell the two apart.
+    """
+
+    def __init__(self, local: Any, feed: VectorFeed) -> None:
+        self.local = local
+        self._feed = feed
+
+    def add(self, tenant: str, scenario: str, vector: np.ndarray, store_key: str, text: str,
+            max_vectors: int | None = None) -> int:
+        key = self.local.add(tenant, scenario, vector, store_key, text, max_vectors)
+        self._feed.published_from_thread(VectorRecord(
+            origin=self._feed.node_id, tenant=tenant, index=scenario, store_key=store_key, text=text,
+            vector=np.asarray(vector, dtype=np.float16).tobytes()))
+        return key
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.local, name)
+
+
+class VectorFeed:
+    """Publishes this node's additions and applies everyone else's to the local index."""
+
+    def __init__(self, link: RedisLink, node_id: str, *, embedder_version: str, local_index: Any,
+                 cursor_file: Path, cap_for: Any) -> None:
+        self._link = link
+        self.node_id = node_id
+        self._prefix = f"ec:v:{embedder_version}:"
+        self._registry = self._prefix + "tenants"
+        self._index = local_index
+        self._cap_for = cap_for
+        self._cursor_file = cursor_file
+        self._cursors: dict[str, str] = self._load_cursors()
+        self._queue: asyncio.Queue[VectorRecord] = asyncio.Queue(QUEUE_MAX)
+        self._loop = asyncio.get_running_loop()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(VectorRecord)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
+        self.applied = 0
+        self.dropped = 0
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._publish(), name="vector-publish"),
+                       asyncio.create_task(self._follow(), name="vector-follow")]
+
+    def published_from_thread(self, record: VectorRecord) -> None:
+        """Called on the index thread: hand the record to the event loop."""
+        self._loop.call_soon_threadsafe(self._enqueue, record)
+
+    def _enqueue(self, record: VectorRecord) -> None:
+        try:
+            self._queue.put_nowait(record)
+        except asyncio.QueueFull:
+            self.dropped += 1  # Redis is slow or away: the others will compute this one themselves
+
+    async def _publish(self) -> None:
+        while not self._closing:
+            record = await self._queue.get()
+            if not self._link.up:
+                self.dropped += 1
+                continue
+            stream = self._prefix + tenant_part(record.tenant)
+            pipe = self._link.client.pipeline(transaction=False)
+            pipe.xadd(stream, {"r": self._encoder.encode(record)}, maxlen=STREAM_KEPT, approximate=True)
+            pipe.sadd(self._registry, stream)
+            try:
+                await self._link.run(pipe.execute())
+            except LinkDown:
+                self.dropped += 1
+
+    async def _follow(self) -> None:
+        client = self._link.client
+        while not self._closing:
+            if not self._link.up:
+                await asyncio.sleep(0.2)
+                continue
+            try:
+                streams = sorted(s.decode() for s in await self._link.run(client.smembers(self._registry)))
+                if not streams:
+                    await asyncio.sleep(self._link.block_ms / 1000)
+                    continue
+                batch = await self._link.run(client.xread({s: self._cursors.get(s, "0-0") for s in streams},
+                                                          count=512, block=self._link.block_ms))
+            except LinkDown:
+                continue
+            if batch:
+                await self._apply(batch)
+
+    async def _apply(self, batch: list[Any]) -> None:
+        records: list[VectorRecord] = []
+        for stream, entries in batch:
+            name = stream.decode() if isinstance(stream, bytes) else stream
+            for entry_id, fields in entries:
+                self._cursors[name] = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                try:
+                    record = self._decoder.decode(fields[b"r"])
+                except (KeyError, msgspec.DecodeError):
+                    continue
+                if record.origin != self.node_id:
+                    records.append(record)
+
+        def apply() -> None:
+            for record in records:
+                vector = np.frombuffer(record.vector, dtype=np.float16).astype(np.float32)
+                if vector.shape != (self._index.dim,):
+                    continue
+                self._index.remove_store_key(record.tenant, record.index, record.store_key)
+                self._index.add(record.tenant, record.index, vector, record.store_key, record.text,
+                                self._cap_for(record.tenant))
+            self._save_cursors()
+
+        await self._loop.run_in_executor(None, apply)
+        self.applied += len(records)
+
+    def _load_cursors(self) -> dict[str, str]:
+        try:
+            raw = msgspec.json.decode(self._cursor_file.read_bytes(), type=dict[str, str])
+        except (OSError, msgspec.DecodeError):
+            return {}
+        return raw
+
+    def _save_cursors(self) -> None:
+        # Written after the records it covers are committed to the index's SQLite: a kill in between replays
+        # them, which is harmless.
+        tmp = self._cursor_file.with_name(self._cursor_file.name + ".tmp")
+        try:
+            tmp.write_bytes(msgspec.json.encode(self._cursors))
+            os.replace(tmp, self._cursor_file)
+        except OSError as exc:
+            log.warning("could not save the vector stream positions (%s); a restart replays more", exc)
+
+    async def close(self) -> None:
+        self._closing = True
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks)
+        self._tasks = []
