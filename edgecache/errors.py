@@ -97,6 +97,13 @@ class EngineError(EdgeCacheError):
     error_type = "engine_error"
 
 
+class StorageUnavailable(EdgeCacheError):
+    """A store could not do what was asked of it (a flush on a full or damaged disk); /health says why."""
+
+    status = 503
+    error_type = "storage_unavailable"
+
+
 class NotReady(EdgeCacheError):
     status = 503
     error_type = "service_unavailable"

@@ -32,6 +32,7 @@ import numpy as np
 
 from edgecache.embedders import Embedder
 from edgecache.engines.base import GenerationRequest
+from edgecache.errors import StorageUnavailable
 from edgecache.guard import DEFAULT_RULES, check
 from edgecache.health import STORAGE_ERRORS, StorageFaults
 from edgecache.semantic_index import Candidate, SemanticIndex
@@ -293,7 +294,12 @@ class SemanticCache:
                 if tenant in (None, tenant_) and scenario in (None, name.split("~", 1)[0]):
                     self.index.drop(tenant_, name)
 
-        await self._in_index_thread(drop_matching)
+        try:
+            await self._in_index_thread(drop_matching)
+        except STORAGE_ERRORS as exc:
+            if self._faults is not None:
+                self._faults.record("semantic", exc, action="flush failed", path=self.index.mapping_path)
+            raise StorageUnavailable(f"the semantic index could not be flushed: {exc}") from exc
 
     async def save(self) -> None:
         # A failed save loses nothing: the mapping holds every vector and the next open rebuilds the file.
@@ -301,7 +307,8 @@ class SemanticCache:
 
     async def sizes(self) -> dict[tuple[str, str], int]:
         """Vectors per (tenant, scenario), summed over the scenario's namespaces."""
-        raw: dict[tuple[str, str], int] = await self._in_index_thread(self.index.sizes)  # type: ignore[assignment]
+        raw: dict[tuple[str, str], int] = await self._on_disk(  # type: ignore[assignment]
+            "sizes not read", {}, False, self.index.sizes)
         out: dict[tuple[str, str], int] = {}
         for (tenant, name), count in raw.items():
             key = (tenant, name.split("~", 1)[0])

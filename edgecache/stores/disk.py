@@ -30,6 +30,7 @@ import diskcache
 import msgspec
 
 from edgecache.data_dir import move_aside, salvage_rows
+from edgecache.errors import StorageUnavailable
 from edgecache.health import STORAGE_ERRORS, StorageFaults, fault_kind, quick_check
 from edgecache.stores import CachedAnswer
 from edgecache.stores.memory import MemoryLRU
@@ -244,13 +245,19 @@ class DiskResultStore:
         # The memory copy has no tags; it is dropped whole (it refills from disk on the next reads).
         self._memory.clear()
         if not self._try_open():
-            return 0
+            raise StorageUnavailable(f"the result store {self.directory} is not open (see /health); nothing on "
+                                     "disk was flushed")
         disk = self._disk
         assert disk is not None
         loop = asyncio.get_running_loop()
-        if tag is None:
-            return await loop.run_in_executor(self._writer, disk.clear)
-        return await loop.run_in_executor(self._writer, disk.evict, tag)
+        try:
+            if tag is None:
+                return await loop.run_in_executor(self._writer, disk.clear)
+            return await loop.run_in_executor(self._writer, disk.evict, tag)
+        except STORAGE_ERRORS as exc:
+            if self._faults is not None:
+                self._faults.record(COMPONENT, exc, action="flush failed", path=self.directory / DB_NAME)
+            raise StorageUnavailable(f"the result store {self.directory} could not be flushed: {exc}") from exc
 
     async def stats(self) -> dict[str, int]:
         def read(disk: diskcache.Cache) -> tuple[int, int, int]:
