@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +222,23 @@ async def test_a_damaged_mapping_at_start_is_reported_on_health_and_metrics(make
 # ---- the exact result store ----
 
 
+def settle_into_main_file(db: Path) -> None:
+    """Every entry in the main file and no WAL beside it, as after a clean shutdown. Without this the damage done
+    to the main file was not deterministic: while a checkpoint was still blocked (a closing server's store thread on
+    a loaded box), the entries lived on in the WAL, which SQLite laid over the truncated file, so it read as whole."""
+    for _ in range(500):
+        con = sqlite3.connect(db)
+        busy, wal_frames, moved = con.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        con.close()
+        if busy == 0 and wal_frames == moved:
+            break
+        time.sleep(0.01)
+    else:
+        raise AssertionError(f"{db}: the WAL could not be checkpointed; a connection of the closed server is open")
+    for suffix in ("-wal", "-shm"):
+        db.with_name(db.name + suffix).unlink(missing_ok=True)
+
+
 def store_db(settings: Any, tenant: str = "default") -> Path:
     return settings.data_path / "results" / tenant / "cache.db"
 
@@ -242,9 +260,7 @@ async def test_a_damaged_result_store_is_rebuilt_at_start_and_never_500s(make_se
     async with serve_in_process(create_app(settings, engine=FakeEngine())) as c:
         await fill(c, questions)
     db = store_db(settings)
-    con = sqlite3.connect(db)
-    con.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # every entry in the main file, as after a clean shutdown
-    con.close()
+    settle_into_main_file(db)
     if damage == "truncated":
         with db.open("r+b") as f:
             f.truncate(db.stat().st_size // 2)
@@ -273,9 +289,7 @@ async def test_a_partly_damaged_result_store_keeps_the_readable_entries(make_set
     async with serve_in_process(create_app(settings, engine=FakeEngine())) as c:
         await fill(c, questions)
     db = store_db(settings)
-    con = sqlite3.connect(db)
-    con.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    con.close()
+    settle_into_main_file(db)
     size = db.stat().st_size
     with db.open("r+b") as f:  # damage the last pages only
         f.seek(size - 4 * 4096)
