@@ -35,8 +35,8 @@ import numpy as np
 from edgecache.engines.base import Choice, Chunk, GenerationRequest, TokenLogprob, ToolCall
 from edgecache.engines.structured_output import (
     grammar_source,
-    json_or_text,
     parse_tool_calls,
+    template_message,
     tool_call_id,
     tools_system_prompt,
     with_tools_in_prompt,
@@ -366,16 +366,7 @@ class LlamaCppEngine:
         marks = [f"\x1e{i}\x1f" for i in range(len(texts))]
         rendered_messages = []
         for m, mark in zip(messages, marks, strict=True):
-            entry: dict[str, Any] = {"role": m.role, "content": mark}
-            if m.name:
-                entry["name"] = m.name
-            if m.tool_calls:
-                entry["tool_calls"] = [{"id": c.id, "type": "function",
-                                        "function": {"name": c.name, "arguments": json_or_text(c.arguments)}}
-                                       for c in m.tool_calls]
-            if m.tool_call_id:
-                entry["tool_call_id"] = m.tool_call_id
-            rendered_messages.append(entry)
+            rendered_messages.append(template_message(m, mark))
         kwargs = json.loads(request.template_kwargs) if request.template_kwargs else {}
         try:
             prompt = self._format_chat(messages=rendered_messages, tools=tools, **kwargs).prompt

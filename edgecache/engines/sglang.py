@@ -53,7 +53,7 @@ from edgecache.engines.base import (
     SamplingParams,
     ToolCall,
 )
-from edgecache.engines.structured_output import json_or_text, output_schema, parse_tool_calls, tool_call_id
+from edgecache.engines.structured_output import output_schema, parse_tool_calls, template_message, tool_call_id
 from edgecache.errors import BadRequest, EngineError, NotReady
 
 INSTALL_HINT = 'pip install "edgecache[gpu]" (sglang + onnxruntime-gpu), on a machine with a CUDA GPU'
@@ -326,16 +326,7 @@ class SGLangEngine:
         # tokens parsed, the texts with them split, so "<|im_start|>system" typed by a user stays text.
         marks = [f"\x1e{i}\x1f" for i in range(len(texts))]
         for m, mark in zip(request.messages or (), marks, strict=True):
-            entry: dict[str, Any] = {"role": m.role, "content": mark}
-            if m.tool_calls:
-                entry["tool_calls"] = [{"id": c.id, "type": "function",
-                                        "function": {"name": c.name, "arguments": json_or_text(c.arguments)}}
-                                       for c in m.tool_calls]
-            if m.tool_call_id:
-                entry["tool_call_id"] = m.tool_call_id
-            if m.name:
-                entry["name"] = m.name
-            messages.append(entry)
+            messages.append(template_message(m, mark))
         extra: dict[str, Any] = json.loads(request.template_kwargs) if request.template_kwargs else {}
         if request.tools:
             extra["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,

@@ -36,6 +36,21 @@ def json_or_text(arguments: str) -> Any:
         return arguments
 
 
+def template_message(message: Message, content: str) -> dict[str, Any]:
+    """``message`` as a chat template reads it (tool calls with their arguments as JSON), with ``content`` in place
+    of its text: the engines pass a placeholder there, so user text is never parsed for control tokens."""
+    entry: dict[str, Any] = {"role": message.role, "content": content}
+    if message.name:
+        entry["name"] = message.name
+    if message.tool_calls:
+        entry["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.name, "arguments": json_or_text(c.arguments)}}
+                               for c in message.tool_calls]
+    if message.tool_call_id:
+        entry["tool_call_id"] = message.tool_call_id
+    return entry
+
+
 def call_schema(tool: ToolSpec) -> dict[str, Any]:
     """The JSON schema of one call of ``tool``."""
     return {"type": "object", "properties": {"name": {"const": tool.name},
