@@ -30,6 +30,20 @@ from edgecache.stores.memory import MemoryLRU
 
 PREFIX = "ec:"
 
+# One entry's bookkeeping dropped (its size off the tenant's byte counter, its tag, its LRU place): the same steps for
+# an eviction, a flush and a prune, so it is written once and put in front of each script that needs it.
+_FORGET = """
+local function forget(member, lru, sizes, tags, bytes, tag_prefix)
+  local size = redis.call('HGET', sizes, member)
+  if size then redis.call('DECRBY', bytes, size) end
+  local tag = redis.call('HGET', tags, member)
+  if tag then redis.call('SREM', tag_prefix .. tag, member) end
+  redis.call('ZREM', lru, member)
+  redis.call('HDEL', sizes, member)
+  redis.call('HDEL', tags, member)
+end
+"""
+
 # KEYS: entry, lru zset, sizes hash, tags hash, byte counter, tag set (or "")
 # ARGV: encoded answer, ttl ms, now ms, quota bytes, tag ("" for none), tag-set prefix
 _PUT = """
@@ -50,14 +64,9 @@ while total > tonumber(ARGV[4]) do
   local oldest = redis.call('ZRANGE', KEYS[2], 0, 0)
   if #oldest == 0 then break end
   local victim = oldest[1]
-  local victim_size = redis.call('HGET', KEYS[3], victim) or 0
-  local victim_tag = redis.call('HGET', KEYS[4], victim)
-  if victim_tag then redis.call('SREM', ARGV[6] .. victim_tag, victim) end
   redis.call('DEL', victim)
-  redis.call('ZREM', KEYS[2], victim)
-  redis.call('HDEL', KEYS[3], victim)
-  redis.call('HDEL', KEYS[4], victim)
-  total = redis.call('DECRBY', KEYS[5], victim_size)
+  forget(victim, KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[6])
+  total = tonumber(redis.call('GET', KEYS[5]) or 0)
   evicted = evicted + 1
 end
 return evicted
@@ -81,13 +90,7 @@ end
 local dropped = 0
 for _, member in ipairs(members) do
   dropped = dropped + redis.call('DEL', member)
-  local size = redis.call('HGET', KEYS[2], member)
-  if size then redis.call('DECRBY', KEYS[4], size) end
-  local tag = redis.call('HGET', KEYS[3], member)
-  if tag then redis.call('SREM', ARGV[2] .. tag, member) end
-  redis.call('ZREM', KEYS[1], member)
-  redis.call('HDEL', KEYS[2], member)
-  redis.call('HDEL', KEYS[3], member)
+  forget(member, KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2])
 end
 if ARGV[1] == '' then
   for _, tag in ipairs(redis.call('HVALS', KEYS[3])) do redis.call('DEL', ARGV[2] .. tag) end
@@ -102,13 +105,7 @@ _PRUNE = """
 local pruned = 0
 for _, member in ipairs(redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)) do
   if redis.call('EXISTS', member) == 0 then
-    local size = redis.call('HGET', KEYS[2], member)
-    if size then redis.call('DECRBY', KEYS[4], size) end
-    local tag = redis.call('HGET', KEYS[3], member)
-    if tag then redis.call('SREM', ARGV[2] .. tag, member) end
-    redis.call('ZREM', KEYS[1], member)
-    redis.call('HDEL', KEYS[2], member)
-    redis.call('HDEL', KEYS[3], member)
+    forget(member, KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[2])
     pruned = pruned + 1
   end
 end
@@ -125,10 +122,10 @@ class RedisScripts:
     """The store's Lua scripts, registered once per link (Redis caches them by SHA)."""
 
     def __init__(self, link: RedisLink) -> None:
-        self.put = link.client.register_script(_PUT)
+        self.put = link.client.register_script(_FORGET + _PUT)
         self.get = link.client.register_script(_GET)
-        self.clear = link.client.register_script(_CLEAR)
-        self.prune = link.client.register_script(_PRUNE)
+        self.clear = link.client.register_script(_FORGET + _CLEAR)
+        self.prune = link.client.register_script(_FORGET + _PRUNE)
 
 
 class RedisResultStore:
