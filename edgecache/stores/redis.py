@@ -150,6 +150,7 @@ class RedisResultStore:
         self._lru, self._sizes, self._tags, self._bytes = base + "lru", base + "sizes", base + "tags", base + "bytes"
         self._tag_prefix = base + "tag:"
         self._unsynced_reads: set[str] = set()
+        self._syncs: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak references to tasks
 
     def entry_key(self, key: str) -> str:
         return f"{self._entry_prefix}{self._model_version()}:{key}"
@@ -164,7 +165,9 @@ class RedisResultStore:
         # As on disk: a memory hit never reaches Redis, so its LRU would follow write order; reads are replayed.
         self._unsynced_reads.add(key)
         if len(self._unsynced_reads) >= self.READ_SYNC_BATCH:
-            asyncio.get_running_loop().create_task(self._sync_reads())
+            sync = asyncio.get_running_loop().create_task(self._sync_reads())
+            self._syncs.add(sync)
+            sync.add_done_callback(self._syncs.discard)
 
     async def _sync_reads(self) -> None:
         if not self._unsynced_reads or not self._link.up:
