@@ -93,6 +93,22 @@ class Metrics:
             "edgecache_storage_failures", "Failed storage operations (a write skipped, a read served as a miss, a "
             "damaged file moved aside), by component and kind (disk_full, damaged, io).", ["component", "kind"],
             registry=self.registry)
+        self.semantic_labels = Counter(
+            "edgecache_semantic_labels", "Labels of semantic decisions (did the cached answer serve?), by tenant, "
+            "scenario, the decision labelled (hit, explore, refused) and the label (good, bad).",
+            ["tenant", "scenario", "decision", "label"], registry=self.registry)
+        self.semantic_false_hit_rate = Gauge(
+            "edgecache_semantic_false_hit_rate", "Estimated false-hit rate of served semantic decisions, from the "
+            "labels of hits and explorations seen since start, by tenant and scenario.", ["tenant", "scenario"],
+            registry=self.registry)
+        self.semantic_false_hit_upper = Gauge(
+            "edgecache_semantic_false_hit_rate_upper", "The 95 % upper bound (Wilson) of that estimate; 1 until "
+            "a served decision is labelled.", ["tenant", "scenario"], registry=self.registry)
+        self.decision_log_dropped = Counter(
+            "edgecache_decision_log_dropped", "Decision-log records not written (the writer behind, or the disk "
+            "failing).", registry=self.registry)
+        self._label_counts: dict[tuple[str, str], list[int]] = {}  # (tenant, scenario) -> [served n, served bad,
+        #                                                                                    all n, all bad]
         # Label children are cached: .labels() takes a lock and hashes on every call, which shows on the hit path.
         self._ttft_by_outcome = {o: self.ttft.labels(o) for o in OUTCOMES}
         self._requests_children: dict[tuple[str, str, str], Counter] = {}
@@ -116,6 +132,31 @@ class Metrics:
             self.admission_rejections.inc()
         if ttft_s is not None:
             self._ttft_by_outcome[outcome].observe(ttft_s)
+
+    def observe_label(self, tenant: str, scenario: str, decision: str, good: bool) -> None:
+        """A label of a semantic decision. Labels of served decisions (hit, explore) update the false-hit
+        estimate; a refused candidate's label says what a lower cut would have served."""
+        from edgecache.tuning import wilson_upper
+
+        self.semantic_labels.labels(tenant, scenario, decision, "good" if good else "bad").inc()
+        counts = self._label_counts.setdefault((tenant, scenario), [0, 0, 0, 0])
+        counts[2] += 1
+        counts[3] += not good
+        if decision in ("hit", "explore"):
+            counts[0] += 1
+            counts[1] += not good
+            self.semantic_false_hit_rate.labels(tenant, scenario).set(counts[1] / counts[0])
+        self.semantic_false_hit_upper.labels(tenant, scenario).set(wilson_upper(counts[1], counts[0]))
+
+    def label_summary(self) -> dict[str, dict[str, object]]:
+        """Per ``tenant/scenario``: labels seen, bad ones, and the served decisions' false-hit estimate and bound
+        (None until one is labelled)."""
+        from edgecache.tuning import wilson_upper
+
+        return {f"{tenant}/{scenario}": {
+            "labels": n_all, "bad": bad_all, "served_labels": n,
+            "false_hit_rate": bad / n if n else None, "false_hit_upper_95": wilson_upper(bad, n) if n else None}
+            for (tenant, scenario), (n, bad, n_all, bad_all) in sorted(self._label_counts.items())}
 
     def observe_redis(self, up: bool) -> None:
         """The fleet link changed state (called on transitions only)."""
@@ -161,6 +202,7 @@ class Metrics:
                         ttft.setdefault(s.labels["outcome"], {})[field] = s.value
                     elif s.name.endswith("_bucket"):
                         buckets.setdefault(s.labels["outcome"], []).append((float(s.labels["le"]), s.value))
+        semantic["labels"] = self.label_summary()
         served = sum(totals.values()) - totals["error"] - totals["rejected"]
         hits = totals["exact"] + totals["semantic"] + totals["shared"]
         return {

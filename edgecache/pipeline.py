@@ -26,10 +26,12 @@ import msgspec
 import numpy as np
 
 from edgecache.admission import AdmissionGate
+from edgecache.decision_log import DecisionLog, record_lookup
 from edgecache.engines.base import Chunk, Engine, GenerationRequest
 from edgecache.errors import EngineError
 from edgecache.inflight import FlightTable, SharedFlight
 from edgecache.keys import is_cacheable, request_key
+from edgecache.labeling import MissLabels
 from edgecache.metrics import Metrics
 from edgecache.stores import CachedAnswer, ResultStore
 from edgecache.semantic_cache import Lookup, Probe, SemanticCache, probe_for
@@ -135,6 +137,8 @@ class SemanticAnswer(msgspec.Struct, frozen=True, kw_only=True):
     answer: CachedAnswer | None = None
     similarity: float | None = None
     first: bool = True
+    dropped: str | None = None       # why a hit's answer did not serve: gone (expired, evicted) or too_old
+    decision_id: str | None = None   # the decision log's record of it (labels name it)
 
 
 def _fresh_enough(answer: CachedAnswer, call: Call) -> bool:
@@ -149,7 +153,8 @@ class RequestPipeline:
 
     def __init__(self, *, engine: Engine, stores: Callable[[str], ResultStore], inflight: FlightTable,
                  metrics: Metrics, ttl_for: Callable[[Call], float], admission: AdmissionGate,
-                 semantic: SemanticCache | None = None) -> None:
+                 semantic: SemanticCache | None = None, decisions: DecisionLog | None = None,
+                 labels: MissLabels | None = None) -> None:
         self.engine = engine
         self.stores = stores
         self.inflight = inflight
@@ -157,6 +162,8 @@ class RequestPipeline:
         self.ttl_for = ttl_for
         self.admission = admission
         self.semantic = semantic
+        self.decisions = decisions  # the semantic decisions, for `edgecache tune` (None: not logged)
+        self.labels = labels        # labels a refused candidate against the fresh answer (None: off)
         self._keys = CallKeys()
         self._semantic_lookups: dict[str, asyncio.Future[SemanticAnswer]] = {}
 
@@ -171,6 +178,7 @@ class RequestPipeline:
         store = self.stores(call.tenant)  # the tenant's own store: its own quota, its own LRU
         probe: Probe | None = None
         lookup: Lookup | None = None
+        decision_id: str | None = None
 
         if policy.read:
             # 1. exact result store (memory first: a hot hit never leaves the event loop)
@@ -192,7 +200,7 @@ class RequestPipeline:
             probe = await self._probe(call, policy)
             if probe is not None:
                 found = await self._semantic_once(call, key, probe, policy)
-                lookup = found.lookup
+                lookup, decision_id = found.lookup, found.decision_id
                 if found.answer is not None:
                     return Reply(served="semantic" if found.first else "shared", answer=found.answer,
                                  similarity=found.similarity, ttl_s=found.answer.expires_at - time.time())
@@ -213,7 +221,8 @@ class RequestPipeline:
         ttl_s = self.ttl_for(call)
         if lookup is None and probe is not None:
             lookup = Lookup(vector=None)  # no-cache: the vector is computed after the answer, for the write
-        flight = self.inflight.lead(key, lambda f: self._compute_and_store(call, key, ttl_s, f, probe, lookup))
+        flight = self.inflight.lead(key, lambda f: self._compute_and_store(call, key, ttl_s, f, probe, lookup,
+                                                                            decision_id))
         reply = Reply(served="miss", ttl_s=ttl_s)
         reply.chunks = _served_by_whom(reply, flight)
         return reply
@@ -257,6 +266,14 @@ class RequestPipeline:
         return await asyncio.shield(pending)
 
     async def _semantic_answer(self, call: Call, key: str, probe: Probe, policy: CachePolicy) -> SemanticAnswer:
+        found = await self._semantic_decide(call, key, probe, policy)
+        if self.decisions is None:
+            return found
+        return msgspec.structs.replace(found, decision_id=record_lookup(
+            self.decisions, call.tenant, call.scenario, probe.text, found.lookup, served=found.answer is not None,
+            dropped=found.dropped))
+
+    async def _semantic_decide(self, call: Call, key: str, probe: Probe, policy: CachePolicy) -> SemanticAnswer:
         assert self.semantic is not None
         lookup = await self.semantic.lookup(call.tenant, call.scenario, probe)
         if lookup.score is not None:
@@ -272,9 +289,9 @@ class RequestPipeline:
         if answer is None:
             # The answer expired or was evicted: its vector goes too, and this is a miss.
             await self.semantic.forget(call.tenant, call.scenario, probe, lookup.hit.vector_key)
-            return SemanticAnswer(lookup=lookup)
+            return SemanticAnswer(lookup=lookup, dropped="gone")
         if not _fresh_enough(answer, call):
-            return SemanticAnswer(lookup=lookup)
+            return SemanticAnswer(lookup=lookup, dropped="too_old")
         if policy.write:  # kept under this request's own key too: its repeats are exact hits
             await store.put(key, answer, tag=call.scenario)
         return SemanticAnswer(lookup=lookup, answer=answer, similarity=lookup.hit.similarity)
@@ -340,7 +357,8 @@ class RequestPipeline:
                     yield chunk
 
     async def _compute_and_store(self, call: Call, key: str, ttl_s: float, flight: SharedFlight,
-                                 probe: Probe | None = None, lookup: Lookup | None = None) -> None:
+                                 probe: Probe | None = None, lookup: Lookup | None = None,
+                                 decision_id: str | None = None) -> None:
         final: Chunk | None = None
         async with aclosing(self._engine_stream(call)) as stream:
             async for chunk in stream:
@@ -356,8 +374,9 @@ class RequestPipeline:
         try:
             now = time.time()
             first = final.choices[0] if final.choices else None
+            text = first.text if first else "".join(c.text for c in flight.chunks)
             await self.stores(call.tenant).put(key, CachedAnswer(
-                text=first.text if first else "".join(c.text for c in flight.chunks),
+                text=text,
                 finish_reason=first.finish_reason if first else final.finish_reason,
                 prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
                 created_at=now, expires_at=now + ttl_s, choices=final.choices), tag=call.scenario)
@@ -365,6 +384,9 @@ class RequestPipeline:
                 vector = (lookup.vector if lookup.vector is not None
                           else await self.semantic.batcher.embed(probe.text))
                 await self.semantic.remember(call.tenant, call.scenario, probe, vector, key)
+            if self.labels is not None and decision_id is not None and lookup is not None:
+                # A refused candidate meets the answer it was refused for: a label for free, off this path.
+                self.labels.after_miss(call, decision_id, lookup, text)
         finally:
             # A failed write must not fail the answer its listeners already have (the error still reaches the
             # flight's task, which logs it).

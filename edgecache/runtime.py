@@ -12,19 +12,23 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 from pathlib import Path
+
+import numpy as np
 
 from edgecache.access_log import AccessLog
 from edgecache.admission import AdmissionGate
 from edgecache.calls import ParsedRequests
+from edgecache.decision_log import DecisionLog
 from edgecache.embedders import Embedder
 from edgecache.engines.base import Engine
 from edgecache.errors import EdgeCacheError, NotReady
 from edgecache.health import READY, STORAGE_ERRORS, Health, HealthChecks, StorageFaults
 from edgecache.inflight import FlightTable
 from edgecache.inflight.local import InflightTable
+from edgecache.labeling import AnswerEmbeddingLabeler, EqualityLabeler, FirstVerdict, Labeler, MissLabels
 from edgecache.metrics import Metrics
 from edgecache.openai_api import IdSource
 from edgecache.pipeline import Call, RequestPipeline
@@ -102,6 +106,14 @@ class Runtime:
         self.health.register("results", self.storage_faults.check("results"))
         if settings.semantic.enabled:
             self.health.register("semantic", self._semantic_health)
+        self.decisions: DecisionLog | None = None
+        self.labels: MissLabels | None = None
+        if settings.semantic.enabled and settings.semantic.decision_log_bytes > 0:
+            self.decisions = DecisionLog(
+                settings.data_path / "decisions", max_bytes=settings.semantic.decision_log_bytes,
+                files=settings.semantic.decision_log_files, keeps_prompts=self.keeps_prompts,
+                faults=self.storage_faults, on_drop=self.metrics.decision_log_dropped.inc)
+            self.health.register("decisions", self.storage_faults.check("decisions"))
         self.started_at = int(time.time())
         self._background: list[asyncio.Task[None]] = []
 
@@ -122,9 +134,12 @@ class Runtime:
             return
         if self.settings.semantic.enabled:
             await self._open_semantic()
+        if self.decisions is not None:
+            self.labels = MissLabels(stores=self.stores, labeler=self._labeler(), decisions=self.decisions,
+                                     observe=self.metrics.observe_label)
         self.pipeline = RequestPipeline(engine=self.engine, stores=self.stores, inflight=self.inflight,
                                         metrics=self.metrics, ttl_for=self.ttl_for, admission=self.admission,
-                                        semantic=self.semantic)
+                                        semantic=self.semantic, decisions=self.decisions, labels=self.labels)
         self._background.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
         if self.fleet is not None:
             await self.fleet.events.announce_model(self.engine.version)
@@ -166,6 +181,20 @@ class Runtime:
         if self.semantic_error is None:
             log.error("the semantic layer is unavailable, serving exact matches only: %s", why)
         self.semantic_error = why
+
+    def _labeler(self) -> Labeler:
+        """Equality for greedy answers, then the answers' embeddings under the semantic layer's embedder."""
+        async def embed(texts: Sequence[str]) -> np.ndarray:
+            if self.semantic is None:
+                raise NotReady("the semantic layer is off")
+            return await self.semantic.embed_many(texts)
+
+        return FirstVerdict(EqualityLabeler(), AnswerEmbeddingLabeler(embed, self.settings.semantic.label_answer_bar))
+
+    def keeps_prompts(self, tenant_id: str) -> bool:
+        """Whether the tenant's plan lets the decision log keep its query text."""
+        tenant = self.tenants.get(tenant_id)
+        return tenant.plan.log_prompts if tenant else False
 
     def _model_health(self) -> Health:
         if self.ready:
@@ -275,8 +304,12 @@ class Runtime:
         self.access_log.flush()
         try:
             await self.inflight.drain(SHUTDOWN_GRACE_S)
+            if self.labels is not None:
+                await self.labels.drain()
             await self.engine.close()
         finally:
+            if self.decisions is not None:
+                await asyncio.to_thread(self.decisions.close)  # writes what is pending
             try:
                 if self.fleet is not None and self.fleet.vectors is not None:
                     await self.fleet.vectors.close()  # stop applying the fleet's vectors before the index closes

@@ -75,6 +75,8 @@ class Lookup(msgspec.Struct, frozen=True):
     When candidates were there but none served: ``refusal`` says why (``below_threshold``, ``below_cut``,
     ``veto:<rule>`` or ``guard:<rule>``) and ``refused_by_guard`` is the guard's reason when a rule fired on the
     refused candidate. ``score`` is the verifier's score of the best candidate (None under a threshold rule).
+    ``candidate`` is the entry the decision was about: the hit, or the refused nearest candidate (the decision log
+    records it, and a miss labels it against the fresh answer).
     """
 
     vector: np.ndarray | None
@@ -83,6 +85,7 @@ class Lookup(msgspec.Struct, frozen=True):
     similarity: float | None = None
     score: float | None = None
     refusal: str | None = None
+    candidate: SemanticHit | None = None
 
 
 class MatchRule(msgspec.Struct, frozen=True):
@@ -232,17 +235,16 @@ class SemanticCache:
         if not found:
             return Lookup(vector=vector)
         best = found[0]
+        candidate = SemanticHit(similarity=best.similarity, store_key=best.store_key, vector_key=best.vector_key)
         threshold = rule.threshold if rule.threshold is not None else 1.0
         if best.similarity < threshold:
-            return Lookup(vector=vector, similarity=best.similarity, refusal="below_threshold")
+            return Lookup(vector=vector, similarity=best.similarity, refusal="below_threshold", candidate=candidate)
         verdict = check(query, best.text, self._guard_rules)
         if not verdict.allowed:
             reason = verdict.reason or "guard"
             return Lookup(vector=vector, similarity=best.similarity, refused_by_guard=reason,
-                          refusal="guard:" + reason.split(":", 1)[0])
-        return Lookup(vector=vector, similarity=best.similarity,
-                      hit=SemanticHit(similarity=best.similarity, store_key=best.store_key,
-                                      vector_key=best.vector_key))
+                          refusal="guard:" + reason.split(":", 1)[0], candidate=candidate)
+        return Lookup(vector=vector, similarity=best.similarity, hit=candidate, candidate=candidate)
 
     def _by_verifier(self, query: str, found: list[Candidate], rule: MatchRule, vector: np.ndarray) -> Lookup:
         if not found:
@@ -251,12 +253,14 @@ class SemanticCache:
         judged = self.verifier.judge(query, [(c.text, c.similarity) for c in found],
                                      self.verifier.cut(rule.target_false_hit_rate, query))
         if judged.chosen is None:
-            return Lookup(vector=vector, similarity=found[0].similarity, score=judged.score, refusal=judged.refusal,
-                          refused_by_guard=judged.rule)
+            nearest = found[0]
+            return Lookup(vector=vector, similarity=nearest.similarity, score=judged.score, refusal=judged.refusal,
+                          refused_by_guard=judged.rule,
+                          candidate=SemanticHit(similarity=nearest.similarity, store_key=nearest.store_key,
+                                                vector_key=nearest.vector_key))
         chosen = found[judged.chosen]
-        return Lookup(vector=vector, similarity=chosen.similarity, score=judged.score,
-                      hit=SemanticHit(similarity=chosen.similarity, store_key=chosen.store_key,
-                                      vector_key=chosen.vector_key))
+        hit = SemanticHit(similarity=chosen.similarity, store_key=chosen.store_key, vector_key=chosen.vector_key)
+        return Lookup(vector=vector, similarity=chosen.similarity, score=judged.score, hit=hit, candidate=hit)
 
     async def remember(self, tenant: str, scenario: str, probe: Probe, vector: np.ndarray, store_key: str) -> None:
         await self._on_disk("vector not indexed", None, True, self.index.add, tenant,

@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -206,6 +206,15 @@ class SemanticSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     verifier_params: Annotated[str | None, _help(
         "A verifier parameter file written by scripts/fit_verifier.py; unset means the one the package ships.")] \
         = None
+    decision_log_bytes: Annotated[ByteSize, _help(
+        "Byte budget of the decision log (every semantic decision and its label, JSON lines under "
+        "<data_dir>/decisions/, read by `edgecache tune`); rotated, oldest file first; 0 turns it off.")] \
+        = ByteSize(64 * 2**20)
+    decision_log_files: Annotated[int, Meta(ge=1, le=1000), _help(
+        "How many files the decision log rotates through (each holds decision_log_bytes / files).")] = 8
+    label_answer_bar: Annotated[float, Meta(gt=0.0, le=1.0), _help(
+        "Cosine of two answers' embeddings at or above which a refused candidate's cached answer is labelled as "
+        "serving the query (a label from a miss: the fresh answer against the candidate's).")] = 0.95
 
 
 class ScenarioSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -319,7 +328,8 @@ def pick_profile(gpu_memory_gb: float) -> str:
 
 # Variables of the command line, not settings: the profile's name, and the server the client verbs (stats,
 # flush, warmup) talk to with its admin key. An operator exports them in the same shell as the settings.
-NOT_OVERRIDES = frozenset({ENV_PREFIX + "PROFILE", ENV_PREFIX + "URL", ENV_PREFIX + "ADMIN_KEY"})
+NOT_OVERRIDES = frozenset({ENV_PREFIX + "PROFILE", ENV_PREFIX + "URL", ENV_PREFIX + "ADMIN_KEY",
+                           ENV_PREFIX + "OVERLAY"})
 
 
 def env_overrides(environ: Mapping[str, str]) -> dict[str, str]:
@@ -342,17 +352,47 @@ def _apply(table: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
-def resolve_settings(profile: str | None = None, overrides: Mapping[str, Any] | None = None,
-                     environ: Mapping[str, str] | None = None) -> Settings:
-    """Profile (named, from ``EDGECACHE_PROFILE``, or picked for this machine) + env + ``overrides`` -> Settings.
+def read_overlay(path: str | Path) -> dict[str, Any]:
+    """A settings overlay: a TOML file of any part of the settings tree (``edgecache tune --write`` writes one of
+    per-scenario thresholds), merged over the profile table by table."""
+    path = Path(path)
+    if not path.is_file():
+        raise SettingsError(f"overlay file not found: {path}")
+    try:
+        table = msgspec.toml.decode(path.read_bytes())
+    except msgspec.DecodeError as exc:
+        raise SettingsError(f"overlay {path} is not valid TOML: {exc}") from exc
+    if not isinstance(table, dict):
+        raise SettingsError(f"overlay {path} must be a TOML table")
+    return table
 
-    ``overrides`` are dotted paths (``{"server.port": 9000}``); ``None`` values are ignored so CLI flags that
-    were not given fall through to the environment and the profile.
+
+def _merge(table: dict[str, Any], overlay: Mapping[str, Any]) -> None:
+    """Merge ``overlay`` into ``table``: tables merge key by key, any other value replaces."""
+    for key, value in overlay.items():
+        if isinstance(value, Mapping) and isinstance(table.get(key), dict):
+            _merge(table[key], value)
+        else:
+            table[key] = dict(value) if isinstance(value, Mapping) else value
+
+
+def resolve_settings(profile: str | None = None, overrides: Mapping[str, Any] | None = None,
+                     environ: Mapping[str, str] | None = None, overlays: Sequence[str | Path] = ()) -> Settings:
+    """Profile (named, from ``EDGECACHE_PROFILE``, or picked for this machine) + overlays + env + ``overrides``
+    -> Settings.
+
+    ``overlays`` are TOML files merged over the profile in order (:func:`read_overlay`); ``EDGECACHE_OVERLAY``
+    names one when none is given. ``overrides`` are dotted paths (``{"server.port": 9000}``); ``None`` values are
+    ignored so CLI flags that were not given fall through to the environment and the profile.
     """
     environ = os.environ if environ is None else environ
     name = profile or environ.get(ENV_PREFIX + "PROFILE") or pick_profile(visible_gpu_memory_gb())
     table = read_profile(name)
     table.setdefault("profile", Path(name).stem)
+    if not overlays and environ.get(ENV_PREFIX + "OVERLAY"):
+        overlays = [environ[ENV_PREFIX + "OVERLAY"]]
+    for overlay in overlays:
+        _merge(table, read_overlay(overlay))
     for dotted, value in env_overrides(environ).items():
         _apply(table, dotted, value)
     for dotted, value in (overrides or {}).items():

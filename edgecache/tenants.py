@@ -53,6 +53,9 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     """Most of the tenant's misses computing at once (unset: only the profile's global limit)."""
     policies: tuple[Policy, ...] = ALL_POLICIES
     """The cache policies the tenant may ask for."""
+    log_prompts: bool = False
+    """Keep the tenant's query text in the decision log (for `edgecache tune` and audits); off, the log holds a
+    keyed hash of it and the scores only."""
 
 
 class TenantEntry(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

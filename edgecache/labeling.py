@@ -1,0 +1,156 @@
+"""Labels: whether a cached answer serves a query, told by comparing it with the answer the engine computed fresh.
+
+A :class:`Labeler` compares two answer texts for one request and says True (the cached answer serves), False
+(it does not) or None (it cannot tell). Two ship:
+
+- :class:`EqualityLabeler`: for greedy (temperature-0) requests, the same text up to whitespace is the same answer.
+  A different text is not called wrong by it (a paraphrase can reword a correct answer); it says None and leaves
+  the call to the next labeler.
+- :class:`AnswerEmbeddingLabeler`: the two answers' cosine under the semantic layer's own embedder, True at or above
+  a high bar (0.95 by default), False below it. The bar is high on purpose: a label feeds a false-hit target of
+  about 1 %, so a wrong "good" (it hides a false hit and lets ``tune`` lower the cut) costs far more than a wrong
+  "bad" (it only keeps the cut a little higher). Two answers on one topic that say different things (another
+  amount, another city, yes against no) still sit around 0.85-0.93 on a sentence embedder; only near-identical
+  wording clears 0.95.
+
+:class:`FirstVerdict` chains them: equality first, then embeddings.
+
+The first label source needs no extra engine time: when a lookup refused its nearest candidate and the engine then
+computed the answer, :class:`MissLabels` compares that fresh answer with the candidate's cached one and appends a
+label record to the decision log. It runs after the answer is stored, as a background task (at most ``max_pending``
+at once; past that a label is skipped and counted), and costs one store read and one embedding call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from edgecache.decision_log import DecisionLog
+from edgecache.engines.base import GenerationRequest
+from edgecache.semantic_cache import Lookup
+from edgecache.stores import ResultStore
+
+if TYPE_CHECKING:
+    from edgecache.pipeline import Call
+
+log = logging.getLogger("edgecache")
+
+DEFAULT_ANSWER_BAR = 0.95
+
+
+class Labeler(Protocol):
+    """Tells whether ``cached`` (the answer kept for a similar query) serves ``request`` as ``fresh`` does."""
+
+    name: str
+
+    async def label(self, cached: str, fresh: str, request: GenerationRequest) -> bool | None: ...
+
+
+def normalised(text: str) -> str:
+    return " ".join(text.split())
+
+
+class EqualityLabeler:
+    """Greedy decoding: an identical answer (whitespace aside) is a right one. Anything else: cannot tell."""
+
+    name = "equality"
+
+    async def label(self, cached: str, fresh: str, request: GenerationRequest) -> bool | None:
+        if request.params.temperature != 0.0:
+            return None  # a sampled answer differs from call to call; equality says nothing
+        return True if normalised(cached) == normalised(fresh) else None
+
+
+class AnswerEmbeddingLabeler:
+    """Cosine of the two answers' embeddings at or above ``bar``: True; below: False. ``embed`` embeds texts
+    (off the event loop: the semantic layer's embedding thread)."""
+
+    name = "answer-embedding"
+
+    def __init__(self, embed: Callable[[Sequence[str]], Awaitable[np.ndarray]], bar: float = DEFAULT_ANSWER_BAR
+                 ) -> None:
+        self.embed = embed
+        self.bar = bar
+
+    async def label(self, cached: str, fresh: str, request: GenerationRequest) -> bool | None:
+        if not cached.strip() or not fresh.strip():
+            return None
+        if normalised(cached) == normalised(fresh):
+            return True
+        vectors = np.asarray(await self.embed([cached, fresh]), dtype=np.float32)
+        a, b = vectors[0], vectors[1]
+        cosine = float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-12))
+        return cosine >= self.bar
+
+
+class FirstVerdict:
+    """The first labeler that can tell decides; ``name`` is recorded as the label's source."""
+
+    def __init__(self, *labelers: Labeler) -> None:
+        self.labelers = labelers
+        self.name = "+".join(labeler.name for labeler in labelers)
+
+    async def label(self, cached: str, fresh: str, request: GenerationRequest) -> bool | None:
+        for labeler in self.labelers:
+            verdict = await labeler.label(cached, fresh, request)
+            if verdict is not None:
+                return verdict
+        return None
+
+
+class MissLabels:
+    """Labels a refused candidate against the answer the engine computed instead, in the background.
+
+    ``stores`` gives a tenant's result store; ``observe(tenant, scenario, decision, good)`` counts each label (the
+    metrics). ``labelled`` / ``skipped`` count labels written and labels skipped for a full queue.
+    """
+
+    def __init__(self, *, stores: Callable[[str], ResultStore], labeler: Labeler, decisions: DecisionLog,
+                 observe: Callable[[str, str, str, bool], None] | None = None, max_pending: int = 8) -> None:
+        self.stores = stores
+        self.labeler = labeler
+        self.decisions = decisions
+        self.observe = observe
+        self.max_pending = max_pending
+        self.labelled = 0
+        self.skipped = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def after_miss(self, call: Call, decision_id: str, lookup: Lookup, fresh: str) -> None:
+        """Schedule the label of ``lookup``'s refused candidate (nothing when it served or had none)."""
+        if lookup.hit is not None or lookup.candidate is None or lookup.refusal is None:
+            return
+        if len(self._tasks) >= self.max_pending:
+            self.skipped += 1
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._label(call, decision_id, lookup.candidate.store_key, fresh), name="label")
+        self._tasks.add(task)  # held: the loop keeps only weak references to tasks
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("labelling a refused candidate failed", exc_info=task.exception())
+
+    async def _label(self, call: Call, decision_id: str, store_key: str, fresh: str) -> None:
+        cached = await self.stores(call.tenant).get(store_key)
+        if cached is None:
+            return  # the candidate's answer is gone: nothing to compare
+        good = await self.labeler.label(cached.text, fresh, call.request)
+        if good is None:
+            return
+        self.decisions.labelled(decision_id, good, self.labeler.name)
+        self.labelled += 1
+        if self.observe is not None:
+            self.observe(call.tenant, call.scenario, "refused", good)
+
+    async def drain(self) -> None:
+        """Wait for the labels under way (shutdown: before the decision log closes)."""
+        while self._tasks:
+            await asyncio.wait(list(self._tasks))

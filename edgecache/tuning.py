@@ -1,0 +1,151 @@
+"""`edgecache tune`: replay a decision log, join its labels to their decisions, and find per tenant and scenario the
+lowest similarity cut that meets a false-hit target with a confidence bound.
+
+For a cut ``c``, the labelled decisions whose candidate's similarity is at least ``c`` are the ones the cut would
+have served; the bad labels among them are its false hits. The cut is accepted when the one-sided Wilson upper
+bound of that false-hit rate (at ``confidence``, 95 % by default) is at most the target; the lowest accepted cut is
+reported, with the hit rate it would have given (the share of all logged lookups of the group whose candidate is at
+least that similar) and how many labels back it.
+
+Labels from misses sit below the cut that was running (the refused candidates), so on such a log the estimate for
+a lower cut is drawn from exactly the band it would add; an above-cut hit is labelled only when it was explored.
+
+Pure functions over records, so the CLI and tests share them; :func:`overlay_toml` writes the per-scenario
+``threshold`` overlay that ``edgecache serve --overlay FILE`` loads on top of the profile.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from statistics import NormalDist
+
+import msgspec
+
+from edgecache.decision_log import DecisionRecord, LabelRecord, Record
+
+ALL = "*"
+
+
+def wilson_upper(bad: int, n: int, confidence: float = 0.95) -> float:
+    """One-sided Wilson score upper bound of a rate seen as ``bad`` of ``n`` (1.0 with no observations).
+    ``confidence`` 0 gives the plain rate."""
+    if n <= 0:
+        return 1.0
+    p = bad / n
+    if confidence <= 0:
+        return p
+    z = NormalDist().inv_cdf(confidence)
+    z2 = z * z
+    centre = p + z2 / (2 * n)
+    spread = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    return min(1.0, (centre + spread) / (1 + z2 / n))
+
+
+class Sample(msgspec.Struct, frozen=True):
+    similarity: float
+    good: bool
+
+
+class Group(msgspec.Struct, kw_only=True):
+    """One (tenant, scenario)'s lookups: how many, the similarities of their candidates, and the labelled ones."""
+
+    tenant: str
+    scenario: str
+    lookups: int = 0
+    similarities: list[float] = msgspec.field(default_factory=list)
+    labelled: list[Sample] = msgspec.field(default_factory=list)
+
+
+class Cut(msgspec.Struct, frozen=True, kw_only=True):
+    tenant: str
+    scenario: str
+    lookups: int
+    labels: int            # labelled decisions in the group
+    cut: float | None      # None: no cut meets the target with the labels there are
+    false_hit_rate: float | None = None    # among the labelled decisions at or above the cut
+    false_hit_upper: float | None = None   # its upper bound
+    backing: int = 0       # labelled decisions at or above the cut
+    hit_rate: float | None = None          # share of the group's lookups the cut would have served
+
+
+def join(records: Iterable[Record], *, tenant: str | None = None, scenario: str | None = None,
+         pooled: bool = True, progress: Callable[[], None] | None = None) -> dict[tuple[str, str], Group]:
+    """Decisions by (tenant, scenario) with their labels joined (a decision's last label wins). With ``pooled``,
+    every scenario also gets a group over all the selected tenants, under tenant ``*``."""
+    decisions: dict[str, DecisionRecord] = {}
+    labels: dict[str, bool] = {}
+    for record in records:
+        if progress is not None:
+            progress()
+        if isinstance(record, DecisionRecord):
+            if (tenant is None or record.tenant == tenant) and (scenario is None or record.scenario == scenario):
+                decisions[record.id] = record
+        elif isinstance(record, LabelRecord):
+            labels[record.id] = record.good
+    groups: dict[tuple[str, str], Group] = {}
+    for record in decisions.values():
+        names = [(record.tenant, record.scenario)] + ([(ALL, record.scenario)] if pooled else [])
+        good = labels.get(record.id)
+        for name in names:
+            group = groups.get(name)
+            if group is None:
+                group = groups[name] = Group(tenant=name[0], scenario=name[1])
+            group.lookups += 1
+            if record.similarity is not None:
+                group.similarities.append(record.similarity)
+                if good is not None:
+                    group.labelled.append(Sample(record.similarity, good))
+    return groups
+
+
+def lowest_cut(group: Group, *, target: float, confidence: float = 0.95) -> Cut:
+    """The lowest similarity cut whose false-hit bound among the labelled decisions at or above it is within
+    ``target``."""
+    labelled = sorted(group.labelled, key=lambda s: -s.similarity)
+    best: tuple[float, int, int] | None = None  # cut, bad, n
+    bad = n = 0
+    i = 0
+    while i < len(labelled):
+        value = labelled[i].similarity
+        while i < len(labelled) and labelled[i].similarity == value:  # ties enter together
+            bad += not labelled[i].good
+            n += 1
+            i += 1
+        if wilson_upper(bad, n, confidence) <= target:
+            best = (value, bad, n)
+    if best is None:
+        return Cut(tenant=group.tenant, scenario=group.scenario, lookups=group.lookups, labels=len(labelled),
+                   cut=None)
+    cut, bad, n = best
+    served = sum(1 for s in group.similarities if s >= cut)
+    return Cut(tenant=group.tenant, scenario=group.scenario, lookups=group.lookups, labels=len(labelled), cut=cut,
+               false_hit_rate=bad / n, false_hit_upper=wilson_upper(bad, n, confidence), backing=n,
+               hit_rate=served / group.lookups if group.lookups else 0.0)
+
+
+def tune(records: Iterable[Record], *, target: float = 0.01, confidence: float = 0.95, tenant: str | None = None,
+         scenario: str | None = None, progress: Callable[[], None] | None = None) -> list[Cut]:
+    """:func:`lowest_cut` for every group of :func:`join`, the pooled ``*`` groups first within a scenario."""
+    groups = join(records, tenant=tenant, scenario=scenario, progress=progress)
+    order = sorted(groups, key=lambda key: (key[1], key[0] != ALL, key[0]))
+    return [lowest_cut(groups[key], target=target, confidence=confidence) for key in order]
+
+
+def overlay_toml(cuts: Iterable[Cut]) -> str:
+    """The settings overlay of the pooled cuts: ``[scenarios.NAME] threshold = ...`` per scenario that has one.
+    Cuts are rounded up to 4 decimals (rounding down could admit a labelled false hit)."""
+    lines = ["# Written by `edgecache tune`: per-scenario similarity thresholds, loaded by",
+             "# `edgecache serve --overlay FILE` on top of the profile.", ""]
+    for cut in cuts:
+        if cut.tenant != ALL or cut.cut is None:
+            continue
+        value = math.ceil(cut.cut * 10_000 - 1e-9) / 10_000
+        lines += [f"# {cut.labels} labels, {cut.backing} at or above the cut, false hits <= "
+                  f"{cut.false_hit_upper:.4f}, hit rate {cut.hit_rate:.3f}",
+                  f"[scenarios.{_toml_key(cut.scenario)}]", f"threshold = {value:.4f}", ""]
+    return "\n".join(lines)
+
+
+def _toml_key(name: str) -> str:
+    return name if name.replace("-", "").replace("_", "").isalnum() else msgspec.json.encode(name).decode()
