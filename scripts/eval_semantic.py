@@ -21,7 +21,20 @@ oracle).
 Latency: the first ``--latency-lookups`` lookups are also run one at a time the way the server does (embed one text,
 search, verify) and their p50 / p99 reported, with the share that paid for a second stage (none ships yet).
 
-The last line printed is one JSON object: n, hit_rate, false_hit_rate, threshold, embedder, hit_rate_at_1pct,
+  --stream         (with --pairs or --intents) the online learner (:mod:`edgecache.semantic_learner`) on a stream:
+                   every text of the set once, in seeded random order, against a cache that starts empty and grows
+                   (a lookup not served is computed and stored, as in production). A label (was the nearest
+                   candidate's answer right?) is revealed only where production has one: when the learner explores
+                   or misses (the engine computed the answer anyway). Who answers whom: pairs TSV, texts joined by
+                   label-1 pairs (transitively) except a pair labelled 0, never another pair's text; GPTCache's JSON,
+                   the same origin; intents, the same intent, out-of-scope never. Beside it on the same stream: the
+                   shipped static rule (scenario threshold + guard) and the static oracle (the best fixed cosine cut
+                   with hindsight, simulated on the stream, at <= the learner's false-hit rate). Rates are shares of
+                   all lookups. Last line: n, hit_rate, false_hit_rate, explorations, exploration_share, labels,
+                   demoted, oracle_hit_rate, oracle_threshold, ratio_to_oracle, oracle_hit_rate_at_target,
+                   static_hit_rate, static_false_hit_rate, static_threshold, target_false_hit_rate, embedder, seed.
+
+Otherwise the last line printed is one JSON object: n, hit_rate, false_hit_rate, threshold, embedder, hit_rate_at_1pct,
 baseline_hit_rate_at_1pct, baseline_threshold_at_1pct, oos_hit_rate (intent sets with out-of-scope rows, else
 null), target_false_hit_rate, candidates, lookup_p50_ms, lookup_p99_ms, second_stage_share.
 
@@ -253,6 +266,191 @@ def measure_latency(cases: list[Case], emb: Embedder, verifier: Verifier | None,
     return out
 
 
+# ---- the stream protocol (--stream): a cache that grows, labels only where production has them ----
+
+
+class Stream(msgspec.Struct):
+    """The texts of a set in seeded random order, and who answers whom: ``group[i] == group[j]`` (both >= 0) means
+    text j's cached answer serves text i, unless the pair is one the set labels different (``different``)."""
+
+    texts: list[str]
+    group: list[int]
+    different: set[tuple[int, int]]
+    name: str = ""
+
+
+def stream_of(kind: str, path: Path, *, seed: int, limit: int, splits: set[str] | None = None) -> Stream:
+    """Ground truth per protocol.
+
+    Pairs TSV: every distinct text of the first ``limit`` pairs is looked up once; texts joined by label-1 pairs
+    (transitively) serve each other, except a pair the set labels 0; a text of another pair never does.
+    GPTCache's JSON: origins and similars of the first ``limit`` pairs; a text serves another iff they share the
+    origin. Intents: the first ``limit`` texts of a seeded shuffle; same intent serves, out-of-scope never does.
+    """
+    edges: list[tuple[str, str, bool]] = []
+    labelled: list[tuple[str, str | None]] = []
+    if kind == "pairs" and path.suffix == ".json":
+        data = json.loads(path.read_text(encoding="utf-8"))
+        edges = [(d["origin"], d["similar"], True) for d in data[:limit or None]]
+    elif kind == "pairs":
+        edges = read_pairs_tsv(path)[:limit or None]
+    else:
+        items = read_intents(path, splits)
+        random.Random(seed).shuffle(items)
+        labelled = [(t, None if i == "oos" else i) for t, i in items[:limit or None]]
+    if edges:
+        parent: dict[str, str] = {}
+
+        def root(t: str) -> str:
+            while parent.setdefault(t, t) != t:
+                parent[t] = parent[parent[t]]
+                t = parent[t]
+            return t
+
+        for a, b, same in edges:
+            root(a), root(b)
+            if same:
+                parent[root(a)] = root(b)
+        names = {r: n for n, r in enumerate(sorted({root(t) for t in parent}))}
+        labelled = [(t, str(names[root(t)])) for t in sorted(parent)]
+        random.Random(seed).shuffle(labelled)
+    texts = [t for t, _ in labelled]
+    ids = {g: n for n, g in enumerate(sorted({g for _, g in labelled if g is not None}))}
+    group = [-1 if g is None else ids[g] for _, g in labelled]
+    position = {t: i for i, t in enumerate(texts)}
+    different = set()
+    for a, b, same in edges:
+        if not same:
+            different |= {(position[a], position[b]), (position[b], position[a])}
+    return Stream(texts, group, different, path.name)
+
+
+def right_answer(stream: Stream, query: int, cached: int) -> bool:
+    g = stream.group[query]
+    return g >= 0 and g == stream.group[cached] and (query, cached) not in stream.different
+
+
+class StreamResult(msgspec.Struct):
+    lookups: int
+    hits: int = 0
+    false_hits: int = 0
+    explorations: int = 0
+    labels: int = 0
+    demoted: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / max(self.lookups, 1)
+
+    @property
+    def false_hit_rate(self) -> float:
+        return self.false_hits / max(self.lookups, 1)
+
+
+def run_stream(stream: Stream, sim: np.ndarray, decide, record=None) -> StreamResult:
+    """Look the texts up in order against a cache that grows: a lookup not served is computed and stored. ``decide``
+    (query, candidate, similarity) -> serve | explore | miss; on explore or miss the pair's label is revealed to
+    ``record`` (on a miss the engine computed the answer anyway, so comparing it with the candidate's is free)."""
+    out = StreamResult(lookups=len(stream.texts))
+    stored = np.zeros(len(stream.texts), dtype=np.int64)
+    n_stored = 0
+    for i in range(len(stream.texts)):
+        if n_stored:
+            row = sim[i, stored[:n_stored]]
+            best = int(np.argmax(row))
+            j, s = int(stored[best]), float(row[best])
+            action = decide(i, j, s)
+            if action == "serve":
+                if right_answer(stream, i, j):
+                    out.hits += 1
+                else:
+                    out.false_hits += 1
+                continue
+            if action == "explore":
+                out.explorations += 1
+            if record is not None:
+                record(i, j, s, right_answer(stream, i, j))
+                out.labels += 1
+        stored[n_stored] = i
+        n_stored += 1
+    return out
+
+
+def stream_main(args: argparse.Namespace, kind: str, path: Path) -> dict:
+    """--stream: the learner (:mod:`edgecache.semantic_learner`) against the shipped static rule and the static
+    oracle on the same stream. Rates are shares of all lookups."""
+    from edgecache.semantic_learner import SemanticLearner
+
+    settings = resolve_settings(args.profile, {}, environ={})
+    scenario = settings.scenarios.get(args.scenario) or settings.scenarios["default"]
+    target = args.target if args.target is not None else 0.01
+    emb = load_embedder(args.embedder or settings.semantic.embedder, threads=1)
+    shipped = scenario.threshold if scenario.threshold is not None else default_threshold(emb.version, args.scenario)
+    rules = [] if args.rules == "none" else [r for r in args.rules.split(",") if r]
+    t0 = time.perf_counter()
+    stream = stream_of(kind, path, seed=args.seed, limit=args.limit,
+                       splits=set(args.splits.split(",")) if args.splits else None)
+    vectors = embed_all(emb, stream.texts)
+    sim = vectors @ vectors.T
+    embedded = time.perf_counter() - t0
+
+    learner = SemanticLearner(prior_cut=shipped, seed=args.seed, explore_share=args.explore_share)
+    scn = args.scenario
+
+    def learner_decide(i: int, j: int, s: float) -> str:
+        return learner.decide("eval", scn, str(j), s, target).action
+
+    def learner_record(i: int, j: int, s: float, correct: bool) -> None:
+        learner.record("eval", scn, str(j), s, correct)
+
+    learned = run_stream(stream, sim, learner_decide, learner_record)
+    learned.demoted = learner.demoted
+    static = run_stream(stream, sim, lambda i, j, s: "serve" if s >= shipped - 1e-9 and guard.check(
+        stream.texts[i], stream.texts[j], rules).allowed else "miss")
+    cuts = np.round(np.arange(args.oracle_from, 1.0001, args.oracle_step), 4)
+    sweep = [(c, run_stream(stream, sim, lambda i, j, s, c=c: "serve" if s >= c - 1e-9 else "miss")) for c in cuts]
+    allowed = [(r.hit_rate, c, r) for c, r in sweep if r.false_hit_rate <= learned.false_hit_rate + 1e-12]
+    oracle_hit, oracle_cut, oracle = max(allowed, key=lambda x: (x[0], -x[1])) if allowed else (0.0, 1.0, None)
+    at_target = [(r.hit_rate, c) for c, r in sweep if r.false_hit_rate <= target + 1e-12]
+    oracle_target_hit, oracle_target_cut = max(at_target, key=lambda x: (x[0], -x[1])) if at_target else (0.0, 1.0)
+    ratio = learned.hit_rate / oracle_hit if oracle_hit > 0 else None
+    elapsed = time.perf_counter() - t0
+
+    print(f"stream {stream.name}: {learned.lookups} lookups in seeded order (seed {args.seed}), cache grows on every "
+          f"lookup not served; embedder {emb.version}; target {target:.2%}")
+    print(f"{'':34}{'hit rate':>10}{'false hits':>12}{'explored':>10}")
+    print(f"{'learner':34}{learned.hit_rate:10.4f}{learned.false_hit_rate:12.4f}{learned.explorations:10d}"
+          f"   ({learned.labels} labels, {learned.demoted} entries demoted)")
+    print(f"{'shipped static (cos>=%.3f+guard)' % shipped:34}{static.hit_rate:10.4f}{static.false_hit_rate:12.4f}")
+    if oracle is not None:
+        print(f"{'static oracle (cos>=%.3f)' % oracle_cut:34}{oracle.hit_rate:10.4f}{oracle.false_hit_rate:12.4f}"
+              f"   at <= the learner's false hits; learner / oracle "
+              + ("n/a" if ratio is None else f"{ratio:.2f}x"))
+    print(f"{'static oracle at target (cos>=%.3f)' % oracle_target_cut:34}{oracle_target_hit:10.4f}")
+    print(f"({embedded:.1f} s to embed, {elapsed:.1f} s in all)")
+    result = {
+        "n": learned.lookups,
+        "hit_rate": round(learned.hit_rate, 4),
+        "false_hit_rate": round(learned.false_hit_rate, 4),
+        "explorations": learned.explorations,
+        "exploration_share": round(learned.explorations / max(learned.lookups, 1), 4),
+        "labels": learned.labels,
+        "demoted": learned.demoted,
+        "oracle_hit_rate": round(oracle_hit, 4),
+        "oracle_threshold": float(oracle_cut),
+        "ratio_to_oracle": None if ratio is None else round(ratio, 3),
+        "oracle_hit_rate_at_target": round(oracle_target_hit, 4),
+        "static_hit_rate": round(static.hit_rate, 4),
+        "static_false_hit_rate": round(static.false_hit_rate, 4),
+        "static_threshold": shipped,
+        "target_false_hit_rate": target,
+        "embedder": emb.version,
+        "seed": args.seed,
+    }
+    print(json.dumps(result))
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
@@ -274,7 +472,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rules", default=",".join(guard.DEFAULT_RULES),
                    help="guard rules of the --threshold rule, comma-separated, or 'none'")
     p.add_argument("--latency-lookups", type=int, default=200)
+    p.add_argument("--stream", action="store_true",
+                   help="the online learner on a stream against a growing cache (see stream_of)")
+    p.add_argument("--explore-share", type=float, default=0.1, help="--stream: the learner's exploration budget")
+    p.add_argument("--oracle-from", type=float, default=0.5, help="--stream: lowest cosine cut the oracle tries")
+    p.add_argument("--oracle-step", type=float, default=0.005, help="--stream: the oracle's cut step")
     args = p.parse_args(argv)
+    if args.stream:
+        return stream_main(args, *(("pairs", args.pairs) if args.pairs is not None else ("intents", args.intents)))
     rules = [] if args.rules == "none" else [r for r in args.rules.split(",") if r]
 
     settings = resolve_settings(args.profile, {}, environ={})

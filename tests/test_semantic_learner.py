@@ -1,0 +1,212 @@
+"""The online learner of semantic decisions (edgecache/semantic_learner.py): pure, seeded, no clock."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from edgecache.semantic_learner import SemanticLearner
+
+TARGET = 0.01
+
+
+def _far_lookups(learner: SemanticLearner, n: int, *, tenant: str = "t", scenario: str = "s") -> None:
+    """Lookups whose nearest candidate is far and wrong (a miss, labelled for free): the pool's usual traffic."""
+    for i in range(n):
+        d = learner.decide(tenant, scenario, f"far{i}", 0.3, TARGET)
+        assert d.action == "miss"
+        learner.record(tenant, scenario, f"far{i}", 0.3, False)
+
+
+def _confident_pool(learner: SemanticLearner, *, tenant: str = "t", scenario: str = "s") -> None:
+    """A pool that has seen many right answers at 0.95 (from other entries) and many far wrong ones."""
+    for i in range(300):
+        learner.decide(tenant, scenario, f"far{i}", 0.3, TARGET)
+        learner.record(tenant, scenario, f"far{i}", 0.3, False)
+        if i % 3 == 0:
+            learner.record(tenant, scenario, f"near{i}", 0.95, True)
+
+
+def test_an_unsure_candidate_is_explored_not_served() -> None:
+    learner = SemanticLearner(prior_cut=0.9)
+    _far_lookups(learner, 50)
+    d = learner.decide("t", "s", "new", 0.95, TARGET)
+    # Above the static prior cut, so the point estimate would serve, but no label backs it: compute fresh.
+    assert d.error <= d.cut < d.bound
+    assert d.action == "explore" and d.reason == "unsure"
+
+
+def test_a_new_entry_in_a_confident_pool_is_served_without_exploring() -> None:
+    learner = SemanticLearner(prior_cut=0.9, audit_share=0.0)
+    _confident_pool(learner)
+    d = learner.decide("t", "s", "brand-new", 0.95, TARGET)
+    assert d.action == "serve" and d.reason == "confident"
+
+
+def test_a_far_candidate_is_a_miss() -> None:
+    learner = SemanticLearner(prior_cut=0.9)
+    _confident_pool(learner)
+    d = learner.decide("t", "s", "x", 0.3, TARGET)
+    assert d.action == "miss" and d.reason == "above_cut"
+
+
+def test_an_entry_with_wrong_labels_stops_being_served() -> None:
+    learner = SemanticLearner(prior_cut=0.9, audit_share=0.0, demote_after=2)
+    _confident_pool(learner)
+    assert learner.decide("t", "s", "bad", 0.96, TARGET).action == "serve"
+    learner.record("t", "s", "bad", 0.96, False)
+    learner.record("t", "s", "bad", 0.97, False)
+    assert learner.is_demoted("t", "s", "bad")
+    for s in (0.96, 0.99, 1.0):
+        d = learner.decide("t", "s", "bad", s, TARGET)
+        assert d.action == "miss" and d.reason == "demoted"
+    # Other entries of the pool are still served; forgetting the entry lifts the demotion.
+    assert learner.decide("t", "s", "good", 0.96, TARGET).action == "serve"
+    learner.forget("t", "s", "bad")
+    assert not learner.is_demoted("t", "s", "bad")
+
+
+def test_one_wrong_label_already_lowers_what_the_entry_is_trusted_with() -> None:
+    learner = SemanticLearner(prior_cut=0.9, audit_share=0.0, demote_after=99)
+    _confident_pool(learner)
+    before = learner.decide("t", "s", "e", 0.95, TARGET)
+    learner.record("t", "s", "e", 0.97, False)
+    after = learner.decide("t", "s", "e", 0.95, TARGET)
+    assert before.action == "serve"
+    assert after.error > before.error
+
+
+def test_labels_of_one_tenant_do_not_move_another_tenants_decisions() -> None:
+    learner = SemanticLearner(prior_cut=0.9, audit_share=0.0)
+    _confident_pool(learner, tenant="a")
+    _confident_pool(learner, tenant="b")
+    learner.record("a", "s", "shared-key", 0.96, False)
+    learner.record("a", "s", "shared-key", 0.96, False)
+    assert learner.is_demoted("a", "s", "shared-key")
+    assert not learner.is_demoted("b", "s", "shared-key")
+    assert learner.decide("b", "s", "shared-key", 0.96, TARGET).action == "serve"
+
+
+def test_exploration_stays_within_its_budget() -> None:
+    learner = SemanticLearner(prior_cut=0.9, explore_share=0.1, explore_allowance=5)
+    rng = random.Random(1)
+    explored = 0
+    for i in range(2000):
+        s = rng.uniform(0.5, 1.0)
+        d = learner.decide("t", "s", f"e{i}", s, TARGET)  # every entry new: unsure wherever it would serve
+        explored += d.action == "explore"
+        assert explored <= 0.1 * (i + 1) + 5
+        if d.action != "serve":
+            learner.record("t", "s", f"e{i}", s, s >= 0.8)
+    assert explored > 0
+
+
+def test_switched_off_exploration_never_explores() -> None:
+    off, on = SemanticLearner(prior_cut=0.9, audit_share=0.5), SemanticLearner(prior_cut=0.9, audit_share=0.5)
+    for learner in (off, on):
+        _far_lookups(learner, 200)
+    actions_off = [off.decide("t", "s", f"n{i}", 0.95, TARGET, may_explore=False).action for i in range(20)]
+    actions_on = [on.decide("t", "s", f"n{i}", 0.95, TARGET).action for i in range(20)]
+    assert "explore" not in actions_off
+    # Unsure without exploration: decided on the point estimate (served), so shedding load saves engine time.
+    assert actions_off[0] == "serve"
+    # The same lookups with exploration allowed are explored: the switch is what made the difference.
+    assert actions_on[0] == "explore"
+
+
+def test_memory_per_entry_and_entries_are_bounded() -> None:
+    learner = SemanticLearner(entry_labels=8, max_entries=10)
+    for i in range(100):
+        learner.record("t", "s", "one", 0.9, i % 2 == 0)
+    assert len(learner.entry_labels_of("t", "s", "one")) == 8
+    for i in range(50):
+        learner.record("t", "s", f"e{i}", 0.9, True)
+    assert learner.entries == 10
+    assert learner.entry_labels_of("t", "s", "e0") == []  # least recently used went first
+
+
+def _stream(seed: int, correct_of, n: int = 4000, entries: int = 300) -> tuple[float, float, float]:
+    """Lookups at uniform similarities in [0.5, 1]; returns (hit rate, false-hit rate, exploration share)."""
+    rng = random.Random(seed)
+    learner = SemanticLearner(prior_cut=0.9, seed=seed)
+    hits = false_hits = explored = 0
+    for _ in range(n):
+        s = rng.uniform(0.5, 1.0)
+        entry = f"e{rng.randrange(entries)}"
+        ok = correct_of(s, rng)
+        d = learner.decide("t", "s", entry, s, TARGET)
+        if d.action == "serve":
+            hits += ok
+            false_hits += not ok
+            continue
+        explored += d.action == "explore"
+        learner.record("t", "s", entry, s, ok)
+    return hits / n, false_hits / n, explored / n
+
+
+def test_a_stream_with_a_known_cut_converges_within_the_target() -> None:
+    # Right answers exactly at similarity >= 0.8: the best policy serves 40 % of lookups with no false hit. The
+    # static prior (0.9) would serve 20 %; the learner has to find the lower cut from labels.
+    for seed in range(3):
+        hit_rate, false_hit_rate, explore_share = _stream(seed, lambda s, rng: s >= 0.8)
+        assert false_hit_rate <= TARGET
+        assert hit_rate >= 0.3
+        assert explore_share <= 0.1
+
+
+def test_a_noisy_stream_stays_within_the_target() -> None:
+    # P(right | s) a steep sigmoid around 0.8: serving at any cut costs some false hits; the bound must hold.
+    def noisy(s: float, rng: random.Random) -> bool:
+        return rng.random() < 1.0 / (1.0 + math.exp(-60.0 * (s - 0.8)))
+
+    for seed in range(3):
+        hit_rate, false_hit_rate, _ = _stream(seed, noisy)
+        assert false_hit_rate <= TARGET
+        assert hit_rate >= 0.2
+
+
+# ---- the --stream mode of scripts/eval_semantic.py ----
+
+
+def _eval_semantic():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import eval_semantic
+
+    return eval_semantic
+
+
+def test_stream_ground_truth_of_pairs(tmp_path) -> None:
+    eval_semantic = _eval_semantic()
+    data = tmp_path / "pairs.tsv"
+    data.write_text("a\tb\t1\nb\tc\t1\na\tc\t0\nd\te\t0\n", encoding="utf-8")
+    stream = eval_semantic.stream_of("pairs", data, seed=0, limit=0)
+    assert sorted(stream.texts) == ["a", "b", "c", "d", "e"]
+    at = {t: i for i, t in enumerate(stream.texts)}
+
+    def right(q: str, c: str) -> bool:
+        return eval_semantic.right_answer(stream, at[q], at[c])
+
+    assert right("a", "b") and right("b", "c") and right("c", "b")
+    assert not right("a", "c")  # joined through b, but the set labels this very pair different
+    assert not right("d", "e") and not right("a", "d")
+
+
+def test_the_stream_eval_prints_the_keys(tmp_path, capsys) -> None:
+    import json
+
+    eval_semantic = _eval_semantic()
+    data = tmp_path / "intents.jsonl"
+    rows = [("how do I reset my password", "reset"), ("reset my password please", "reset"),
+            ("I forgot my password", "reset"), ("what is my balance", "balance"), ("show my balance", "balance"),
+            ("how much money do I have", "balance"), ("play some jazz music", "oos")]
+    data.write_text("".join(json.dumps({"text": t, "intent": i}) + "\n" for t, i in rows), encoding="utf-8")
+    result = eval_semantic.main(["--stream", "--intents", str(data), "--scenario", "support", "--oracle-step", "0.05"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last == result
+    for key in ("hit_rate", "false_hit_rate", "explorations", "oracle_hit_rate", "static_hit_rate"):
+        assert key in last
+    assert last["n"] == len(rows)
+    assert 0.0 <= last["false_hit_rate"] <= 1.0 and last["explorations"] >= 0
