@@ -1,4 +1,4 @@
-"""The ``edgecache`` command: serve, warmup, stats, flush, profiles.
+"""The ``edgecache`` command: serve, warmup, stats, flush, tune, profiles.
 
 Flags become dotted overrides of one Settings object (the same road as ``EDGECACHE_*`` variables and the profile).
 """
@@ -22,9 +22,14 @@ ProfileOpt = Annotated[Optional[str], typer.Option(
     "default: picked for this machine.")]
 
 
-def _settings(profile: str | None, overrides: dict[str, Any]):
+OverlayOpt = Annotated[Optional[list[str]], typer.Option(
+    "--overlay", metavar="FILE", envvar="EDGECACHE_OVERLAY", help="A TOML settings overlay merged over the profile "
+    "(e.g. the thresholds `edgecache tune --write` wrote); may be given more than once.")]
+
+
+def _settings(profile: str | None, overrides: dict[str, Any], overlays: list[str] | None = None):
     try:
-        return resolve_settings(profile, overrides)
+        return resolve_settings(profile, overrides, overlays=overlays or ())
     except SettingsError as exc:
         typer.secho(f"error: {exc}", fg="red", err=True)
         raise typer.Exit(2) from exc
@@ -49,13 +54,14 @@ def serve(
     redis: Annotated[Optional[str], typer.Option(
         metavar="URL", help="Share results, flights and vectors with a fleet through this Redis "
         "(store.backend=redis, store.redis_url).")] = None,
+    overlay: OverlayOpt = None,
 ) -> None:
     """Serve the OpenAI API with the caches and the model runtime in this one process."""
     settings = _settings(profile, {"server.host": host, "server.port": port, "data_dir": data_dir,
                                    "engine.model": model, "engine.kind": "openai" if upstream else None,
                                    "engine.upstream_url": upstream, "engine.upstream_key": upstream_key,
                                    "tenants_file": tenants, "store.backend": "redis" if redis else None,
-                                   "store.redis_url": redis})
+                                   "store.redis_url": redis}, overlay)
     if settings.tenants_file is None and not insecure and not _is_loopback(settings.server.host):
         typer.secho(f"error: refusing to serve on {settings.server.host} with no tenants file: anyone who reaches "
                     "it could use the model and read the cache. Give --tenants FILE, or --insecure.",
@@ -293,6 +299,62 @@ def warmup(
         raise typer.Exit(1)
 
 
+@app.command()
+def tune(
+    log: Annotated[str, typer.Argument(help="A decision-log file, or the decisions folder (<data_dir>/decisions).")],
+    target_error: Annotated[float, typer.Option(
+        min=0.0, max=0.5, help="The false-hit rate the cut must meet, as an upper confidence bound.")] = 0.01,
+    confidence: Annotated[float, typer.Option(
+        min=0.0, max=0.9999, help="One-sided confidence of that bound (Wilson); 0 uses the plain rate.")] = 0.95,
+    tenant: Annotated[Optional[str], typer.Option(help="Only this tenant's decisions.")] = None,
+    scenario: Annotated[Optional[str], typer.Option(help="Only this scenario's decisions.")] = None,
+    write: Annotated[Optional[str], typer.Option(
+        metavar="FILE", help="Write the per-scenario cuts as a TOML overlay for `serve --overlay FILE`.")] = None,
+) -> None:
+    """Replay a decision log: per tenant and scenario, the lowest similarity cut whose false-hit rate among the
+    labelled decisions it would serve meets --target-error, the hit rate it would have given, and its labels."""
+    from pathlib import Path
+
+    from edgecache.decision_log import log_files, read_records
+    from edgecache.tuning import ALL, overlay_toml
+    from edgecache.tuning import tune as tune_cuts
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+    from rich.table import Table
+
+    files = log_files(Path(log))
+    if not files:
+        typer.secho(f"error: no decision log at {log}", fg="red", err=True)
+        raise typer.Exit(2)
+    bad_lines = [0]
+    with Progress("replaying", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("replay", total=sum(f.stat().st_size for f in files))
+        records = read_records(Path(log), on_bad_line=lambda *_: bad_lines.__setitem__(0, bad_lines[0] + 1),
+                               on_bytes=lambda n: progress.advance(task, n))
+        cuts = tune_cuts(records, target=target_error, confidence=confidence, tenant=tenant, scenario=scenario)
+    console = Console()
+    table = Table(title=f"Cuts at <= {target_error:.2%} false hits ({confidence:.0%} bound)")
+    for column in ("tenant", "scenario", "lookups", "labels", "cut", "false hits (bound)", "hit rate", "backing"):
+        table.add_column(column, justify="left" if column in ("tenant", "scenario") else "right")
+    for cut in cuts:
+        name = cut.tenant  # "*": every tenant pooled, the row --write uses
+        if cut.cut is None:
+            table.add_row(name, cut.scenario, str(cut.lookups), str(cut.labels), "-", "too few labels", "-", "0")
+        else:
+            table.add_row(name, cut.scenario, str(cut.lookups), str(cut.labels), f"{cut.cut:.4f}",
+                          f"{cut.false_hit_rate:.2%} ({cut.false_hit_upper:.2%})", f"{cut.hit_rate:.1%}",
+                          str(cut.backing))
+    console.print(table)
+    console.print("tenant * pools every tenant's decisions: its cuts are the ones --write writes.")
+    if bad_lines[0]:
+        typer.secho(f"warning: {bad_lines[0]} lines did not decode and were skipped", fg="yellow", err=True)
+    if write is not None:
+        Path(write).write_text(overlay_toml(cuts))
+        written = sum(1 for c in cuts if c.tenant == ALL and c.cut is not None)
+        typer.echo(f"wrote {written} scenario thresholds to {write} (load with: edgecache serve --overlay {write})")
+
+
 @profiles_app.command("list")
 def profiles_list() -> None:
     """The shipped profiles."""
@@ -304,6 +366,7 @@ def profiles_list() -> None:
 def profiles_show(
     name: Annotated[str, typer.Argument(help="Profile name or .toml path.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the settings and the split as JSON.")] = False,
+    overlay: OverlayOpt = None,
 ) -> None:
     """The resolved settings of a profile (with EDGECACHE_* overrides applied) and the GPU memory split they imply:
     weights, KV pool, the KV tokens it buys, the embedder's share and the headroom. Exits 2 when the profile is
@@ -312,7 +375,7 @@ def profiles_show(
 
     from edgecache.hardware import memory_split, split_inputs_missing, split_rows
 
-    settings = _settings(name, {})
+    settings = _settings(name, {}, overlay)
     split = memory_split(settings)
     if as_json:
         import json

@@ -88,12 +88,19 @@ def log_files(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if FILE_PATTERN.match(p.name)) if path.is_dir() else []
 
 
-def read_records(path: Path, on_bad_line: Callable[[Path, int], None] | None = None) -> Iterator[Record]:
+def read_records(path: Path, on_bad_line: Callable[[Path, int], None] | None = None,
+                 on_bytes: Callable[[int], None] | None = None) -> Iterator[Record]:
     """Every record of a log file or folder, in order. A line that does not decode (the tail of a file a crash cut
-    short) is skipped and reported to ``on_bad_line``."""
+    short) is skipped and reported to ``on_bad_line``; ``on_bytes`` hears how many bytes were read, now and then
+    (a progress bar)."""
     for file in log_files(path):
         with file.open("rb") as lines:
+            unreported = 0
             for number, line in enumerate(lines, 1):
+                unreported += len(line)
+                if on_bytes is not None and unreported >= 1 << 20:
+                    on_bytes(unreported)
+                    unreported = 0
                 if not line.strip():
                     continue
                 try:
@@ -101,6 +108,8 @@ def read_records(path: Path, on_bad_line: Callable[[Path, int], None] | None = N
                 except (msgspec.DecodeError, msgspec.ValidationError):
                     if on_bad_line is not None:
                         on_bad_line(file, number)
+            if on_bytes is not None and unreported:
+                on_bytes(unreported)
 
 
 class DecisionLog:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -361,4 +362,5 @@ def build_semantic_cache(settings: Settings, metrics: Metrics, embedder: Embedde
     return SemanticCache(embedder=embedder, index=index, rule_for=rule_for, verifier=verifier,
                          candidates=sem.candidates, cap_for=cap_for, max_batch=sem.batch_max, faults=faults,
                          max_wait_s=sem.batch_wait_ms / 1000, observe_embed=metrics.embed_seconds.observe,
+                         bulk_threads=sem.bulk_threads or os.cpu_count() or 1,
                          observe_search=metrics.semantic_search_seconds.observe)

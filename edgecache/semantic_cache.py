@@ -154,7 +154,7 @@ class SemanticCache:
                  max_batch: int = 32, max_wait_s: float = 0.002, guard_rules: Sequence[str] | None = None,
                  observe_embed: Callable[[float], None] | None = None,
                  observe_search: Callable[[float], None] | None = None,
-                 faults: StorageFaults | None = None) -> None:
+                 faults: StorageFaults | None = None, bulk_threads: int = 1) -> None:
         self.embedder = embedder
         self.index = index
         self.rule_for = rule_for
@@ -165,6 +165,11 @@ class SemanticCache:
         self._observe_search = observe_search
         self._faults = faults
         self._embed_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed")
+        # Bulk embedding (a warmup) gets threads of its own, so lookups never queue behind a warmup's batches; an
+        # embedder that may not run on two threads at once shares the lookups' thread instead.
+        self._bulk_executor = (ThreadPoolExecutor(max_workers=bulk_threads, thread_name_prefix="embed-bulk")
+                               if bulk_threads > 1 and getattr(embedder, "thread_safe", False)
+                               else self._embed_executor)
         # One thread for every index call: SemanticIndex serialises on a lock anyway, and a single thread keeps
         # adds in order with the searches that follow them.
         self._index_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="semantic-index")
@@ -264,14 +269,13 @@ class SemanticCache:
 
     async def embed_many(self, texts: Sequence[str], batch: int = 256) -> np.ndarray:
         """Vectors of many texts (a warmup), in the order given, in batches far larger than a lookup's micro-batch,
-        on the embedding thread (so lookups still interleave between batches). Identical texts are embedded once."""
+        side by side on the bulk threads (lookups keep their own thread). Identical texts are embedded once."""
         # Sorted by length, so a batch's texts pad to similar lengths (about 10 % faster on mixed zh/en lines).
         unique = sorted(dict.fromkeys(texts), key=len)
         loop = asyncio.get_running_loop()
-        parts = []
-        for start in range(0, len(unique), batch):
-            parts.append(await loop.run_in_executor(self._embed_executor, self.embedder.embed,
-                                                    unique[start:start + batch]))
+        parts = await asyncio.gather(*(loop.run_in_executor(self._bulk_executor, self.embedder.embed,
+                                                            unique[start:start + batch])
+                                       for start in range(0, len(unique), batch)))
         vectors = np.concatenate(parts) if parts else np.zeros((0, self.embedder.dim), dtype=np.float32)
         row = {text: i for i, text in enumerate(unique)}
         return vectors[[row[text] for text in texts]] if len(texts) else vectors
@@ -325,5 +329,6 @@ class SemanticCache:
             return
         self._closed = True
         self._embed_executor.shutdown(wait=True)
+        self._bulk_executor.shutdown(wait=True)
         self._index_executor.shutdown(wait=True)
         self.index.close()

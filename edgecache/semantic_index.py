@@ -79,6 +79,7 @@ class SemanticIndex:
         dtype: VectorDType = "f16",
         max_vectors: int = 100_000,
         connectivity: int = 16,
+        expansion_add: int = 64,
         expansion_search: int = 64,
         damaged_dir: str | os.PathLike[str] | None = None,
     ) -> None:
@@ -88,6 +89,7 @@ class SemanticIndex:
         self.dtype: VectorDType = dtype
         self.max_vectors = max_vectors
         self._connectivity = connectivity
+        self._expansion_add = expansion_add
         self._expansion_search = expansion_search
         self._root = Path(data_dir) / _path_part(embedder_version)
         self._root.mkdir(parents=True, exist_ok=True)
@@ -185,7 +187,9 @@ class SemanticIndex:
                 return []
             matches = index.search(vec, min(k, len(index)))
             keys = [int(key) for key in matches.keys]
-            sims = {int(key): 1.0 - float(dist) for key, dist in zip(matches.keys, matches.distances)}
+            # f16 inner products of unit vectors stray past 1 by a few 1e-5: clipped so a similarity stays a cosine.
+            sims = {int(key): min(1.0, max(-1.0, 1.0 - float(dist)))
+                    for key, dist in zip(matches.keys, matches.distances)}
             rows = self._db.execute(
                 f"SELECT key, store_key, text FROM vectors WHERE key IN ({','.join('?' * len(keys))})", keys
             ).fetchall()
@@ -335,11 +339,18 @@ class SemanticIndex:
     def _new_index(self) -> Index:
         from usearch.index import Index
 
+        # Every vector is L2-normalised before it gets here, so the inner product is the cosine without two norms
+        # per distance: about 1.2x faster to build and search. Not for i8, whose inner product is on the
+        # integer scale (usearch normalises i8 only under "cos"). Files saved under either metric load under the
+        # other, since the graph and the vectors are the same.
+        # expansion_add 64 (usearch's default is 128) builds about 1.7x faster; recall@1 of the exact nearest
+        # neighbour on 43k real prompts: 0.98x of 128's (docs/notes/semantic.md).
         return Index(
             ndim=self.dim,
-            metric="cos",
+            metric="ip" if self.dtype == "f16" else "cos",
             dtype=self.dtype,
             connectivity=self._connectivity,
+            expansion_add=self._expansion_add,
             expansion_search=self._expansion_search,
         )
 

@@ -183,6 +183,9 @@ class SemanticSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     device: Annotated[Literal["cpu", "cuda"], _help(
         "Where the ONNX embedder runs (cuda uses onnxruntime's CUDA execution provider).")] = "cpu"
     threads: Annotated[int, Meta(ge=1), _help("CPU threads for one embedding batch.")] = 1
+    bulk_threads: Annotated[int, Meta(ge=0), _help(
+        "Threads that embed a warmup's batches side by side (0: one per core); lookups keep a thread of their "
+        "own. Only for embedders that may run on several threads at once (use-multilingual, the ONNX ones).")] = 0
     vector_dtype: Annotated[Literal["f16", "i8"], _help("How the index stores vectors.")] = "f16"
     max_vectors_per_index: Annotated[int, Meta(ge=1), _help(
         "Most vectors one (tenant, scenario, system prompt) index keeps; the oldest go first.")] = 100_000

@@ -17,7 +17,7 @@ Pure functions over records, so the CLI and tests share them; :func:`overlay_tom
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from statistics import NormalDist
 
 import msgspec
@@ -70,14 +70,12 @@ class Cut(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def join(records: Iterable[Record], *, tenant: str | None = None, scenario: str | None = None,
-         pooled: bool = True, progress: Callable[[], None] | None = None) -> dict[tuple[str, str], Group]:
+         pooled: bool = True) -> dict[tuple[str, str], Group]:
     """Decisions by (tenant, scenario) with their labels joined (a decision's last label wins). With ``pooled``,
     every scenario also gets a group over all the selected tenants, under tenant ``*``."""
     decisions: dict[str, DecisionRecord] = {}
     labels: dict[str, bool] = {}
     for record in records:
-        if progress is not None:
-            progress()
         if isinstance(record, DecisionRecord):
             if (tenant is None or record.tenant == tenant) and (scenario is None or record.scenario == scenario):
                 decisions[record.id] = record
@@ -125,9 +123,9 @@ def lowest_cut(group: Group, *, target: float, confidence: float = 0.95) -> Cut:
 
 
 def tune(records: Iterable[Record], *, target: float = 0.01, confidence: float = 0.95, tenant: str | None = None,
-         scenario: str | None = None, progress: Callable[[], None] | None = None) -> list[Cut]:
+         scenario: str | None = None) -> list[Cut]:
     """:func:`lowest_cut` for every group of :func:`join`, the pooled ``*`` groups first within a scenario."""
-    groups = join(records, tenant=tenant, scenario=scenario, progress=progress)
+    groups = join(records, tenant=tenant, scenario=scenario)
     order = sorted(groups, key=lambda key: (key[1], key[0] != ALL, key[0]))
     return [lowest_cut(groups[key], target=target, confidence=confidence) for key in order]
 

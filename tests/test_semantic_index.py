@@ -41,6 +41,41 @@ def test_add_then_search_finds_it(index: SemanticIndex) -> None:
     assert index.sizes() == {("t", "s"): 20}
 
 
+def test_similarity_is_the_cosine(index: SemanticIndex) -> None:
+    # f16 indexes search by inner product (the vectors are unit length), i8 ones by cosine: either way a candidate's
+    # similarity is the cosine of the two vectors, never past 1 (thresholds and the verifier read it as one).
+    for i in range(50):
+        index.add("t", "s", unit(i), f"store-{i}", f"text {i}")
+    query = unit(7) + 0.3 * unit(1000)
+    query /= np.linalg.norm(query)
+    found = index.search("t", "s", query, k=5)
+    tolerance = 0.002 if index.dtype == "f16" else 0.05
+    for candidate in found:
+        exact = float(unit(int(candidate.store_key.split("-")[1])) @ query)
+        assert abs(candidate.similarity - exact) < tolerance
+    assert index.search("t", "s", unit(3), k=1)[0].similarity <= 1.0
+
+
+def test_an_index_file_saved_under_cosine_loads(tmp_path: Path) -> None:
+    # Index files written before f16 indexes searched by inner product were saved under the cosine metric: they
+    # load as they are (same graph, same vectors) and answer with the same similarities.
+    from usearch.index import Index
+
+    ix = SemanticIndex(tmp_path, dim=DIM, embedder_version="v")
+    keys = [ix.add("t", "s", unit(i), f"store-{i}", f"text {i}") for i in range(30)]
+    path = ix._index_path("t", "s")
+    ix.close()
+    old = Index(ndim=DIM, metric="cos", dtype="f16")
+    old.add(np.array(keys, dtype=np.uint64), np.stack([unit(i) for i in range(30)]))
+    old.save(str(path))
+    again = SemanticIndex(tmp_path, dim=DIM, embedder_version="v")
+    found = again.search("t", "s", unit(11), k=2)
+    assert found[0].store_key == "store-11" and found[0].similarity > 0.999
+    assert abs(found[1].similarity - float(unit(int(found[1].store_key.split("-")[1])) @ unit(11))) < 0.002
+    assert again.repairs == []
+    again.close()
+
+
 def test_empty_and_wrong_dim(index: SemanticIndex) -> None:
     assert index.search("nobody", "s", unit(1), k=4) == []
     with pytest.raises(ValueError):

@@ -126,3 +126,72 @@ async def test_a_large_batch_of_answered_lines_is_stored_and_indexed_whole(make_
         again = await c.post("/admin/warmup", content=body, headers={"content-type": "application/json"})
         assert {r["outcome"] for r in again.json()["results"]} == {"skipped"}
         assert engine.calls == 1  # the prefill is remembered across batches
+
+
+class _RecordingEmbedder:
+    """A tiny embedder that records how many embed() calls ran at once; ``thread_safe`` as given."""
+
+    dim = 4
+    version = "recording-v1"
+    max_input_tokens = 256
+
+    def __init__(self, *, thread_safe: bool) -> None:
+        import threading
+
+        if thread_safe:
+            self.thread_safe = True
+        self._lock = threading.Lock()
+        self.running = 0
+        self.most_at_once = 0
+        # Two calls must meet here to go on: a bulk embed that ran its batches one after another would time out.
+        self._meet = threading.Barrier(2, timeout=10) if thread_safe else None
+
+    def fits(self, text: str) -> bool:
+        return True
+
+    def embed(self, texts):
+        import time
+
+        import numpy as np
+
+        with self._lock:
+            self.running += 1
+            self.most_at_once = max(self.most_at_once, self.running)
+        try:
+            if self._meet is not None:
+                self._meet.wait()
+            else:
+                time.sleep(0.01)  # room for a second call to overlap, were the embedder shared
+            return np.array([[1.0, len(t), 0.0, 0.0] for t in texts], dtype=np.float32) / np.sqrt(
+                np.array([[1.0 + len(t) ** 2] for t in texts], dtype=np.float32))
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+async def _bulk_embed(tmp_path: Path, embedder: _RecordingEmbedder, bulk_threads: int):
+    from edgecache.semantic_cache import MatchRule, SemanticCache
+    from edgecache.semantic_index import SemanticIndex
+
+    index = SemanticIndex(tmp_path, dim=embedder.dim, embedder_version=embedder.version)
+    sem = SemanticCache(embedder=embedder, index=index, rule_for=lambda s: MatchRule(threshold=0.9),
+                        bulk_threads=bulk_threads)
+    try:
+        texts = [f"question number {i}" + "?" * (i % 7) for i in range(40)]
+        vectors = await sem.embed_many(texts, batch=10)
+        # In the order given, each the vector of its own text, whatever order the batches finished in.
+        assert [round(float(v[1] / v[0])) for v in vectors] == [len(t) for t in texts]
+    finally:
+        sem.close()
+
+
+async def test_a_warmup_embeds_batches_side_by_side(tmp_path: Path) -> None:
+    embedder = _RecordingEmbedder(thread_safe=True)
+    await _bulk_embed(tmp_path, embedder, bulk_threads=2)
+    assert embedder.most_at_once == 2
+
+
+async def test_an_embedder_not_marked_thread_safe_embeds_one_batch_at_a_time(tmp_path: Path) -> None:
+    embedder = _RecordingEmbedder(thread_safe=False)
+    await _bulk_embed(tmp_path, embedder, bulk_threads=2)
+    assert embedder.most_at_once == 1

@@ -1,0 +1,123 @@
+"""`edgecache tune`: the bound, a known cut recovered from a synthetic log, and the overlay it writes changing what
+the server does (the real embedder and index in-process, a fake engine)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from edgecache.app import create_app
+from edgecache.cli.main import app as cli
+from edgecache.decision_log import DecisionLog, DecisionRecord, read_records
+from edgecache.settings import resolve_settings
+from edgecache.tuning import Group, Sample, lowest_cut, overlay_toml, tune, wilson_upper
+from tests.conftest import chat_body, serve_in_process
+from tests.fakes import FakeEngine
+from tests.test_decision_log import settled
+
+runner = CliRunner()
+
+
+def test_the_wilson_bound() -> None:
+    assert wilson_upper(0, 0) == 1.0
+    assert wilson_upper(5, 100, confidence=0) == 0.05
+    assert 2.5 / 1000 < wilson_upper(0, 1000) < 3.0 / 1000  # about z^2 / n with no bad label
+    assert wilson_upper(10, 1000) > 0.01 > wilson_upper(2, 1000)
+    assert wilson_upper(3, 200) < wilson_upper(4, 200)
+
+
+def synthetic_log(directory: Path, *, cut: float, n: int = 4000, seed: int = 7, noise: float = 0.0,
+                  tenants: tuple[str, ...] = ("acme",), scenario: str = "support", labelled: float = 1.0) -> None:
+    """Lookups with similarities uniform in [cut - 0.3, 1): a candidate below ``cut`` serves wrongly, one above
+    rightly (each label flipped with probability ``noise`` below the cut only, so the cut stays the truth)."""
+    rng = random.Random(seed)
+    log = DecisionLog(directory, max_bytes=64 << 20, flush_interval_s=0.05)
+    for i in range(n):
+        similarity = rng.uniform(cut - 0.3, 1.0)
+        decision_id = log.decided(tenants[i % len(tenants)], scenario, f"q{i}", "refused", reason="below_cut",
+                                  store_key=f"s{i}", vector_key=i, similarity=similarity)
+        if rng.random() < labelled:
+            good = similarity >= cut or rng.random() < noise
+            log.labelled(decision_id, good, "equality")
+    log.close()
+
+
+@pytest.mark.parametrize(("cut", "noise"), [(0.80, 0.0), (0.87, 0.3), (0.72, 0.1)])
+def test_tune_recovers_a_known_cut_within_a_hundredth(tmp_path: Path, cut: float, noise: float) -> None:
+    synthetic_log(tmp_path, cut=cut, noise=noise, tenants=("acme", "globex"))
+    found = {(c.tenant, c.scenario): c for c in tune(read_records(tmp_path), target=0.01)}
+    for tenant in ("*", "acme", "globex"):
+        result = found[(tenant, "support")]
+        assert result.cut is not None and abs(result.cut - cut) <= 0.01, (tenant, result)
+        assert result.false_hit_upper is not None and result.false_hit_upper <= 0.01
+        assert result.backing > 0 and 0 < result.hit_rate < 1  # type: ignore[operator]
+    # The pooled group holds both tenants' lookups.
+    assert found[("*", "support")].lookups == 4000 == found[("acme", "support")].lookups * 2
+
+
+def test_too_few_labels_give_no_cut_and_no_overlay_line(tmp_path: Path) -> None:
+    group = Group(tenant="*", scenario="code", lookups=50, similarities=[0.99] * 50,
+                  labelled=[Sample(0.99, True)] * 50)
+    result = lowest_cut(group, target=0.01)
+    assert result.cut is None  # 50 good labels cannot show <= 1 % at 95 %
+    assert "[scenarios.code]" not in overlay_toml([result])
+
+
+def test_the_tune_command_prints_and_writes_an_overlay(tmp_path: Path) -> None:
+    logs = tmp_path / "decisions"
+    synthetic_log(logs, cut=0.8)
+    overlay = tmp_path / "cuts.toml"
+    result = runner.invoke(cli, ["tune", str(logs), "--target-error", "0.01", "--write", str(overlay)])
+    assert result.exit_code == 0, result.output
+    assert "support" in result.output and "tenant * pools" in result.output and "wrote 1 scenario" in result.output
+    settings = resolve_settings("cpu", {"data_dir": str(tmp_path / "data")}, environ={}, overlays=[overlay])
+    assert abs(settings.scenarios["support"].threshold - 0.8) <= 0.01  # type: ignore[operator]
+    assert settings.scenarios["support"].ttl_s == resolve_settings("cpu", environ={}).scenarios["support"].ttl_s
+    shown = runner.invoke(cli, ["profiles", "show", "cpu", "--json", "--overlay", str(overlay)])
+    assert json.loads(shown.output)["settings"]["scenarios"]["support"]["threshold"] == \
+        settings.scenarios["support"].threshold
+    # Another tenant or scenario than the log holds: nothing to tune, and an empty path is a clean error.
+    assert runner.invoke(cli, ["tune", str(logs), "--scenario", "code"]).exit_code == 0
+    missing = runner.invoke(cli, ["tune", str(tmp_path / "nothing")])
+    assert missing.exit_code == 2 and "no decision log" in missing.output
+    bad = runner.invoke(cli, ["serve", "--profile", "cpu", "--overlay", str(tmp_path / "none.toml"),
+                              "--data-dir", str(tmp_path / "d")])
+    assert bad.exit_code == 2 and "overlay file not found" in bad.output
+
+
+STORED = "How do I reset my password?"
+ASKED = "I forgot my password, what should I do now?"
+
+
+async def ask_pair(settings: Any) -> tuple[str, DecisionRecord]:
+    """Store STORED, ask ASKED; what served it, and the decision the log holds for it."""
+    async with serve_in_process(create_app(settings, engine=FakeEngine())) as c:
+        assert (await c.post("/v1/chat/completions", json=chat_body(STORED))).headers["x-edgecache"] == "miss"
+        await settled(c)
+        resp = await c.post("/v1/chat/completions", json=chat_body(ASKED))
+        await settled(c)
+    decisions = [r for r in read_records(Path(settings.data_dir) / "decisions") if isinstance(r, DecisionRecord)]
+    return resp.headers["x-edgecache"], decisions[-1]
+
+
+async def test_the_overlay_tune_writes_turns_a_miss_into_a_hit(tmp_path: Path) -> None:
+    before = resolve_settings("cpu", {"data_dir": str(tmp_path / "before"), "semantic.enabled": True}, environ={})
+    served, decision = await ask_pair(before)
+    assert served == "miss" and decision.decision == "refused" and decision.reason == "below_threshold"
+    similarity = decision.similarity  # below the embedder's calibrated cut for `default` (it missed)
+    assert similarity is not None and similarity > 0.6
+    # A log whose labels say candidates from (similarity - 0.03) up serve right: tune lowers the default cut.
+    logs = tmp_path / "decisions"
+    synthetic_log(logs, cut=similarity - 0.03, scenario="default")
+    overlay = tmp_path / "cuts.toml"
+    assert runner.invoke(cli, ["tune", str(logs), "--write", str(overlay)]).exit_code == 0
+    after = resolve_settings("cpu", {"data_dir": str(tmp_path / "after"), "semantic.enabled": True}, environ={},
+                             overlays=[overlay])
+    assert after.scenarios["default"].threshold is not None and after.scenarios["default"].threshold < similarity
+    served, decision = await ask_pair(after)
+    assert served == "semantic" and decision.decision == "hit"
