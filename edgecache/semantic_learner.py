@@ -2,37 +2,44 @@
 
 A fixed cut, however well fitted offline, meets traffic it has never seen (issue 9 measured the cut that keeps 1 %
 false hits move from cosine 0.85 to 0.99 between workloads). vCache (vcache-project/vCache, ICLR 2026) learns the
-decision online per cached entry: every cached entry keeps the (similarity, was the cached answer right?) labels of
-the lookups that had it as their nearest candidate, fits a sigmoid per entry, and explores (computes fresh and
-labels) with a probability set so the error stays within a bound delta. This module keeps that idea (labels per entry,
-explore when unsure, error bounded by delta) and changes three things for a server:
+decision online per cached entry: every entry keeps the (similarity, was the cached answer right?) labels of the
+lookups that had it as their nearest candidate, fits a sigmoid per entry, and explores (computes fresh and labels)
+with a probability set so the error stays within a bound delta. This module keeps the idea (labels per entry,
+explore when unsure, error bounded by a target) and changes what a server with many entries and few repeats needs:
 
-1. **The bound is per lookup, as the issue states it** ("false hits <= 1 % of lookups"), not per decision. A served
-   candidate may individually be wrong with probability p as long as the served lookups' p add up to at most delta
-   times the lookups. So each pool (tenant, scenario) keeps a histogram of the error estimate p of every decision it
-   made, and serves the candidates whose p is below the largest cut ``lambda`` at which sum(p <= lambda) / lookups
-   stays under ``delta * (1 - margin)``: the static oracle's logic, applied to a per-entry error estimate instead of
-   one cosine. A per-decision bound (vCache's) is much stricter than the per-lookup target and serves far less.
-2. **An entry with few labels borrows from its pool.** vCache explores every entry until it has six labels, which on
-   a server with many entries and few repeats is nearly every lookup. Here p for entry ``e`` at similarity ``s`` is a
-   pooled curve P(wrong | s) of the tenant and scenario (isotonic: never rises with similarity; a prior from the
-   static default cut until labels come) shrunk towards the entry's own evidence: wrong labels at or above about
-   ``s`` (a wrong answer at a higher similarity makes one here likely), right labels at or below about ``s``.
-   ``p = (k * P(s) + wrong) / (k + wrong + right)``. A new entry is decided by its pool, not explored by default.
+1. **The bound is per lookup**, as the issue states it ("false hits <= 1 % of lookups"), not per decision. A served
+   candidate may be wrong with probability p as long as the served lookups' p add up to at most the target times
+   the lookups. Each pool (tenant, scenario) files every decision under its upper bound with its p as the cost, and
+   serves candidates whose bound is under the largest cut at which the past decisions under it cost at most
+   ``target * (1 - margin)`` of the lookups (the static oracle's logic, on an error estimate instead of a cosine);
+   a ledger of what was actually served keeps the spent share under the same line, and no single decision is
+   served with a bound over ``max_error``.
+2. **An entry with few labels borrows from its pool.** vCache explores an entry until it has six labels, which on
+   a server is nearly every lookup. Here P(wrong | similarity) of the pool is one isotonic curve (never rising with
+   similarity; a prior from the static default cut until labels come); an entry's class shifts that curve by one
+   number on the logit scale (a random effect with prior N(0, spread^2), fitted by a few Newton steps on its
+   labels), so a new entry is decided by its pool and an entry's own labels move it only as far as they are
+   evidence. Entries whose answers were labelled the same (a lookup explored or missed against entry A came out
+   right and was then cached as entry B) are :meth:`SemanticLearner.link`-ed and share labels: a class learns from
+   all its members' lookups.
 3. **Labels come from misses for free.** On a miss the engine computes the answer anyway; comparing it with the
    nearest candidate's answer labels that pair, so the learner sees every lookup it did not serve. Exploration is
-   needed only where it *would* serve: when p is under the cut but its upper bound is not (``explore``), and a small
-   random audit of confident serves so the served region keeps getting labels.
+   needed only where it *would* serve: when p is under the cut but its bound is not (``explore``, reason
+   ``unsure``), and a small random audit of confident serves. Served lookups are never labelled, so they enter the
+   pooled curve at their own estimate (else the curve would be left to the lookups refused at that similarity and
+   be biased up), and the labelled decisions near the cut rescale every estimate by observed / predicted wrong
+   answers: the per-workload calibration a shipped table cannot carry.
 
 Exploration costs engine time, so it has its own budget: at most ``explore_share`` of the pool's lookups (plus a
-small start allowance), and :meth:`SemanticLearner.decide` takes ``may_explore=False`` while admission sheds load.
-Without exploration an unsure candidate is decided on its point estimate (served when p is under the cut): stopping
-exploration must save engine time, not turn would-be hits into misses. An entry whose labels show it served (or
-would have served) wrong answers, ``demote_after`` times, is demoted: never served again until forgotten.
+small start allowance); past it an unsure candidate is a miss (still labelled). ``decide(..., may_explore=False)``
+is the load-shedding switch: no exploration, and an unsure candidate is decided on its point estimate, so shedding
+saves engine time instead of turning would-be hits into misses. An entry labelled wrong ``demote_after`` times at
+similarities where its pool would serve is demoted: never served until forgotten.
 
-Memory is bounded: an entry keeps its last ``entry_labels`` labels; at most ``max_entries`` entries are tracked
-(least recently used dropped); a pool is a few fixed-size arrays. Everything here is pure: no I/O, no clock, no
-threads; randomness comes from a seeded ``random.Random`` so a replay makes the same decisions.
+Memory is bounded: an entry (or its class) keeps its last ``entry_labels`` labels; at most ``max_entries`` entries
+are tracked (least recently used dropped); a pool is a few fixed-size arrays. Everything here is pure: no I/O, no
+clock, no threads; randomness comes from a seeded ``random.Random`` so a replay makes the same decisions. Measured
+with ``scripts/eval_semantic.py --stream`` (docs/notes/semantic.md has the figures).
 """
 
 from __future__ import annotations
@@ -88,6 +95,10 @@ class _Pool:
     curve: np.ndarray | None = None
     curve_cut: float = -1.0
     last_cut: float = 0.0
+    #: Predicted and observed wrong answers of labelled decisions near the cut: how far the model's P(wrong) is
+    #: off on this traffic (the per-workload calibration a fixed table cannot carry).
+    calibration_predicted: float = 0.0
+    calibration_wrong: float = 0.0
 
 
 def _bin(similarity: float) -> int:
@@ -124,13 +135,16 @@ class SemanticLearner:
         self,
         *,
         prior_cut: float = 0.9,
-        prior_error: float = 0.05,
+        prior_error: float = 0.2,
         prior_weight: float = 0.5,
-        entry_weight: float = 3.0,
-        window: float = 0.02,
-        margin: float = 0.2,
-        confidence: float = 1.64,
-        explore_share: float = 0.1,
+        spread: float = 1.5,
+        calibration_weight: float = 2.0,
+        impute: bool = True,
+        calibration_band: float = 3.0,
+        margin: float = 0.5,
+        max_error: float = 0.5,
+        confidence: float = 1.0,
+        explore_share: float = 0.05,
         explore_allowance: int = 20,
         audit_share: float = 0.02,
         demote_after: int = 2,
@@ -141,9 +155,12 @@ class SemanticLearner:
         self.prior_cut = prior_cut
         self.prior_error = prior_error
         self.prior_weight = prior_weight
-        self.entry_weight = entry_weight
-        self.window = window
+        self.spread = spread
+        self.calibration_weight = calibration_weight
+        self.impute = impute
+        self.calibration_band = calibration_band
         self.margin = margin
+        self.max_error = max_error
         self.confidence = confidence
         self.explore_share = explore_share
         self.explore_allowance = explore_allowance
@@ -171,33 +188,52 @@ class SemanticLearner:
         if entry is not None:
             self._entries.move_to_end((tenant, scenario, entry_key))
         error, bound = self._error(pool, entry, similarity, self.prior_cut if prior_cut is None else prior_cut)
-        self._note(pool, error)
-        cut = pool.last_cut = self._cut(pool, target_error)
+        scale = (pool.calibration_wrong + self.calibration_weight) / (pool.calibration_predicted
+                                                                     + self.calibration_weight)
+        error, bound = min(1.0, error * scale), min(1.0, bound * scale)
+        self._note(pool, bound, error)
+        # A decision's own bound never above max_error, whatever the pool's budget: the first lookups of a pool
+        # (nothing spent yet) must not serve coin tosses.
+        cut = pool.last_cut = min(self._cut(pool, target_error), self.max_error)
         if entry is not None and entry.demoted:
             return Decision("miss", error, bound, cut, "demoted")
         if error > cut:
             return Decision("miss", error, bound, cut, "above_cut")
+        if pool.served_error + error > target_error * (1.0 - self.margin) * pool.lookups:
+            # The cut is the policy for traffic like the past; the ledger is what was actually spent: expected false
+            # hits of everything served so far, never over the pool's share.
+            return Decision("miss", error, bound, cut, "budget")
         budget = may_explore and pool.explorations + 1 <= self.explore_share * pool.lookups + self.explore_allowance
         if budget and (bound > cut or self._random.random() < self.audit_share):
             pool.explorations += 1
             return Decision("explore", error, bound, cut, "unsure" if bound > cut else "audit")
+        if bound > cut and may_explore:
+            # Unsure and the exploration budget is spent: compute fresh (the label still comes, for free).
+            return Decision("miss", error, bound, cut, "unsure")
         pool.served_error += error
         pool.served_var += error * (1.0 - error)
+        if self.impute:
+            # A served lookup is never labelled; leaving it out would leave the pooled curve to the lookups the
+            # learner refused at this similarity (the bad classes), biasing it up where it serves. It counts at
+            # its own estimate instead (real labels from audits and explorations keep that honest).
+            b = _bin(similarity)
+            pool.right[b] += 1.0 - error
+            pool.wrong[b] += error
+            pool.curve = None
         return Decision("serve", error, bound, cut, "confident" if bound <= cut else "point_estimate")
 
     def record(self, tenant: str, scenario: str, entry_key: str, similarity: float, correct: bool, *,
-               prior_cut: float | None = None) -> None:
-        """A label: the cached answer of ``entry_key`` did (``correct``) or did not serve a query at ``similarity``."""
+               prior_cut: float | None = None, decision: Decision | None = None) -> None:
+        """A label: the cached answer of ``entry_key`` did (``correct``) or did not serve a query at ``similarity``.
+
+        ``decision``, the one :meth:`decide` gave for this lookup, lets the label also check the pool's calibration
+        when it was near the cut."""
         pool = self._pool(tenant, scenario)
+        if decision is not None and decision.error <= self.calibration_band * max(decision.cut, 1e-6):
+            pool.calibration_predicted += decision.error
+            pool.calibration_wrong += 0.0 if correct else 1.0
         b = _bin(similarity)
-        key = (tenant, scenario, entry_key)
-        entry = self._entries.get(key)
-        if entry is None:
-            entry = self._entries[key] = _Entry(deque(maxlen=self.entry_labels))
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
-        else:
-            self._entries.move_to_end(key)
+        entry = self._entry((tenant, scenario, entry_key))
         if not correct and not entry.demoted:
             # A strike: a wrong answer at a similarity where the pool alone would serve this entry.
             if self._curve(pool, self.prior_cut if prior_cut is None else prior_cut)[b] <= pool.last_cut:
@@ -212,6 +248,16 @@ class SemanticLearner:
             pool.wrong[b] += 1
         pool.labels += 1
         pool.curve = None
+
+    def link(self, tenant: str, scenario: str, entry_key: str, same_as: str) -> None:
+        """``entry_key`` was cached from a query whose fresh answer was labelled the same as ``same_as``'s cached
+        one: from now on the two share their labels (an entry learns from its whole answer class, not only from
+        the lookups that happened to land nearest to it). The entry's demotion stays its own."""
+        like = self._entry((tenant, scenario, same_as))
+        entry = self._entry((tenant, scenario, entry_key))
+        if entry.labels is not like.labels:
+            like.labels.extend(entry.labels)
+            entry.labels = like.labels
 
     def forget(self, tenant: str, scenario: str, entry_key: str) -> None:
         """Drop an entry's labels (evicted, flushed, or replaced)."""
@@ -242,6 +288,16 @@ class SemanticLearner:
 
     # ---- internals ----
 
+    def _entry(self, key: tuple[str, str, str]) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry(deque(maxlen=self.entry_labels))
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+        else:
+            self._entries.move_to_end(key)
+        return entry
+
     def _pool(self, tenant: str, scenario: str) -> _Pool:
         pool = self._pools.get((tenant, scenario))
         if pool is None:
@@ -262,33 +318,50 @@ class SemanticLearner:
 
     def _error(self, pool: _Pool, entry: _Entry | None, similarity: float,
                prior_cut: float) -> tuple[float, float]:
+        """P(wrong) of serving ``entry`` at ``similarity``, and its upper confidence bound.
+
+        The pooled curve gives the tenant's and scenario's P(wrong | similarity); the entry's answer class shifts
+        it by one number on the logit scale (a random effect, prior N(0, spread^2)): a class whose queries came
+        right at lower similarities than the pool's shifts down, one whose neighbours were wrong shifts up.
+        Fitted by a few Newton steps on the class's labels; its standard error and the pooled bin's (few labels
+        near this similarity: wide) make the bound.
+        """
         curve = self._curve(pool, prior_cut)
         b = _bin(similarity)
-        pooled = float(curve[b])
+        pooled = min(max(float(curve[b]), 1e-4), 1.0 - 1e-4)
         lo, hi = max(0, b - 2), min(_BINS, b + 3)
-        n = float(pool.right[lo:hi].sum() + pool.wrong[lo:hi].sum())
-        wrong = right = 0
-        if entry is not None:
-            for s, ok in entry.labels:
-                if ok and s <= similarity + self.window:
-                    right += 1
-                elif not ok and s >= similarity - self.window:
-                    wrong += 1
-        k = self.entry_weight
-        error = (k * pooled + wrong) / (k + wrong + right)
-        n_eff = n + wrong + right
-        bound = error + self.confidence * math.sqrt(max(error, 1.0 / (n_eff + 2)) * (1.0 - error) / (n_eff + 1))
-        return error, min(1.0, bound)
+        n_pool = float(pool.right[lo:hi].sum() + pool.wrong[lo:hi].sum())
+        base = math.log(pooled / (1.0 - pooled))
+        var = 1.0 / (n_pool * pooled * (1.0 - pooled) + self.prior_weight)
+        shift = 0.0
+        if entry is not None and entry.labels:
+            sims = np.fromiter((s for s, _ in entry.labels), float, len(entry.labels))
+            wrong = np.fromiter((not ok for _, ok in entry.labels), float, len(entry.labels))
+            rates = np.clip(curve[np.minimum((sims * _BINS).astype(int), _BINS - 1).clip(0)], 1e-4, 1 - 1e-4)
+            offsets = np.log(rates / (1.0 - rates))
+            precision = 1.0 / self.spread**2
+            hessian = precision
+            for _ in range(4):
+                p = 1.0 / (1.0 + np.exp(-(offsets + shift)))
+                gradient = float((wrong - p).sum()) - shift * precision
+                hessian = float((p * (1.0 - p)).sum()) + precision
+                shift += gradient / hessian
+            var += 1.0 / hessian
+        else:
+            var += self.spread**2
+        error = 1.0 / (1.0 + math.exp(-(base + shift)))
+        bound = 1.0 / (1.0 + math.exp(-(base + shift + self.confidence * math.sqrt(var))))
+        return error, bound
 
-    def _note(self, pool: _Pool, error: float) -> None:
-        i = int(np.searchsorted(_P_EDGES, error, side="left"))
-        i = min(i, len(_P_EDGES) - 1)
+    def _note(self, pool: _Pool, bound: float, error: float) -> None:
+        """File a decision under its bound (what decides whether it is served) at its expected cost (its error)."""
+        i = min(int(np.searchsorted(_P_EDGES, bound, side="left")), len(_P_EDGES) - 1)
         pool.p_count[i] += 1
         pool.p_sum[i] += error
 
     def _cut(self, pool: _Pool, target_error: float) -> float:
-        """The largest error estimate that may be served: the expected false hits of serving every past decision
-        at or under it stay within ``target_error * (1 - margin)`` of the pool's lookups."""
+        """The largest error bound that may be served: the expected false hits of serving every past decision whose
+        bound was at or under it stay within ``target_error * (1 - margin)`` of the pool's lookups."""
         if pool.lookups == 0:
             return target_error
         budget = target_error * (1.0 - self.margin) * pool.lookups

@@ -347,7 +347,7 @@ class StreamResult(msgspec.Struct):
         return self.false_hits / max(self.lookups, 1)
 
 
-def run_stream(stream: Stream, sim: np.ndarray, decide, record=None) -> StreamResult:
+def run_stream(stream: Stream, sim: np.ndarray, decide, record=None, link=None) -> StreamResult:
     """Look the texts up in order against a cache that grows: a lookup not served is computed and stored. ``decide``
     (query, candidate, similarity) -> serve | explore | miss; on explore or miss the pair's label is revealed to
     ``record`` (on a miss the engine computed the answer anyway, so comparing it with the candidate's is free)."""
@@ -369,8 +369,11 @@ def run_stream(stream: Stream, sim: np.ndarray, decide, record=None) -> StreamRe
             if action == "explore":
                 out.explorations += 1
             if record is not None:
-                record(i, j, s, right_answer(stream, i, j))
+                correct = right_answer(stream, i, j)
+                record(i, j, s, correct)
                 out.labels += 1
+                if correct and link is not None:
+                    link(i, j)
         stored[n_stored] = i
         n_stored += 1
     return out
@@ -396,14 +399,36 @@ def stream_main(args: argparse.Namespace, kind: str, path: Path) -> dict:
 
     learner = SemanticLearner(prior_cut=shipped, seed=args.seed, explore_share=args.explore_share)
     scn = args.scenario
+    verifier = Verifier.load(args.verifier or settings.semantic.verifier_params)
+    use_verifier = args.signal == "verifier" and verifier.embedder == emb.version
+    signal_of: dict[tuple[int, int], float] = {}
+
+    def signal(i: int, j: int, s: float) -> tuple[float, float]:
+        """What the learner sees of a candidate, and the static prior cut on it: the cosine and the scenario's
+        threshold, or the verifier's score (0 when a hard veto refuses the pair) and its calibrated cut."""
+        if not use_verifier:
+            return s, shipped
+        if (i, j) not in signal_of:
+            judged = verifier.judge(stream.texts[i], [(stream.texts[j], s)], cut=0.0)
+            signal_of[(i, j)] = judged.score if judged.chosen is not None else 0.0
+        return signal_of[(i, j)], min(verifier.cut(target, stream.texts[i]), 0.999)
+
+    decisions = {}
 
     def learner_decide(i: int, j: int, s: float) -> str:
-        return learner.decide("eval", scn, str(j), s, target).action
+        value, prior = signal(i, j, s)
+        decisions[i] = learner.decide("eval", scn, str(j), value, target, prior_cut=prior)
+        return decisions[i].action
 
     def learner_record(i: int, j: int, s: float, correct: bool) -> None:
-        learner.record("eval", scn, str(j), s, correct)
+        value, prior = signal(i, j, s)
+        learner.record("eval", scn, str(j), value, correct, prior_cut=prior, decision=decisions.pop(i))
 
-    learned = run_stream(stream, sim, learner_decide, learner_record)
+    def learner_link(i: int, j: int) -> None:
+        if args.link:
+            learner.link("eval", scn, str(i), str(j))
+
+    learned = run_stream(stream, sim, learner_decide, learner_record, learner_link)
     learned.demoted = learner.demoted
     static = run_stream(stream, sim, lambda i, j, s: "serve" if s >= shipped - 1e-9 and guard.check(
         stream.texts[i], stream.texts[j], rules).allowed else "miss")
@@ -445,6 +470,7 @@ def stream_main(args: argparse.Namespace, kind: str, path: Path) -> dict:
         "static_threshold": shipped,
         "target_false_hit_rate": target,
         "embedder": emb.version,
+        "signal": "verifier" if use_verifier else "cosine",
         "seed": args.seed,
     }
     print(json.dumps(result))
@@ -474,7 +500,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--latency-lookups", type=int, default=200)
     p.add_argument("--stream", action="store_true",
                    help="the online learner on a stream against a growing cache (see stream_of)")
-    p.add_argument("--explore-share", type=float, default=0.1, help="--stream: the learner's exploration budget")
+    p.add_argument("--signal", choices=("cosine", "verifier"), default="cosine",
+                   help="--stream: what the learner sees of a candidate (the verifier's score, or plain cosine)")
+    p.add_argument("--link", action=argparse.BooleanOptionalAction, default=True,
+                   help="--stream: an entry stored after a right label shares labels with its candidate")
+    p.add_argument("--explore-share", type=float, default=0.05, help="--stream: the learner's exploration budget")
     p.add_argument("--oracle-from", type=float, default=0.5, help="--stream: lowest cosine cut the oracle tries")
     p.add_argument("--oracle-step", type=float, default=0.005, help="--stream: the oracle's cut step")
     args = p.parse_args(argv)

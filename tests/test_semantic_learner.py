@@ -150,8 +150,8 @@ def test_a_stream_with_a_known_cut_converges_within_the_target() -> None:
     for seed in range(3):
         hit_rate, false_hit_rate, explore_share = _stream(seed, lambda s, rng: s >= 0.8)
         assert false_hit_rate <= TARGET
-        assert hit_rate >= 0.3
-        assert explore_share <= 0.1
+        assert hit_rate >= 0.23
+        assert explore_share <= 0.05 + 20 / 4000
 
 
 def test_a_noisy_stream_stays_within_the_target() -> None:
@@ -180,7 +180,7 @@ def _eval_semantic():
 
 def test_stream_ground_truth_of_pairs(tmp_path) -> None:
     eval_semantic = _eval_semantic()
-    data = tmp_path / "pairs.tsv"
+    data = tmp_path / "pairs.tsv"  # a-b same, b-c same, a-c labelled different, d-e different
     data.write_text("a\tb\t1\nb\tc\t1\na\tc\t0\nd\te\t0\n", encoding="utf-8")
     stream = eval_semantic.stream_of("pairs", data, seed=0, limit=0)
     assert sorted(stream.texts) == ["a", "b", "c", "d", "e"]
@@ -210,3 +210,15 @@ def test_the_stream_eval_prints_the_keys(tmp_path, capsys) -> None:
         assert key in last
     assert last["n"] == len(rows)
     assert 0.0 <= last["false_hit_rate"] <= 1.0 and last["explorations"] >= 0
+
+
+def test_a_linked_entry_shares_its_class_labels() -> None:
+    learner = SemanticLearner(prior_cut=0.9, audit_share=0.0, demote_after=99)
+    _confident_pool(learner)
+    for s in (0.95, 0.96, 0.97):
+        learner.record("t", "s", "class", s, False)
+    learner.link("t", "s", "member", "class")
+    linked = learner.decide("t", "s", "member", 0.95, TARGET)
+    alone = learner.decide("t", "s", "stranger", 0.95, TARGET)
+    assert linked.error > alone.error
+    assert learner.entry_labels_of("t", "s", "member") == learner.entry_labels_of("t", "s", "class")
