@@ -139,6 +139,7 @@ class SemanticLearner:
         prior_weight: float = 0.5,
         spread: float = 1.5,
         window: float = 1.0,
+        trust_after: int = 2,
         calibration_weight: float = 2.0,
         impute: bool = True,
         calibration_band: float = 3.0,
@@ -158,6 +159,7 @@ class SemanticLearner:
         self.prior_weight = prior_weight
         self.spread = spread
         self.window = window
+        self.trust_after = trust_after
         self.calibration_weight = calibration_weight
         self.impute = impute
         self.calibration_band = calibration_band
@@ -353,6 +355,9 @@ class SemanticLearner:
                 hessian = float((p * (1.0 - p)).sum()) + precision
                 shift += gradient / hessian
             var += 1.0 / hessian
+            if wrong.size - wrong.sum() < self.trust_after:
+                # One right answer is no pattern (a rewrite asked once): it may not lower the class's error yet.
+                shift = max(shift, 0.0)
         else:
             var += self.spread**2
         error = 1.0 / (1.0 + math.exp(-(base + shift)))
