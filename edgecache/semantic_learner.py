@@ -19,7 +19,8 @@ explore when unsure, error bounded by a target) and changes what a server with m
    similarity; a prior from the static default cut until labels come); an entry's class shifts that curve by one
    number on the logit scale (a random effect with prior N(0, spread^2), fitted by a few Newton steps on its
    labels), so a new entry is decided by its pool and an entry's own labels move it only as far as they are
-   evidence. Entries whose answers were labelled the same (a lookup explored or missed against entry A came out
+   evidence (and only upwards until the class has ``trust_after`` right labels: one right answer is no pattern).
+   Entries whose answers were labelled the same (a lookup explored or missed against entry A came out
    right and was then cached as entry B) are :meth:`SemanticLearner.link`-ed and share labels: a class learns from
    all its members' lookups.
 3. **Labels come from misses for free.** On a miss the engine computes the answer anyway; comparing it with the
