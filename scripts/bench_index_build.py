@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgecache.semantic_index import SemanticIndex  # noqa: E402
+from edgecache.semantic_index import SemanticIndex, make_index  # noqa: E402
 
 DIM = 512
 
@@ -106,7 +106,7 @@ def real_side_by_side(root: Path, data_dir: Path) -> None:
     stored[held_out] = False
     base, queries = vecs[stored], vecs[held_out]
     truth = np.argmax(queries @ base.T, axis=1)
-    shipped = SemanticIndex(root / "real", dim=vecs.shape[1], embedder_version="bench")._new_index()
+    shipped = make_index(vecs.shape[1], "f16")
     earlier = Index(ndim=vecs.shape[1], metric="cos", dtype="f16", connectivity=16, expansion_add=128,
                     expansion_search=64)
     rates = {}
