@@ -308,6 +308,9 @@ def tune(
         min=0.0, max=0.9999, help="One-sided confidence of that bound (Wilson); 0 uses the plain rate.")] = 0.95,
     tenant: Annotated[Optional[str], typer.Option(help="Only this tenant's decisions.")] = None,
     scenario: Annotated[Optional[str], typer.Option(help="Only this scenario's decisions.")] = None,
+    per: Annotated[str, typer.Option(
+        help="served: false hits as a share of the labelled decisions the cut serves; lookup: as a share of all "
+        "lookups (for a fully labelled replay).")] = "served",
     write: Annotated[Optional[str], typer.Option(
         metavar="FILE", help="Write the per-scenario cuts as a TOML overlay for `serve --overlay FILE`.")] = None,
 ) -> None:
@@ -322,6 +325,9 @@ def tune(
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
     from rich.table import Table
 
+    if per not in ("served", "lookup"):
+        typer.secho("error: --per is served or lookup", fg="red", err=True)
+        raise typer.Exit(2)
     files = log_files(Path(log))
     if not files:
         typer.secho(f"error: no decision log at {log}", fg="red", err=True)
@@ -332,9 +338,10 @@ def tune(
         task = progress.add_task("replay", total=sum(f.stat().st_size for f in files))
         records = read_records(Path(log), on_bad_line=lambda *_: bad_lines.__setitem__(0, bad_lines[0] + 1),
                                on_bytes=lambda n: progress.advance(task, n))
-        cuts = tune_cuts(records, target=target_error, confidence=confidence, tenant=tenant, scenario=scenario)
+        cuts = tune_cuts(records, target=target_error, confidence=confidence, tenant=tenant, scenario=scenario,
+                         per=per)  # type: ignore[arg-type]
     console = Console()
-    table = Table(title=f"Cuts at <= {target_error:.2%} false hits ({confidence:.0%} bound)")
+    table = Table(title=f"Cuts at <= {target_error:.2%} false hits per {per} ({confidence:.0%} bound)")
     for column in ("tenant", "scenario", "lookups", "labels", "cut", "false hits (bound)", "hit rate", "backing"):
         table.add_column(column, justify="left" if column in ("tenant", "scenario") else "right")
     for cut in cuts:

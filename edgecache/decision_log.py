@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import os
 import re
 import secrets
@@ -44,6 +45,8 @@ import msgspec
 
 from edgecache.health import STORAGE_ERRORS, StorageFaults
 from edgecache.semantic_cache import Lookup
+
+log = logging.getLogger("edgecache")
 
 COMPONENT = "decisions"
 FILE_PATTERN = re.compile(r"^decisions-(\d{8})\.jsonl$")
@@ -230,9 +233,10 @@ class DecisionLog:
             except STORAGE_ERRORS as exc:
                 self._drop(len(batch))
                 self._current = None  # reopen (and re-measure) on the next batch
-                if self._faults is None:
-                    raise
-                self._faults.record(COMPONENT, exc, action="decision records dropped", path=self.directory)
+                if self._faults is not None:
+                    self._faults.record(COMPONENT, exc, action="decision records dropped", path=self.directory)
+                else:  # a bare log (a script): the writer must live on, so say it here
+                    log.warning("decision log: %d records dropped: %s", len(batch), exc)
                 return
             self.written += len(batch)
             if self._faults is not None:
@@ -270,6 +274,10 @@ class DecisionLog:
     def _open_current(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         existing = log_files(self.directory)
+        # A smaller budget than the last run's: the oldest files go until the rest fit.
+        while existing and (len(existing) > self.files
+                            or sum(p.stat().st_size for p in existing) > self.max_bytes):
+            existing.pop(0).unlink(missing_ok=True)
         if existing:
             self._current = existing[-1]
             self._current_size = self._current.stat().st_size
@@ -307,7 +315,7 @@ class DecisionLog:
         return key
 
 
-def record_lookup(log: DecisionLog, tenant: str, scenario: str, query: str, lookup: Lookup, *, served: bool,
+def record_lookup(decisions: DecisionLog, tenant: str, scenario: str, query: str, lookup: Lookup, *, served: bool,
                   dropped: str | None = None) -> str:
     """Log what a semantic lookup decided; returns the decision's id. ``served``: its hit's answer went out;
     ``dropped``: why a hit's answer did not (``gone``: expired or evicted; ``too_old`` for the caller's TTL)."""
@@ -321,7 +329,7 @@ def record_lookup(log: DecisionLog, tenant: str, scenario: str, query: str, look
         decision, reason = "miss", None
     else:
         decision, reason = "refused", lookup.refusal
-    return log.decided(tenant, scenario, query, decision, reason=reason,
+    return decisions.decided(tenant, scenario, query, decision, reason=reason,
                        store_key=candidate.store_key if candidate else None,
                        vector_key=candidate.vector_key if candidate else None,
                        similarity=candidate.similarity if candidate else None, score=lookup.score)

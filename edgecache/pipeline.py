@@ -6,8 +6,10 @@
     ├─ 1. exact result store       hit -> replay the stored answer                         X-EdgeCache: exact
     ├─ 2. in-flight de-dup         an identical request is computing -> follow its stream  X-EdgeCache: shared
     ├─ 3. semantic cache           a paraphrase's answer, similar enough and guarded       X-EdgeCache: semantic
+    │                              (each decision appended to the decision log)
     └─ 4. engine                   stream to the client and followers; a complete answer is stored (and, for a
-                                   first-turn chat prompt, its vector indexed)             X-EdgeCache: miss
+                                   first-turn chat prompt, its vector indexed; a refused candidate is then
+                                   labelled against it in the background)                  X-EdgeCache: miss
 
 The HTTP layer (:mod:`edgecache.app`) authenticates, validates and renders; this module decides who answers. Each
 layer is an instance handed in by the app factory, so tests pass fakes without patching.

@@ -136,7 +136,7 @@ class Runtime:
             await self._open_semantic()
         if self.decisions is not None:
             self.labels = MissLabels(stores=self.stores, labeler=self._labeler(), decisions=self.decisions,
-                                     observe=self.metrics.observe_label)
+                                     observe=self.metrics.observe_label, busy=lambda: self.admission.queued > 0)
         self.pipeline = RequestPipeline(engine=self.engine, stores=self.stores, inflight=self.inflight,
                                         metrics=self.metrics, ttl_for=self.ttl_for, admission=self.admission,
                                         semantic=self.semantic, decisions=self.decisions, labels=self.labels)
@@ -189,7 +189,9 @@ class Runtime:
                 raise NotReady("the semantic layer is off")
             return await self.semantic.embed_many(texts)
 
-        return FirstVerdict(EqualityLabeler(), AnswerEmbeddingLabeler(embed, self.settings.semantic.label_answer_bar))
+        sem = self.settings.semantic
+        return FirstVerdict(EqualityLabeler(), AnswerEmbeddingLabeler(embed, sem.label_answer_bar,
+                                                                      sem.label_answer_floor))
 
     def keeps_prompts(self, tenant_id: str) -> bool:
         """Whether the tenant's plan lets the decision log keep its query text."""

@@ -138,6 +138,7 @@ class SemanticLearner:
         prior_error: float = 0.2,
         prior_weight: float = 0.5,
         spread: float = 1.5,
+        window: float = 1.0,
         calibration_weight: float = 2.0,
         impute: bool = True,
         calibration_band: float = 3.0,
@@ -156,6 +157,7 @@ class SemanticLearner:
         self.prior_error = prior_error
         self.prior_weight = prior_weight
         self.spread = spread
+        self.window = window
         self.calibration_weight = calibration_weight
         self.impute = impute
         self.calibration_band = calibration_band
@@ -229,7 +231,8 @@ class SemanticLearner:
         ``decision``, the one :meth:`decide` gave for this lookup, lets the label also check the pool's calibration
         when it was near the cut."""
         pool = self._pool(tenant, scenario)
-        if decision is not None and decision.error <= self.calibration_band * max(decision.cut, 1e-6):
+        if decision is not None and decision.error <= min(self.calibration_band * max(decision.cut, 1e-6),
+                                                          self.max_error):
             pool.calibration_predicted += decision.error
             pool.calibration_wrong += 0.0 if correct else 1.0
         b = _bin(similarity)
@@ -334,10 +337,13 @@ class SemanticLearner:
         base = math.log(pooled / (1.0 - pooled))
         var = 1.0 / (n_pool * pooled * (1.0 - pooled) + self.prior_weight)
         shift = 0.0
-        if entry is not None and entry.labels:
-            sims = np.fromiter((s for s, _ in entry.labels), float, len(entry.labels))
-            wrong = np.fromiter((not ok for _, ok in entry.labels), float, len(entry.labels))
-            rates = np.clip(curve[np.minimum((sims * _BINS).astype(int), _BINS - 1).clip(0)], 1e-4, 1 - 1e-4)
+        # Only the class's labels near this similarity, against a curve kept off 0 and 1: a right answer far down
+        # where the pool is sure of wrong ones would otherwise swing the shift without bound.
+        near = [] if entry is None else [(s, ok) for s, ok in entry.labels if abs(s - similarity) <= self.window]
+        if near:
+            sims = np.fromiter((s for s, _ in near), float, len(near))
+            wrong = np.fromiter((not ok for _, ok in near), float, len(near))
+            rates = np.clip(curve[np.minimum((sims * _BINS).astype(int), _BINS - 1).clip(0)], 0.01, 0.99)
             offsets = np.log(rates / (1.0 - rates))
             precision = 1.0 / self.spread**2
             hessian = precision

@@ -215,6 +215,9 @@ class SemanticSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     label_answer_bar: Annotated[float, Meta(gt=0.0, le=1.0), _help(
         "Cosine of two answers' embeddings at or above which a refused candidate's cached answer is labelled as "
         "serving the query (a label from a miss: the fresh answer against the candidate's).")] = 0.95
+    label_answer_floor: Annotated[float, Meta(ge=0.0, le=1.0), _help(
+        "Cosine of the two answers below which the candidate is labelled as not serving; between the floor and "
+        "the bar no label is written.")] = 0.3
 
 
 class ScenarioSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

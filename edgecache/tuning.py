@@ -10,6 +10,10 @@ least that similar) and how many labels back it.
 Labels from misses sit below the cut that was running (the refused candidates), so on such a log the estimate for
 a lower cut is drawn from exactly the band it would add; an above-cut hit is labelled only when it was explored.
 
+``per="lookup"`` counts false hits as a share of all the group's lookups instead (the issue's definition, and the
+static oracle's in ``scripts/eval_semantic.py --stream``): meaningful when the labels cover the decisions a lower cut
+would serve, as on a fully labelled replay.
+
 Pure functions over records, so the CLI and tests share them; :func:`overlay_toml` writes the per-scenario
 ``threshold`` overlay that ``edgecache serve --overlay FILE`` loads on top of the profile.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Literal
 from statistics import NormalDist
 
 import msgspec
@@ -97,9 +102,10 @@ def join(records: Iterable[Record], *, tenant: str | None = None, scenario: str 
     return groups
 
 
-def lowest_cut(group: Group, *, target: float, confidence: float = 0.95) -> Cut:
-    """The lowest similarity cut whose false-hit bound among the labelled decisions at or above it is within
-    ``target``."""
+def lowest_cut(group: Group, *, target: float, confidence: float = 0.95,
+               per: Literal["served", "lookup"] = "served") -> Cut:
+    """The lowest similarity cut whose false-hit bound among the labelled decisions at or above it (``per``
+    served) or among all the group's lookups (``per`` lookup) is within ``target``."""
     labelled = sorted(group.labelled, key=lambda s: -s.similarity)
     best: tuple[float, int, int] | None = None  # cut, bad, n
     bad = n = 0
@@ -110,24 +116,25 @@ def lowest_cut(group: Group, *, target: float, confidence: float = 0.95) -> Cut:
             bad += not labelled[i].good
             n += 1
             i += 1
-        if wilson_upper(bad, n, confidence) <= target:
+        if wilson_upper(bad, n if per == "served" else group.lookups, confidence) <= target:
             best = (value, bad, n)
     if best is None:
         return Cut(tenant=group.tenant, scenario=group.scenario, lookups=group.lookups, labels=len(labelled),
                    cut=None)
     cut, bad, n = best
     served = sum(1 for s in group.similarities if s >= cut)
+    base = n if per == "served" else group.lookups
     return Cut(tenant=group.tenant, scenario=group.scenario, lookups=group.lookups, labels=len(labelled), cut=cut,
-               false_hit_rate=bad / n, false_hit_upper=wilson_upper(bad, n, confidence), backing=n,
+               false_hit_rate=bad / base, false_hit_upper=wilson_upper(bad, base, confidence), backing=n,
                hit_rate=served / group.lookups if group.lookups else 0.0)
 
 
 def tune(records: Iterable[Record], *, target: float = 0.01, confidence: float = 0.95, tenant: str | None = None,
-         scenario: str | None = None) -> list[Cut]:
+         scenario: str | None = None, per: Literal["served", "lookup"] = "served") -> list[Cut]:
     """:func:`lowest_cut` for every group of :func:`join`, the pooled ``*`` groups first within a scenario."""
     groups = join(records, tenant=tenant, scenario=scenario)
     order = sorted(groups, key=lambda key: (key[1], key[0] != ALL, key[0]))
-    return [lowest_cut(groups[key], target=target, confidence=confidence) for key in order]
+    return [lowest_cut(groups[key], target=target, confidence=confidence, per=per) for key in order]
 
 
 def overlay_toml(cuts: Iterable[Cut]) -> str:

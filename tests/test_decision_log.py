@@ -50,6 +50,12 @@ def test_the_log_stays_within_its_bytes_across_rotation(tmp_path: Path) -> None:
         again.decided("acme", "support", f"more {i}", "miss")
     again.close()
     assert total_bytes(tmp_path) <= 6000 and len(log_files(tmp_path)) <= 3
+    # Reopened with a smaller budget, the oldest files go before anything is appended.
+    smaller = DecisionLog(tmp_path, max_bytes=2500, files=2, flush_interval_s=0.01)
+    smaller.decided("acme", "support", "last", "miss")
+    smaller.close()
+    assert total_bytes(tmp_path) <= 2500 and len(log_files(tmp_path)) <= 2
+    assert list(read_records(tmp_path))[-1].query_hash == smaller.query_hash("last")
 
 
 def test_records_round_trip_and_labels_join_their_decisions(tmp_path: Path) -> None:

@@ -178,6 +178,29 @@ def test_errors_on_the_real_server(server: Server) -> None:
         client(server).chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
 
 
+def test_semantic_decisions_are_logged_without_query_text(server: Server) -> None:
+    """The real engine and embedder: a refused paraphrase is logged with its candidate and similarity, and the open
+    default tenant's plan keeps no query text in the decision log."""
+    from edgecache.decision_log import DecisionRecord, LabelRecord, read_records
+
+    c = client(server)
+    assert ask(c, "Which river flows through Vienna?")[0] == "miss"
+    assert ask(c, "Tell me which river flows through the city of Vienna?")[0] in ("miss", "semantic")
+    directory = server.data_dir / "decisions"
+    for _ in range(100):  # the writer thread appends each second
+        if directory.is_dir() and any(isinstance(r, DecisionRecord) and r.store_key for r in read_records(directory)):
+            break
+        time.sleep(0.1)
+    records = list(read_records(directory))
+    decisions = [r for r in records if isinstance(r, DecisionRecord)]
+    assert len(decisions) >= 2 and all(d.query is None and len(d.query_hash) == 32 for d in decisions)
+    paraphrase = next(d for d in decisions if d.store_key)
+    assert paraphrase.decision in ("hit", "refused") and 0 < paraphrase.similarity <= 1  # type: ignore[operator]
+    assert b"Vienna" not in b"".join(p.read_bytes() for p in directory.glob("decisions-*.jsonl"))
+    labels = [r for r in records if isinstance(r, LabelRecord)]
+    assert all(label.id in {d.id for d in decisions} for label in labels)
+
+
 def test_restart_on_the_same_data_dir_is_still_exact(tmp_path: Path) -> None:
     first = Server(tmp_path / "data").start()
     try:

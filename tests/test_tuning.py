@@ -60,6 +60,26 @@ def test_tune_recovers_a_known_cut_within_a_hundredth(tmp_path: Path, cut: float
     assert found[("*", "support")].lookups == 4000 == found[("acme", "support")].lookups * 2
 
 
+def test_per_lookup_matches_the_hindsight_oracle_on_a_fully_labelled_log(tmp_path: Path) -> None:
+    """False hits as a share of all lookups: the lowest cut whose wrong serves stay within 1 % of the lookups. The
+    oracle here is computed directly from the log's truth (every lookup labelled), with hindsight."""
+    synthetic_log(tmp_path, cut=0.85, noise=0.2, n=5000)
+    records = list(read_records(tmp_path))
+    decisions = {r.id: r for r in records if isinstance(r, DecisionRecord)}
+    truth = sorted(((decisions[r.id].similarity, r.good) for r in records if not isinstance(r, DecisionRecord)),
+                   reverse=True)
+    bad, oracle = 0, None
+    for similarity, good in truth:
+        bad += not good
+        if bad / len(truth) <= 0.01:
+            oracle = similarity
+    found = tune(records, target=0.01, confidence=0, per="lookup")[0]
+    assert found.cut is not None and oracle is not None and abs(found.cut - oracle) <= 0.01
+    assert found.cut < 0.85  # 1 % of lookups allows wrong serves below the true cut
+    bounded = tune(records, target=0.01, per="lookup")[0]
+    assert bounded.cut is not None and found.cut <= bounded.cut <= found.cut + 0.02
+
+
 def test_too_few_labels_give_no_cut_and_no_overlay_line(tmp_path: Path) -> None:
     group = Group(tenant="*", scenario="code", lookups=50, similarities=[0.99] * 50,
                   labelled=[Sample(0.99, True)] * 50)

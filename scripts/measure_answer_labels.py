@@ -1,0 +1,106 @@
+"""How the miss labeler's answer comparison separates right from wrong, with the real CPU engine and embedder.
+
+Pairs from GPTCache's mock data (``../shared/data/gptcache_mock_data.json``, MIT): a query and its rewrite should
+get the same answer (positive); a query and another query's origin should not (negative). Each text is answered
+once by the engine at temperature 0, and the two answers of a pair are labelled as the server would label a refused
+candidate: equality (whitespace aside), else the answers' cosine under the semantic embedder against each bar.
+Printed per bar: the share of positive pairs labelled good (labels the cut can learn from) and of negative pairs
+labelled good (wrong "good" labels, which would let ``tune`` lower a cut too far).
+
+    python scripts/measure_answer_labels.py [--pairs 40] [--max-tokens 48] [--data ../shared/data]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from edgecache.engines import engine_from_settings  # noqa: E402
+from edgecache.engines.base import GenerationRequest, Message, SamplingParams  # noqa: E402
+from edgecache.labeling import normalised  # noqa: E402
+from edgecache.runtime import load_semantic_embedder  # noqa: E402
+from edgecache.settings import resolve_settings  # noqa: E402
+
+BARS = (0.85, 0.90, 0.93, 0.95, 0.97)
+FLOORS = (0.3, 0.4, 0.5, 0.6)
+
+
+async def answer(engine, text: str, max_tokens: int) -> str:  # type: ignore[no-untyped-def]
+    request = GenerationRequest(messages=(Message(role="user", content=text),),
+                                params=SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    parts = []
+    async for chunk in engine.generate(request):
+        parts.append(chunk.text)
+    return "".join(parts)
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    rows = json.loads((Path(args.data) / "gptcache_mock_data.json").read_text())
+    rng = random.Random(args.seed)
+    rng.shuffle(rows)
+    rows = rows[:args.pairs + 1]
+    positives = [(r["origin"], r["similar"]) for r in rows[:args.pairs]]
+    negatives = [(rows[i]["similar"], rows[i + 1]["origin"]) for i in range(args.pairs)]
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = resolve_settings("cpu", {"data_dir": tmp}, environ={})
+        engine = engine_from_settings(settings)
+        await engine.start()
+        texts = sorted({t for pair in positives + negatives for t in pair})
+        cache = Path(args.answers) if args.answers else None
+        answers = json.loads(cache.read_text()) if cache is not None and cache.is_file() else {}
+        started = time.perf_counter()
+        for t in texts:
+            if t not in answers:
+                answers[t] = await answer(engine, t, args.max_tokens)
+        print(f"{len(texts)} answers in {time.perf_counter() - started:.0f} s", flush=True)
+        if cache is not None:
+            cache.write_text(json.dumps(answers))
+        await engine.close()
+    embedder = load_semantic_embedder(settings)
+    vectors = {t: v for t, v in zip(texts, embedder.embed([answers[t] for t in texts]))}
+
+    def cosine(a: str, b: str) -> float:
+        x, y = vectors[a], vectors[b]
+        return float(x @ y / (np.linalg.norm(x) * np.linalg.norm(y) + 1e-12))
+
+    result: dict[str, object] = {"pairs": args.pairs, "max_tokens": args.max_tokens, "embedder": embedder.version}
+    for name, pairs in (("positive", positives), ("negative", negatives)):
+        equal = sum(normalised(answers[a]) == normalised(answers[b]) for a, b in pairs)
+        cosines = [1.0 if normalised(answers[a]) == normalised(answers[b]) else cosine(a, b) for a, b in pairs]
+        result[f"{name}_equal"] = equal / len(pairs)
+        result[f"{name}_cosine_median"] = float(np.median(cosines))
+        for bar in BARS:
+            result[f"{name}_good_at_{bar}"] = sum(c >= bar for c in cosines) / len(pairs)
+        for floor in FLOORS:
+            result[f"{name}_bad_below_{floor}"] = sum(c < floor for c in cosines) / len(pairs)
+        print(f"{name}: equal {equal}/{len(pairs)}, answer cosine quartiles "
+              f"{np.percentile(cosines, 25):.3f} / {np.median(cosines):.3f} / {np.percentile(cosines, 75):.3f} "
+              f"(max {max(cosines):.3f}); good at "
+              + ", ".join(f"{bar}: {sum(c >= bar for c in cosines) / len(pairs):.0%}" for bar in BARS)
+              + "; bad below " + ", ".join(f"{f}: {sum(c < f for c in cosines) / len(pairs):.0%}" for f in FLOORS))
+    print(json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=40)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--answers", default=None, help="A JSON file caching the engine's answers between runs.")
+    parser.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+    args = parser.parse_args()
+    asyncio.run(main_async(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Labelers: equality for greedy answers, answer embeddings above a high bar, the chain, and the bounded background
+labelling of refused candidates."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from edgecache.decision_log import DecisionLog, LabelRecord, read_records
+from edgecache.engines.base import GenerationRequest, Message, SamplingParams
+from edgecache.labeling import AnswerEmbeddingLabeler, EqualityLabeler, FirstVerdict, MissLabels
+from edgecache.pipeline import Call
+from edgecache.semantic_cache import Lookup, SemanticHit
+from edgecache.stores import CachedAnswer
+
+
+def request(temperature: float = 0.0) -> GenerationRequest:
+    return GenerationRequest(messages=(Message(role="user", content="q"),),
+                             params=SamplingParams(temperature=temperature))
+
+
+async def test_equality_at_temperature_zero_ignores_whitespace_and_cannot_tell_otherwise() -> None:
+    equal = EqualityLabeler()
+    assert await equal.label("Paris is the capital.\n", "  Paris is  the\tcapital. ", request()) is True
+    assert await equal.label("Paris.", "Lyon.", request()) is None  # a rewording is not called wrong
+    assert await equal.label("Paris.", "Paris.", request(temperature=0.7)) is None  # sampled: no evidence
+
+
+def fixed_embedder(vectors: dict[str, list[float]]):  # type: ignore[no-untyped-def]
+    calls: list[list[str]] = []
+
+    async def embed(texts: Sequence[str]) -> np.ndarray:
+        calls.append(list(texts))
+        return np.array([vectors[t] for t in texts], dtype=np.float32)
+
+    return embed, calls
+
+
+async def test_answer_embeddings_label_good_above_the_bar_bad_below_the_floor_else_nothing() -> None:
+    embed, calls = fixed_embedder({"a": [1, 0], "near": [0.97, 0.243], "mid": [0.9, 0.436], "far": [0.2, 0.98]})
+    labeler = AnswerEmbeddingLabeler(embed, bar=0.95, floor=0.5)
+    assert await labeler.label("a", "near", request(0.7)) is True   # cosine 0.97
+    assert await labeler.label("a", "mid", request(0.7)) is None    # cosine 0.90: same topic is not enough
+    assert await labeler.label("a", "far", request(0.7)) is False   # cosine 0.20: another answer
+    assert await labeler.label("a", "a", request(0.7)) is True and len(calls) == 3  # identical: no embedding
+    assert await labeler.label("", "a", request()) is None
+
+
+async def test_the_chain_takes_the_first_labeler_that_can_tell() -> None:
+    embed, calls = fixed_embedder({"x y": [1, 0], "z": [0, 1]})  # orthogonal: cosine 0
+    chain = FirstVerdict(EqualityLabeler(), AnswerEmbeddingLabeler(embed))
+    assert chain.name == "equality+answer-embedding"
+    assert await chain.label("x  y", "x y", request()) is True and not calls  # equality decided
+    assert await chain.label("x y", "z", request()) is False and calls == [["x y", "z"]]
+
+
+class Store:
+    def __init__(self, answers: dict[str, str]) -> None:
+        self.answers = answers
+        self.reads = 0
+
+    async def get(self, key: str) -> CachedAnswer | None:
+        self.reads += 1
+        text = self.answers.get(key)
+        return None if text is None else CachedAnswer(text=text, finish_reason="stop", prompt_tokens=1,
+                                                      completion_tokens=1, created_at=0.0, expires_at=1e12)
+
+
+def refused(store_key: str) -> Lookup:
+    return Lookup(vector=None, similarity=0.8, refusal="below_threshold",
+                  candidate=SemanticHit(similarity=0.8, store_key=store_key, vector_key=1))
+
+
+async def test_a_refused_candidate_is_labelled_in_the_background_within_a_bound(tmp_path: Path) -> None:
+    store = Store({"k1": "same answer", "k2": "other answer"})
+    log = DecisionLog(tmp_path, max_bytes=1 << 20)
+    seen: list[tuple[str, str, str, bool]] = []
+    labels = MissLabels(stores=lambda tenant: store, labeler=EqualityLabeler(), decisions=log,  # type: ignore[arg-type]
+                        observe=lambda *args: seen.append(args), max_pending=2)
+    call = Call(request=request(), tenant="acme", scenario="support")
+    labels.after_miss(call, "d1", refused("k1"), "same  answer")
+    labels.after_miss(call, "d2", refused("k2"), "a different answer")  # equality cannot tell: no label
+    labels.after_miss(call, "d3", refused("k1"), "same answer")          # past max_pending: skipped
+    hit = SemanticHit(similarity=0.99, store_key="k1", vector_key=1)
+    labels.after_miss(call, "d4", Lookup(vector=None, hit=hit, candidate=hit), "x")  # served: nothing to label
+    labels.after_miss(call, "d5", Lookup(vector=None), "x")                            # no candidate
+    await labels.drain()
+    log.close()
+    assert labels.skipped == 1 and labels.labelled == 1 and store.reads == 2
+    assert [(r.id, r.good, r.labeler) for r in read_records(tmp_path) if isinstance(r, LabelRecord)] == \
+        [("d1", True, "equality")]
+    assert seen == [("acme", "support", "refused", True)]
+
+
+async def test_no_label_starts_while_the_box_is_busy(tmp_path: Path) -> None:
+    store = Store({"k1": "same answer"})
+    log = DecisionLog(tmp_path, max_bytes=1 << 20)
+    busy = [True]
+    labels = MissLabels(stores=lambda tenant: store, labeler=EqualityLabeler(), decisions=log,  # type: ignore[arg-type]
+                        busy=lambda: busy[0])
+    call = Call(request=request(), tenant="acme", scenario="support")
+    labels.after_miss(call, "d1", refused("k1"), "same answer")
+    busy[0] = False
+    labels.after_miss(call, "d2", refused("k1"), "same answer")
+    await labels.drain()
+    log.close()
+    assert (labels.skipped, labels.labelled, store.reads) == (1, 1, 1)
+    assert [r.id for r in read_records(tmp_path)] == ["d2"]
