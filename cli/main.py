@@ -353,13 +353,16 @@ def tune(
                           f"{cut.false_hit_rate:.2%} ({cut.false_hit_upper:.2%})", f"{cut.hit_rate:.1%}",
                           str(cut.backing))
     console.print(table)
-    console.print("tenant * pools every tenant's decisions: its cuts are the ones --write writes.")
+    console.print("tenant * pools every tenant's decisions: --write writes its cuts per scenario, and each "
+                  "tenant's own as tenant_thresholds.")
     if bad_lines[0]:
         typer.secho(f"warning: {bad_lines[0]} lines did not decode and were skipped", fg="yellow", err=True)
     if write is not None:
-        Path(write).write_text(overlay_toml(cuts))
-        written = sum(1 for c in cuts if c.tenant == ALL and c.cut is not None)
-        typer.echo(f"wrote {written} scenario thresholds to {write} (load with: edgecache serve --overlay {write})")
+        Path(write).write_text(overlay_toml(cuts, pooled=tenant is None))
+        pooled = sum(1 for c in cuts if c.tenant == ALL and c.cut is not None) if tenant is None else 0
+        own = sum(1 for c in cuts if c.tenant != ALL and c.cut is not None)
+        typer.echo(f"wrote {pooled} scenario thresholds and {own} tenant thresholds to {write} "
+                   f"(load with: edgecache serve --overlay {write})")
 
 
 @profiles_app.command("list")

@@ -92,4 +92,20 @@ def stats_tables(body: dict[str, Any], *, tenant: str | None = None, previous: d
         quota = st.get("budget_bytes", 0)
         store.add_row(name, f"{st.get('entries', 0):,}", f"{st.get('bytes', 0):,}", f"{quota:,}",
                       _pct(st.get("bytes", 0) / quota if quota else 0.0))
-    return [overview, ttft, tenants, store]
+    tables = [overview, ttft, tenants, store]
+    labels: dict[str, dict[str, Any]] = body.get("semantic", {}).get("labels", {})
+    if tenant is not None:
+        labels = {k: v for k, v in labels.items() if k.split("/", 1)[0] == tenant}
+    if labels:
+        # Labels of semantic decisions (a refused candidate's, from its miss; a served one's, from an exploration):
+        # the served false-hit estimate needs the latter.
+        judged = Table(title="Semantic labels (false hits of served decisions, 95 % bound)")
+        for col in ("tenant/scenario", "labels", "bad", "served labels", "false hits", "bound"):
+            judged.add_column(col, justify="left" if col == "tenant/scenario" else "right")
+        for name, figures in sorted(labels.items()):
+            rate, bound = figures.get("false_hit_rate"), figures.get("false_hit_upper_95")
+            judged.add_row(name, f"{figures.get('labels', 0):,}", f"{figures.get('bad', 0):,}",
+                           f"{figures.get('served_labels', 0):,}", "-" if rate is None else _pct(rate),
+                           "-" if bound is None else _pct(bound))
+        tables.append(judged)
+    return tables

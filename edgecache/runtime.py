@@ -354,9 +354,10 @@ def build_semantic_cache(settings: Settings, metrics: Metrics, embedder: Embedde
     if verifier is not None and verifier.embedder != embedder.version:
         verifier = None  # its weights read another model's cosine
 
-    def rule_for(scenario: str) -> MatchRule:
+    def rule_for(tenant: str, scenario: str) -> MatchRule:
         configured = settings.scenarios[scenario]
-        threshold = configured.threshold
+        # A tenant's own cut (an `edgecache tune --write` overlay) before the scenario's.
+        threshold = settings.tenant_thresholds.get(tenant, {}).get(scenario, configured.threshold)
         if threshold is None and verifier is None:
             threshold = default_threshold(embedder.version, scenario)
         return MatchRule(target_false_hit_rate=configured.target_false_hit_rate, threshold=threshold)

@@ -148,7 +148,7 @@ class EmbedBatcher:
 class SemanticCache:
     """Embedder + per-namespace indexes + verifier (or threshold + guard), behind lookup / remember / forget."""
 
-    def __init__(self, *, embedder: Embedder, index: SemanticIndex, rule_for: Callable[[str], MatchRule],
+    def __init__(self, *, embedder: Embedder, index: SemanticIndex, rule_for: Callable[[str, str], MatchRule],
                  verifier: Verifier | None = None, candidates: int = 3,
                  cap_for: Callable[[str], int | None] = lambda tenant: None,
                  max_batch: int = 32, max_wait_s: float = 0.002, guard_rules: Sequence[str] | None = None,
@@ -213,7 +213,7 @@ class SemanticCache:
 
     async def lookup(self, tenant: str, scenario: str, probe: Probe) -> Lookup:
         vector = await self.batcher.embed(probe.text)
-        rule = self.rule_for(scenario)
+        rule = self.rule_for(tenant, scenario)
         name = self.index_scenario(scenario, probe.namespace)
         decide = self._by_threshold if rule.threshold is not None or self.verifier is None else self._by_verifier
 

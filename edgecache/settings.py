@@ -257,10 +257,17 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         "Named scenarios (callers pick one with X-EdgeCache-Scenario or body edgecache.scenario), each with its "
         "semantic threshold and TTL; `default` always exists.")] = msgspec.field(
         default_factory=lambda: {"default": ScenarioSettings()})
+    tenant_thresholds: Annotated[dict[str, dict[str, Annotated[float, Meta(ge=0.0, le=1.0)]]], _help(
+        "Per tenant, per scenario: the cosine threshold that tenant's lookups need, over the scenario's own "
+        "(`edgecache tune --write` writes these from a tenant's labelled decisions).")] = {}
 
     def __post_init__(self) -> None:
         if "default" not in self.scenarios:
             raise SettingsError("scenarios must include `default`")
+        for tenant, thresholds in self.tenant_thresholds.items():
+            unknown = sorted(set(thresholds) - set(self.scenarios))
+            if unknown:
+                raise SettingsError(f"tenant_thresholds.{tenant} names unknown scenarios: {', '.join(unknown)}")
 
     @property
     def data_path(self) -> Path:

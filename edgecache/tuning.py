@@ -15,7 +15,8 @@ static oracle's in ``scripts/eval_semantic.py --stream``): meaningful when the l
 would serve, as on a fully labelled replay.
 
 Pure functions over records, so the CLI and tests share them; :func:`overlay_toml` writes the per-scenario
-``threshold`` overlay that ``edgecache serve --overlay FILE`` loads on top of the profile.
+``threshold`` overlay (and each tenant's own, ``tenant_thresholds``) that ``edgecache serve --overlay FILE`` loads on
+top of the profile.
 """
 
 from __future__ import annotations
@@ -137,19 +138,36 @@ def tune(records: Iterable[Record], *, target: float = 0.01, confidence: float =
     return [lowest_cut(groups[key], target=target, confidence=confidence, per=per) for key in order]
 
 
-def overlay_toml(cuts: Iterable[Cut]) -> str:
-    """The settings overlay of the pooled cuts: ``[scenarios.NAME] threshold = ...`` per scenario that has one.
-    Cuts are rounded up to 4 decimals (rounding down could admit a labelled false hit)."""
-    lines = ["# Written by `edgecache tune`: per-scenario similarity thresholds, loaded by",
+def overlay_toml(cuts: Iterable[Cut], *, pooled: bool = True) -> str:
+    """The settings overlay of the cuts: the pooled ones as ``[scenarios.NAME] threshold = ...`` (with ``pooled``:
+    every tenant's traffic was replayed, so they suit every tenant), each tenant's own as
+    ``[tenant_thresholds."T"] NAME = ...``. Cuts are rounded up to 4 decimals (rounding down could admit a labelled
+    false hit)."""
+    lines = ["# Written by `edgecache tune`: similarity thresholds per scenario and per tenant, loaded by",
              "# `edgecache serve --overlay FILE` on top of the profile.", ""]
+    by_tenant: dict[str, list[Cut]] = {}
     for cut in cuts:
-        if cut.tenant != ALL or cut.cut is None:
+        if cut.cut is None:
             continue
-        value = math.ceil(cut.cut * 10_000 - 1e-9) / 10_000
-        lines += [f"# {cut.labels} labels, {cut.backing} at or above the cut, false hits <= "
-                  f"{cut.false_hit_upper:.4f}, hit rate {cut.hit_rate:.3f}",
-                  f"[scenarios.{_toml_key(cut.scenario)}]", f"threshold = {value:.4f}", ""]
+        if cut.tenant != ALL:
+            by_tenant.setdefault(cut.tenant, []).append(cut)
+        elif pooled:
+            lines += [_because(cut), f"[scenarios.{_toml_key(cut.scenario)}]", f"threshold = {_up(cut.cut)}", ""]
+    for tenant, own in sorted(by_tenant.items()):
+        lines.append(f"[tenant_thresholds.{msgspec.json.encode(tenant).decode()}]")
+        for cut in own:
+            lines += [_because(cut), f"{_toml_key(cut.scenario)} = {_up(cut.cut)}"]  # type: ignore[arg-type]
+        lines.append("")
     return "\n".join(lines)
+
+
+def _up(cut: float) -> str:
+    return f"{math.ceil(cut * 10_000 - 1e-9) / 10_000:.4f}"
+
+
+def _because(cut: Cut) -> str:
+    return (f"# {cut.labels} labels, {cut.backing} at or above the cut, false hits <= {cut.false_hit_upper:.4f}, "
+            f"hit rate {cut.hit_rate:.3f}")
 
 
 def _toml_key(name: str) -> str:

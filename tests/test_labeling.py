@@ -108,3 +108,23 @@ async def test_no_label_starts_while_the_box_is_busy(tmp_path: Path) -> None:
     log.close()
     assert (labels.skipped, labels.labelled, store.reads) == (1, 1, 1)
     assert [r.id for r in read_records(tmp_path)] == ["d2"]
+
+
+def test_stats_render_a_labels_table_when_there_are_labels() -> None:
+    from edgecache.cli.render import stats_tables
+    from edgecache.metrics import Metrics
+
+    metrics = Metrics()
+    assert [t.title for t in stats_tables(metrics.snapshot())][-1] == "Result stores"  # no labels: no table
+    metrics.observe_label("acme", "support", "refused", False)
+    metrics.observe_label("acme", "support", "explore", True)
+    metrics.observe_label("acme", "support", "explore", False)
+    body = metrics.snapshot()
+    figures = body["semantic"]["labels"]["acme/support"]  # type: ignore[index]
+    assert (figures["labels"], figures["bad"], figures["served_labels"], figures["false_hit_rate"]) == (3, 2, 2, 0.5)
+    assert 0.5 < figures["false_hit_upper_95"] <= 1.0
+    table = stats_tables(body)[-1]
+    assert table.title.startswith("Semantic labels") and table.row_count == 1
+    assert stats_tables(body, tenant="other")[-1].title == "Result stores"
+    assert "edgecache_semantic_false_hit_rate{scenario=\"support\",tenant=\"acme\"} 0.5" in \
+        metrics.render().decode()

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from edgecache.app import create_app
 from edgecache.cli.main import app as cli
 from edgecache.decision_log import DecisionLog, DecisionRecord, read_records
-from edgecache.settings import resolve_settings
+from edgecache.settings import SettingsError, resolve_settings
 from edgecache.tuning import Group, Sample, lowest_cut, overlay_toml, tune, wilson_upper
 from tests.conftest import chat_body, serve_in_process
 from tests.fakes import FakeEngine
@@ -94,7 +94,7 @@ def test_the_tune_command_prints_and_writes_an_overlay(tmp_path: Path) -> None:
     overlay = tmp_path / "cuts.toml"
     result = runner.invoke(cli, ["tune", str(logs), "--target-error", "0.01", "--write", str(overlay)])
     assert result.exit_code == 0, result.output
-    assert "support" in result.output and "tenant * pools" in result.output and "wrote 1 scenario" in result.output
+    assert "support" in result.output and "tenant * pools" in result.output and "wrote 1 scenario thresholds and 1 tenant" in result.output
     settings = resolve_settings("cpu", {"data_dir": str(tmp_path / "data")}, environ={}, overlays=[overlay])
     assert abs(settings.scenarios["support"].threshold - 0.8) <= 0.01  # type: ignore[operator]
     assert settings.scenarios["support"].ttl_s == resolve_settings("cpu", environ={}).scenarios["support"].ttl_s
@@ -114,20 +114,26 @@ STORED = "How do I reset my password?"
 ASKED = "I forgot my password, what should I do now?"
 
 
-async def ask_pair(settings: Any) -> tuple[str, DecisionRecord]:
-    """Store STORED, ask ASKED; what served it, and the decision the log holds for it."""
+async def ask_pair(settings: Any, keys: tuple[str, ...] = ("",)) -> list[tuple[str, DecisionRecord]]:
+    """For each API key: store STORED, ask ASKED; what served it, and the decision the log holds for it."""
+    out = []
     async with serve_in_process(create_app(settings, engine=FakeEngine())) as c:
-        assert (await c.post("/v1/chat/completions", json=chat_body(STORED))).headers["x-edgecache"] == "miss"
-        await settled(c)
-        resp = await c.post("/v1/chat/completions", json=chat_body(ASKED))
-        await settled(c)
+        for key in keys:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            stored = await c.post("/v1/chat/completions", json=chat_body(STORED), headers=headers)
+            assert stored.headers["x-edgecache"] == "miss"
+            await settled(c)
+            resp = await c.post("/v1/chat/completions", json=chat_body(ASKED), headers=headers)
+            await settled(c)
+            out.append(resp.headers["x-edgecache"])
     decisions = [r for r in read_records(Path(settings.data_dir) / "decisions") if isinstance(r, DecisionRecord)]
-    return resp.headers["x-edgecache"], decisions[-1]
+    asked = [d for d in decisions if d.store_key]  # the paraphrase's lookups (the stored prompt's had no candidate)
+    return list(zip(out, asked))
 
 
 async def test_the_overlay_tune_writes_turns_a_miss_into_a_hit(tmp_path: Path) -> None:
     before = resolve_settings("cpu", {"data_dir": str(tmp_path / "before"), "semantic.enabled": True}, environ={})
-    served, decision = await ask_pair(before)
+    [(served, decision)] = await ask_pair(before)
     assert served == "miss" and decision.decision == "refused" and decision.reason == "below_threshold"
     similarity = decision.similarity  # below the embedder's calibrated cut for `default` (it missed)
     assert similarity is not None and similarity > 0.6
@@ -139,5 +145,28 @@ async def test_the_overlay_tune_writes_turns_a_miss_into_a_hit(tmp_path: Path) -
     after = resolve_settings("cpu", {"data_dir": str(tmp_path / "after"), "semantic.enabled": True}, environ={},
                              overlays=[overlay])
     assert after.scenarios["default"].threshold is not None and after.scenarios["default"].threshold < similarity
-    served, decision = await ask_pair(after)
+    [(served, decision)] = await ask_pair(after)
     assert served == "semantic" and decision.decision == "hit"
+    # A tenant's own cut: tuned on acme's decisions only, it changes acme's lookups and no one else's.
+    acme_logs = tmp_path / "acme-decisions"
+    synthetic_log(acme_logs, cut=similarity - 0.03, scenario="default", tenants=("acme",))
+    acme_overlay = tmp_path / "acme.toml"
+    result = runner.invoke(cli, ["tune", str(acme_logs), "--tenant", "acme", "--write", str(acme_overlay)])
+    assert result.exit_code == 0 and "wrote 0 scenario thresholds and 1 tenant" in result.output, result.output
+    assert "[scenarios" not in acme_overlay.read_text()
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[plans.basic]\n[[tenants]]\nid = "acme"\nplan = "basic"\nkeys = ["sk-acme-0001"]\n'
+                       '[[tenants]]\nid = "globex"\nplan = "basic"\nkeys = ["sk-globex-001"]\n')
+    per_tenant = resolve_settings("cpu", {"data_dir": str(tmp_path / "per-tenant"), "semantic.enabled": True,
+                                          "tenants_file": str(tenants)}, environ={}, overlays=[acme_overlay])
+    assert per_tenant.scenarios["default"].threshold is None and per_tenant.tenant_thresholds["acme"]["default"] < \
+        similarity
+    (acme, acme_decision), (globex, _) = await ask_pair(per_tenant, ("sk-acme-0001", "sk-globex-001"))
+    assert (acme, globex) == ("semantic", "miss") and acme_decision.tenant == "acme"
+
+
+def test_a_tenant_threshold_for_an_unknown_scenario_is_refused(tmp_path: Path) -> None:
+    overlay = tmp_path / "bad.toml"
+    overlay.write_text('[tenant_thresholds."acme"]\nnope = 0.8\n')
+    with pytest.raises(SettingsError, match="unknown scenarios: nope"):
+        resolve_settings("cpu", {"data_dir": str(tmp_path)}, environ={}, overlays=[overlay])

@@ -78,7 +78,7 @@ def run(coro):
 def cache(tmp_path: Path, embedder, verifier: Verifier):
     index = SemanticIndex(tmp_path, dim=embedder.dim, embedder_version=embedder.version, max_vectors=1000)
     rules = {"support": MatchRule(target_false_hit_rate=0.01), "default": MatchRule(target_false_hit_rate=0.005)}
-    sem = SemanticCache(embedder=embedder, index=index, rule_for=rules.__getitem__, verifier=verifier, candidates=3)
+    sem = SemanticCache(embedder=embedder, index=index, rule_for=lambda tenant, scenario: rules[scenario], verifier=verifier, candidates=3)
     yield sem
     sem.close()
 

@@ -174,7 +174,7 @@ async def _bulk_embed(tmp_path: Path, embedder: _RecordingEmbedder, bulk_threads
     from edgecache.semantic_index import SemanticIndex
 
     index = SemanticIndex(tmp_path, dim=embedder.dim, embedder_version=embedder.version)
-    sem = SemanticCache(embedder=embedder, index=index, rule_for=lambda s: MatchRule(threshold=0.9),
+    sem = SemanticCache(embedder=embedder, index=index, rule_for=lambda t, s: MatchRule(threshold=0.9),
                         bulk_threads=bulk_threads)
     try:
         texts = [f"question number {i}" + "?" * (i % 7) for i in range(40)]
