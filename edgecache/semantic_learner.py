@@ -19,7 +19,8 @@ explore when unsure, error bounded by a target) and changes what a server with m
    similarity; a prior from the static default cut until labels come); an entry's class shifts that curve by one
    number on the logit scale (a random effect with prior N(0, spread^2), fitted by a few Newton steps on its
    labels), so a new entry is decided by its pool and an entry's own labels move it only as far as they are
-   evidence. Entries whose answers were labelled the same (a lookup explored or missed against entry A came out
+   evidence (and only upwards until the class has ``trust_after`` right labels: one right answer is no pattern).
+   Entries whose answers were labelled the same (a lookup explored or missed against entry A came out
    right and was then cached as entry B) are :meth:`SemanticLearner.link`-ed and share labels: a class learns from
    all its members' lookups.
 3. **Labels come from misses for free.** On a miss the engine computes the answer anyway; comparing it with the
@@ -139,6 +140,7 @@ class SemanticLearner:
         prior_weight: float = 0.5,
         spread: float = 1.5,
         window: float = 1.0,
+        trust_after: int = 2,
         calibration_weight: float = 2.0,
         impute: bool = True,
         calibration_band: float = 3.0,
@@ -158,6 +160,7 @@ class SemanticLearner:
         self.prior_weight = prior_weight
         self.spread = spread
         self.window = window
+        self.trust_after = trust_after
         self.calibration_weight = calibration_weight
         self.impute = impute
         self.calibration_band = calibration_band
@@ -353,6 +356,9 @@ class SemanticLearner:
                 hessian = float((p * (1.0 - p)).sum()) + precision
                 shift += gradient / hessian
             var += 1.0 / hessian
+            if wrong.size - wrong.sum() < self.trust_after:
+                # One right answer is no pattern (a rewrite asked once): it may not lower the class's error yet.
+                shift = max(shift, 0.0)
         else:
             var += self.spread**2
         error = 1.0 / (1.0 + math.exp(-(base + shift)))

@@ -222,3 +222,18 @@ def test_a_linked_entry_shares_its_class_labels() -> None:
     alone = learner.decide("t", "s", "stranger", 0.95, TARGET)
     assert linked.error > alone.error
     assert learner.entry_labels_of("t", "s", "member") == learner.entry_labels_of("t", "s", "class")
+
+
+def test_one_right_label_does_not_lower_a_class_error_but_several_do() -> None:
+    learner = SemanticLearner(prior_cut=0.9, audit_share=0.0, trust_after=2)
+    _far_lookups(learner, 100)
+    for i in range(20):
+        learner.record("t", "s", f"other{i}", 0.85, i % 2 == 0)  # the pool: a coin toss at 0.85
+    learner.record("t", "s", "once", 0.85, True)
+    # (Each label also moves the pooled curve; compare with an entry without labels at the same moment.)
+    assert learner.decide("t", "s", "once", 0.85, TARGET).error >= learner.decide(
+        "t", "s", "stranger", 0.85, TARGET).error
+    for _ in range(3):
+        learner.record("t", "s", "often", 0.85, True)
+    assert learner.decide("t", "s", "often", 0.85, TARGET).error < learner.decide(
+        "t", "s", "stranger", 0.85, TARGET).error
