@@ -3,7 +3,7 @@
 1. lookup at batch 1: embed one prompt, search an index of --stored real prompt vectors (p50/p99).
 2. 32 concurrent lookups: each request alone on a worker thread vs micro-batched (requests arriving within
    --max-wait-ms are embedded in one call), per-request latency p50/p99 and the ratio.
-3. search alone at 100k and 1M random unit vectors (usearch HNSW, cos, the index dtype), p50/p99 of k=1.
+3. search alone at 100k and 1M random unit vectors (usearch HNSW as the server builds it), p50/p99 of k=1.
 
   python scripts/bench_semantic.py --embedder use-multilingual --sizes 100000,1000000
 """
@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edgecache.embedders import Embedder, load_embedder  # noqa: E402
-from edgecache.semantic_index import SemanticIndex  # noqa: E402
+from edgecache.semantic_index import SemanticIndex, make_index  # noqa: E402
 
 PROMPTS = [
     "How do I reset my password?",
@@ -102,10 +102,8 @@ async def concurrent(embedder: Embedder, index: SemanticIndex, n: int, rounds: i
 
 
 def search_at_scale(size: int, dim: int, dtype: str, queries: int, threads: int) -> tuple[list[float], float, float]:
-    from usearch.index import Index
-
     rng = np.random.default_rng(size)
-    index = Index(ndim=dim, metric="cos", dtype=dtype, connectivity=16, expansion_search=64)
+    index = make_index(dim, dtype)  # as the server builds its indexes
     t0 = time.perf_counter()
     step = 100_000
     sample = None
