@@ -76,9 +76,9 @@ def make_index(dim: int, dtype: VectorDType = "f16", *, connectivity: int = 16, 
     # per distance: faster to build and search. Not for i8, whose inner product is on the integer scale (usearch
     # normalises i8 only under "cos"). Files saved under either metric load under the other: same graph, same
     # vectors.
-    # expansion_add 64 (usearch's default 128) builds 2.45x faster, and expansion_search 128 (was 64) wins the
-    # recall back at search time: on 96k real prompt vectors, recall@1 of the exact nearest neighbour 0.988 against
-    # 0.985 before (cosine, 128 / 64), a search 0.44 against 0.36 ms (scripts/bench_index_build.py --real-texts).
+    # expansion_add 64 (usearch's default 128) builds about 2x faster, and expansion_search 128 (was 64) wins the
+    # recall back at search time: on 96k real prompt vectors, recall@1 of the exact nearest neighbour 0.987 against
+    # 0.986 before (cosine, 128 / 64), a search 0.41 against 0.37 ms (scripts/bench_index_build.py --real-texts).
     return Index(ndim=dim, metric="ip" if dtype == "f16" else "cos", dtype=dtype, connectivity=connectivity,
                  expansion_add=expansion_add, expansion_search=expansion_search)
 
