@@ -68,6 +68,11 @@ class SemanticHit(msgspec.Struct, frozen=True):
     store_key: str
     vector_key: int
 
+    @classmethod
+    def of(cls, candidate: Candidate) -> SemanticHit:
+        """The index's candidate as the decision names it (without its text: the guard's business only)."""
+        return cls(similarity=candidate.similarity, store_key=candidate.store_key, vector_key=candidate.vector_key)
+
 
 class Lookup(msgspec.Struct, frozen=True):
     """A lookup's outcome: the hit (if any) and the query's vector, kept to index the answer on a miss.
@@ -235,7 +240,7 @@ class SemanticCache:
         if not found:
             return Lookup(vector=vector)
         best = found[0]
-        candidate = SemanticHit(similarity=best.similarity, store_key=best.store_key, vector_key=best.vector_key)
+        candidate = SemanticHit.of(best)
         threshold = rule.threshold if rule.threshold is not None else 1.0
         if best.similarity < threshold:
             return Lookup(vector=vector, similarity=best.similarity, refusal="below_threshold", candidate=candidate)
@@ -255,11 +260,9 @@ class SemanticCache:
         if judged.chosen is None:
             nearest = found[0]
             return Lookup(vector=vector, similarity=nearest.similarity, score=judged.score, refusal=judged.refusal,
-                          refused_by_guard=judged.rule,
-                          candidate=SemanticHit(similarity=nearest.similarity, store_key=nearest.store_key,
-                                                vector_key=nearest.vector_key))
+                          refused_by_guard=judged.rule, candidate=SemanticHit.of(nearest))
         chosen = found[judged.chosen]
-        hit = SemanticHit(similarity=chosen.similarity, store_key=chosen.store_key, vector_key=chosen.vector_key)
+        hit = SemanticHit.of(chosen)
         return Lookup(vector=vector, similarity=chosen.similarity, score=judged.score, hit=hit, candidate=hit)
 
     async def remember(self, tenant: str, scenario: str, probe: Probe, vector: np.ndarray, store_key: str) -> None:
