@@ -327,6 +327,8 @@ def record_lookup(decisions: DecisionLog, tenant: str, scenario: str, query: str
         decision, reason = "miss", dropped
     elif candidate is None:
         decision, reason = "miss", None
+    elif lookup.explored:
+        decision, reason = "explore", lookup.learned.reason if lookup.learned else None
     else:
         decision, reason = "refused", lookup.refusal
     return decisions.decided(tenant, scenario, query, decision, reason=reason,
