@@ -29,8 +29,9 @@ import asyncio
 import hashlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -43,6 +44,9 @@ from edgecache.health import STORAGE_ERRORS, StorageFaults
 from edgecache.semantic_index import Candidate, SemanticIndex
 from edgecache.semantic_learner import Decision, SemanticLearner
 from edgecache.verifier import Verifier
+
+if TYPE_CHECKING:  # the decision log reads Lookup: importing it here would be a cycle
+    from edgecache.decision_log import DecisionRecord
 
 _encoder = msgspec.json.Encoder()
 
@@ -320,6 +324,23 @@ class SemanticCache:
                                 prior_cut=self.rule_for(tenant, scenario).threshold, decision=lookup.learned)
             if good and answer_key is not None and answer_key != candidate.store_key:
                 self.learner.link(tenant, scenario, answer_key, candidate.store_key)
+
+    def learn_from_log(self, labelled: Iterable[tuple[DecisionRecord, bool]]) -> int:
+        """Teach the learner the labels a decision log kept (at start: what this box learned before a restart, or
+        under another rule before the learner was turned on). A candidate the guard refused is skipped, as it is
+        live. Returns the labels taught."""
+        if self.learner is None:
+            return 0
+        taught = 0
+        for decision, good in labelled:
+            if decision.reason is not None and decision.reason.startswith(("guard:", "veto:")):
+                continue
+            assert decision.store_key is not None and decision.similarity is not None
+            with self._learner_lock:  # per label: lookups may already be deciding
+                self.learner.record(decision.tenant, decision.scenario, decision.store_key, decision.similarity,
+                                    good, prior_cut=self.rule_for(decision.tenant, decision.scenario).threshold)
+            taught += 1
+        return taught
 
     def _by_verifier(self, query: str, found: list[Candidate], rule: MatchRule, vector: np.ndarray) -> Lookup:
         if not found:

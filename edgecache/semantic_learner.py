@@ -295,8 +295,10 @@ class SemanticLearner:
     def estimate(self, tenant: str, scenario: str) -> tuple[float, float, int]:
         """(estimated false-hit rate of the pool's served lookups, its upper bound, labels seen)."""
         pool = self._pools.get((tenant, scenario))
-        if pool is None or pool.lookups == 0:
+        if pool is None:
             return 0.0, 0.0, 0
+        if pool.lookups == 0:
+            return 0.0, 0.0, pool.labels
         rate = pool.served_error / pool.lookups
         upper = (pool.served_error + self.confidence * math.sqrt(pool.served_var)) / pool.lookups
         return rate, upper, pool.labels

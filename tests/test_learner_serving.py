@@ -193,3 +193,38 @@ async def test_no_exploration_while_the_engine_sheds_load(embedder: Any, tmp_pat
         assert learner.summary() == {}
     finally:
         sem.close()
+
+
+async def test_a_restart_starts_the_learner_from_the_labels_the_log_kept(make_settings: Any) -> None:
+    settings = make_settings(semantic__enabled=True, semantic__decision="learner")
+    async with serve_in_process(create_app(settings, engine=ConstantEngine())) as c:
+        await ask(c, ORIGINAL)
+        assert (await ask(c, PARAPHRASE))[0] == "miss"  # untaught: refused, and labelled from the miss for free
+        rt = c.app.state.runtime  # type: ignore[attr-defined]
+        rt.decisions.flush()
+        refused = [r for r in read_records(Path(settings.data_dir) / "decisions")
+                   if isinstance(r, DecisionRecord)][-1]
+        assert refused.decision == "refused" and refused.reason.startswith("learner:")
+        before = rt.learner.entry_labels_of("default", "default", refused.store_key)
+        assert len(before) == 1 and before[0][1] is True
+    async with serve_in_process(create_app(settings, engine=ConstantEngine())) as c:
+        rt = c.app.state.runtime  # type: ignore[attr-defined]
+        after = rt.learner.entry_labels_of("default", "default", refused.store_key)
+        assert len(after) == 1 and after[0][1] is True and after[0][0] == pytest.approx(before[0][0], abs=1e-3)
+        assert rt.learner.summary()[("default", "default")]["labels"] == 1
+
+
+def test_labelled_decisions_pair_labels_with_their_decisions_within_a_window(tmp_path: Path) -> None:
+    from edgecache.decision_log import DecisionLog, labelled_decisions
+
+    log = DecisionLog(tmp_path, max_bytes=1 << 20)
+    old = log.decided("t", "s", "q0", "refused", reason="learner:budget", store_key="k0", similarity=0.8)
+    ids = [log.decided("t", "s", f"q{i}", "refused", reason="below_threshold", store_key=f"k{i}",
+                       similarity=0.9) for i in range(1, 4)]
+    log.decided("t", "s", "no candidate", "miss")
+    log.labelled(ids[2], False, "equality")
+    log.labelled(old, True, "equality")  # its decision left the window of 3
+    log.labelled(ids[1], True, "equality")
+    log.close()
+    paired = [(d.id, good) for d, good in labelled_decisions(read_records(tmp_path), window=3)]
+    assert paired == [(ids[2], False), (ids[1], True)]
