@@ -28,6 +28,11 @@ different within one group). ``--labels shipped`` keeps the profile's bar and fl
 Beside the two modes, ``--simulate`` (default on) runs ``eval_semantic.py --stream`` on the same set, limit, seed
 and target, so the server's learner can be read against the simulation's figures in the same table.
 
+TTL. The run compresses hours of traffic into minutes, and the profile's TTL tier classifier gives texts that look
+realtime 30 s: such answers would expire mid-run (a candidate gone is a miss with no label) while the simulation's
+cache never forgets. ``--ttl`` (default a day) sets the scenario's ``ttl_s`` so the cache only grows, as in the
+simulation; ``--ttl profile`` keeps the classifier.
+
 The target false-hit rate is the stream eval's (``--target``, default 1 %) for the set's scenario, so the two are
 comparable; the profile's own targets (0.5 % for default and knowledge) apply with ``--target profile``.
 
@@ -169,6 +174,7 @@ class ModeResult(msgspec.Struct):
     inconsistent: int = 0
     unlogged: int = 0
     seconds: float = 0.0
+    oddities: list[str] = msgspec.field(default_factory=list)  # the first few of the above, to look at
 
     @property
     def hit_rate(self) -> float:
@@ -184,6 +190,8 @@ def settings_for(args: argparse.Namespace, decision: str, data_dir: Path, target
                                  "semantic.decision": decision}
     if target is not None:
         overrides[f"scenarios.{args.scenario}.target_false_hit_rate"] = target
+    if args.ttl != "profile":
+        overrides[f"scenarios.{args.scenario}.ttl_s"] = float(args.ttl)
     if args.labels == "exact":
         overrides["semantic.label_answer_bar"] = 1.0
         overrides["semantic.label_answer_floor"] = 1.0
@@ -247,6 +255,8 @@ async def run_mode(stream: Stream, decision: str, args: argparse.Namespace, data
         if served[i] == "semantic":
             if j is None or answers[i] != answer_of(stream, j):
                 out.inconsistent += 1  # the answer is not the logged entry's: scored by its text's class alone
+                out.oddities.append(f"hit {i} {stream.texts[i]!r} answered {answers[i]!r}; logged entry {j} "
+                                    f"{record.store_key if record else None}")
                 right = answers[i] == answer_of(stream, i) and stream.group[i] >= 0
             else:
                 right = right_answer(stream, i, j)
@@ -263,6 +273,8 @@ async def run_mode(stream: Stream, decision: str, args: argparse.Namespace, data
         good = label_of.get(record.id)
         if good is None:
             out.unlabelled_wrong += not truth
+            if not truth:
+                out.oddities.append(f"unlabelled wrong candidate: {record.decision} {record.reason} {i}->{j}")
             continue
         out.labels += 1
         out.labels_bad += not good
@@ -295,6 +307,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target", default="0.01",
                    help="the scenario's target false-hit rate (default the stream eval's 1 %%), or 'profile'")
+    p.add_argument("--ttl", default="86400",
+                   help="the scenario's answer TTL in seconds (default a day: the cache only grows, as in the "
+                        "simulation), or 'profile' (the TTL tier classifier: 30 s for realtime-looking texts)")
     p.add_argument("--labels", choices=("exact", "shipped"), default="exact",
                    help="exact: a different answer is labelled wrong (bar = floor = 1.0); shipped: the profile's")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated: threshold, learner")
@@ -331,6 +346,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if r.inconsistent or r.unlogged or r.explorations != round(r.metric_explorations):
             print(f"  ! {r.inconsistent} answers not the logged entry's, {r.unlogged} lookups not logged, "
                   f"explorations in /metrics {r.metric_explorations:.0f}")
+        for oddity in r.oddities[:5]:
+            print(f"  ! {oddity}")
     ratio_hit = ratio_false = None
     if "threshold" in results and "learner" in results:
         th, le = results["threshold"], results["learner"]
