@@ -171,6 +171,7 @@ class ModeResult(msgspec.Struct):
     label_errors: int = 0
     unlabelled_wrong: int = 0
     demoted: int = 0
+    vetoed: int = 0  # lookups whose nearest candidate the guard refused (never put to the learner)
     inconsistent: int = 0
     unlogged: int = 0
     seconds: float = 0.0
@@ -267,6 +268,7 @@ async def run_mode(stream: Stream, decision: str, args: argparse.Namespace, data
             out.unlogged += 1
             continue
         out.explorations += record.decision == "explore"
+        out.vetoed += (record.reason or "").startswith("guard:")
         if j is None:
             continue
         truth = right_answer(stream, i, j)
@@ -338,11 +340,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"scenario {args.scenario}, target {shown_target:.2%}, labels {args.labels}; through the server in "
           f"process (real embedder and index, class-answer engine)")
     print(f"{'':26}{'hit rate':>9}{'false':>8}{'explored':>9}{'labels':>7}{'bad':>5}{'errors':>7}"
-          f"{'demoted':>8}{'s':>6}")
+          f"{'demoted':>8}{'vetoed':>7}{'s':>6}")
     for mode, r in results.items():
         name = "threshold (shipped)" if mode == "threshold" else "learner"
         print(f"{name:26}{r.hit_rate:9.4f}{r.false_hit_rate:8.4f}{r.explorations:9d}{r.labels:7d}{r.labels_bad:5d}"
-              f"{r.label_errors:7d}{r.demoted:8d}{r.seconds:6.0f}")
+              f"{r.label_errors:7d}{r.demoted:8d}{r.vetoed:7d}{r.seconds:6.0f}")
         if r.inconsistent or r.unlogged or r.explorations != round(r.metric_explorations):
             print(f"  ! {r.inconsistent} answers not the logged entry's, {r.unlogged} lookups not logged, "
                   f"explorations in /metrics {r.metric_explorations:.0f}")
@@ -367,7 +369,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{mode}_hit_rate": round(r.hit_rate, 4), f"{mode}_false_hit_rate": round(r.false_hit_rate, 4),
             f"{mode}_explorations": r.explorations, f"{mode}_labels": r.labels, f"{mode}_labels_bad": r.labels_bad,
             f"{mode}_label_errors": r.label_errors, f"{mode}_unlabelled_wrong": r.unlabelled_wrong,
-            f"{mode}_demoted": r.demoted, f"{mode}_inconsistent": r.inconsistent, f"{mode}_unlogged": r.unlogged,
+            f"{mode}_demoted": r.demoted, f"{mode}_vetoed": r.vetoed, f"{mode}_inconsistent": r.inconsistent,
+            f"{mode}_unlogged": r.unlogged,
             f"{mode}_seconds": round(r.seconds, 1)})
     result["ratio_hit_rate"] = None if ratio_hit is None else round(ratio_hit, 3)
     result["ratio_false_hit_rate"] = None if ratio_false is None else round(ratio_false, 3)

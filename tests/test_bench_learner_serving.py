@@ -42,6 +42,7 @@ def test_both_modes_through_the_server_score_every_response(tmp_path: Path, caps
         assert result[f"{mode}_label_errors"] == 0 and result[f"{mode}_labels_bad"] >= 1
     # The shipped rule serves the password paraphrases and never the 20/50 dollars pair (the guard).
     assert result["threshold_hit_rate"] > 0 and result["threshold_false_hit_rate"] == 0
-    # The untaught learner refuses, and each refused candidate comes back as a label.
-    assert result["learner_labels"] >= 5
+    # The untaught learner refuses, and each refused candidate comes back as a label; the guard vetoes the 20/50
+    # dollars pair before the learner is asked.
+    assert result["learner_labels"] >= 5 and result["learner_vetoed"] >= 1
     assert {"sim_hit_rate", "sim_false_hit_rate", "sim_explorations", "ratio_hit_rate"} <= set(result)
