@@ -108,4 +108,17 @@ def stats_tables(body: dict[str, Any], *, tenant: str | None = None, previous: d
                            f"{figures.get('served_labels', 0):,}", "-" if rate is None else _pct(rate),
                            "-" if bound is None else _pct(bound))
         tables.append(judged)
+    learner: dict[str, Any] = body.get("semantic", {}).get("learner") or {}
+    pools: dict[str, dict[str, Any]] = {k: v for k, v in learner.get("pools", {}).items()
+                                        if tenant is None or k.split("/", 1)[0] == tenant}
+    if pools:
+        # semantic.decision = learner: what it served against its target, and what its explorations cost.
+        learned = Table(title=f"Semantic learner ({learner.get('demoted', 0):,} answers demoted)")
+        for col in ("tenant/scenario", "lookups", "explored", "labels", "false hits (est.)", "bound"):
+            learned.add_column(col, justify="left" if col == "tenant/scenario" else "right")
+        for name, figures in sorted(pools.items()):
+            learned.add_row(name, f"{figures.get('lookups', 0):,}", f"{figures.get('explorations', 0):,}",
+                            f"{figures.get('labels', 0):,}", _pct(figures.get("false_hit_rate", 0.0)),
+                            _pct(figures.get("false_hit_upper", 0.0)))
+        tables.append(learned)
     return tables

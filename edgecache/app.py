@@ -328,6 +328,8 @@ async def stats(request: Request[Any, Any, Any]) -> Response[Any]:
     stores = await rt.refresh_gauges()
     body = rt.metrics.snapshot()
     body["stores"] = stores
+    if rt.semantic is not None and (learned := rt.semantic.learned()) is not None:
+        body["semantic"]["learner"] = learned  # type: ignore[index]
     body["store"] = {field: sum(s[field] for s in stores.values())
                      for field in ("entries", "bytes", "budget_bytes", "memory_entries", "memory_bytes")}
     body["admission"] = {"running": rt.admission.running, "queued": rt.admission.queued,

@@ -36,8 +36,8 @@ import re
 import secrets
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -113,6 +113,21 @@ def read_records(path: Path, on_bad_line: Callable[[Path, int], None] | None = N
                         on_bad_line(file, number)
             if on_bytes is not None and unreported:
                 on_bytes(unreported)
+
+
+def labelled_decisions(records: Iterable[Record], *, window: int = 100_000) -> Iterator[tuple[DecisionRecord, bool]]:
+    """Each decision that has a label, with the label (the last one wins), in the order the labels came. A label
+    follows its decision within seconds, so only the last ``window`` decisions wait for theirs: memory is bounded
+    whatever the log's size."""
+    waiting: OrderedDict[str, DecisionRecord] = OrderedDict()
+    for record in records:
+        if isinstance(record, DecisionRecord):
+            if record.store_key is not None and record.similarity is not None:
+                waiting[record.id] = record
+                if len(waiting) > window:
+                    waiting.popitem(last=False)
+        elif (decision := waiting.get(record.id)) is not None:
+            yield decision, record.good
 
 
 class DecisionLog:
@@ -327,6 +342,8 @@ def record_lookup(decisions: DecisionLog, tenant: str, scenario: str, query: str
         decision, reason = "miss", dropped
     elif candidate is None:
         decision, reason = "miss", None
+    elif lookup.explored:
+        decision, reason = "explore", lookup.learned.reason if lookup.learned else None
     else:
         decision, reason = "refused", lookup.refusal
     return decisions.decided(tenant, scenario, query, decision, reason=reason,

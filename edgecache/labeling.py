@@ -18,11 +18,13 @@ A :class:`Labeler` compares two answer texts for one request and says True (the 
 :class:`FirstVerdict` chains them: equality first, then embeddings.
 
 The first label source needs no extra engine time: when a lookup refused its nearest candidate and the engine then
-computed the answer, :class:`MissLabels` compares that fresh answer with the candidate's cached one and appends a
-label record to the decision log. It runs after the answer is stored, as a background task (at most ``max_pending``
+computed the answer, :class:`MissLabels` compares that fresh answer with the candidate's cached one, appends a
+label record to the decision log and hands the label to ``observe`` (the metrics, and the semantic layer's learner).
+An exploration (the learner refused a candidate it would have served, to find out) is labelled the same way. It runs after the answer is stored, as a background task (at most ``max_pending``
 at once; past that a label is skipped and counted), and costs one store read and one embedding call. While the engine
-has misses queued (``busy``) no label is started: the embedding would compete with lookups for the CPU exactly when
-the box is short of it (``scripts/bench_decision_log.py`` measures the cost).
+has misses queued (``busy``) no label of a refusal is started: the embedding would compete with lookups for the CPU
+exactly when the box is short of it (``scripts/bench_decision_log.py`` measures the cost). An exploration's label
+is always started: the engine time it cost was spent for that label.
 """
 
 from __future__ import annotations
@@ -114,13 +116,14 @@ class FirstVerdict:
 class MissLabels:
     """Labels a refused candidate against the answer the engine computed instead, in the background.
 
-    ``stores`` gives a tenant's result store; ``observe(tenant, scenario, decision, good)`` counts each label (the
-    metrics). ``labelled`` / ``skipped`` count labels written and labels skipped (a full queue, or ``busy()``: the
-    box is shedding or queueing load).
+    ``stores`` gives a tenant's result store; ``decisions`` (None: not logged) gets a label record per label;
+    ``observe(call, lookup, answer_key, good)`` gets each label (``answer_key``: where the fresh answer is stored).
+    ``labelled`` / ``skipped`` count labels made and labels skipped (a full queue, or ``busy()``: the box is
+    shedding or queueing load).
     """
 
-    def __init__(self, *, stores: Callable[[str], ResultStore], labeler: Labeler, decisions: DecisionLog,
-                 observe: Callable[[str, str, str, bool], None] | None = None, max_pending: int = 8,
+    def __init__(self, *, stores: Callable[[str], ResultStore], labeler: Labeler, decisions: DecisionLog | None,
+                 observe: Callable[[Call, Lookup, str, bool], None] | None = None, max_pending: int = 8,
                  busy: Callable[[], bool] = lambda: False) -> None:
         self.stores = stores
         self.labeler = labeler
@@ -132,15 +135,17 @@ class MissLabels:
         self.skipped = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def after_miss(self, call: Call, decision_id: str, lookup: Lookup, fresh: str) -> None:
-        """Schedule the label of ``lookup``'s refused candidate (nothing when it served or had none)."""
+    def after_miss(self, call: Call, decision_id: str | None, lookup: Lookup, fresh: str, answer_key: str) -> None:
+        """Schedule the label of ``lookup``'s refused candidate against ``fresh``, the answer stored under
+        ``answer_key`` (nothing when the candidate served or there was none)."""
         if lookup.hit is not None or lookup.candidate is None or lookup.refusal is None:
             return
-        if len(self._tasks) >= self.max_pending or self.busy():
+        if len(self._tasks) >= self.max_pending * (2 if lookup.explored else 1) or (
+                self.busy() and not lookup.explored):
             self.skipped += 1
             return
         task = asyncio.get_running_loop().create_task(
-            self._label(call, decision_id, lookup.candidate.store_key, fresh), name="label")
+            self._label(call, decision_id, lookup, fresh, answer_key), name="label")
         self._tasks.add(task)  # held: the loop keeps only weak references to tasks
         task.add_done_callback(self._done)
 
@@ -149,17 +154,19 @@ class MissLabels:
         if not task.cancelled() and task.exception() is not None:
             log.error("labelling a refused candidate failed", exc_info=task.exception())
 
-    async def _label(self, call: Call, decision_id: str, store_key: str, fresh: str) -> None:
-        cached = await self.stores(call.tenant).get(store_key)
+    async def _label(self, call: Call, decision_id: str | None, lookup: Lookup, fresh: str, answer_key: str) -> None:
+        assert lookup.candidate is not None
+        cached = await self.stores(call.tenant).get(lookup.candidate.store_key)
         if cached is None:
             return  # the candidate's answer is gone: nothing to compare
         good = await self.labeler.label(cached.text, fresh, call.request)
         if good is None:
             return
-        self.decisions.labelled(decision_id, good, self.labeler.name)
+        if self.decisions is not None and decision_id is not None:
+            self.decisions.labelled(decision_id, good, self.labeler.name)
         self.labelled += 1
         if self.observe is not None:
-            self.observe(call.tenant, call.scenario, "refused", good)
+            self.observe(call, lookup, answer_key, good)
 
     async def drain(self) -> None:
         """Wait for the labels under way (shutdown: before the decision log closes)."""

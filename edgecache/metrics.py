@@ -104,6 +104,20 @@ class Metrics:
         self.semantic_false_hit_upper = Gauge(
             "edgecache_semantic_false_hit_rate_upper", "The 95 % upper bound (Wilson) of that estimate; 1 until "
             "a served decision is labelled.", ["tenant", "scenario"], registry=self.registry)
+        self.semantic_explorations = Counter(
+            "edgecache_semantic_explorations", "Semantic candidates the learner would have served but refused, to "
+            "label them against the engine's answer (semantic.decision = learner), by tenant and scenario.",
+            ["tenant", "scenario"], registry=self.registry)
+        self.semantic_learner_false_hit_rate = Gauge(
+            "edgecache_semantic_learner_false_hit_rate", "The learner's estimate of the false hits it served, as a "
+            "share of its lookups, by tenant and scenario (what it holds under the scenario's target).",
+            ["tenant", "scenario"], registry=self.registry)
+        self.semantic_learner_false_hit_upper = Gauge(
+            "edgecache_semantic_learner_false_hit_rate_upper", "Its upper bound (one standard deviation of the "
+            "served decisions' estimated errors).", ["tenant", "scenario"], registry=self.registry)
+        self.semantic_demoted_entries = Gauge(
+            "edgecache_semantic_demoted_entries", "Cached answers the learner no longer serves semantically: "
+            "labels showed them serving wrong answers.", registry=self.registry)
         self.decision_log_dropped = Counter(
             "edgecache_decision_log_dropped", "Decision-log records not written (the writer behind, or the disk "
             "failing).", registry=self.registry)

@@ -6,7 +6,8 @@
     ├─ 1. exact result store       hit -> replay the stored answer                         X-EdgeCache: exact
     ├─ 2. in-flight de-dup         an identical request is computing -> follow its stream  X-EdgeCache: shared
     ├─ 3. semantic cache           a paraphrase's answer, similar enough and guarded       X-EdgeCache: semantic
-    │                              (each decision appended to the decision log)
+    │                              (each decision appended to the decision log; a learner may
+    │                              explore: refuse a candidate it would serve, to label it)
     └─ 4. engine                   stream to the client and followers; a complete answer is stored (and, for a
                                    first-turn chat prompt, its vector indexed; a refused candidate is then
                                    labelled against it in the background)                  X-EdgeCache: miss
@@ -282,6 +283,8 @@ class RequestPipeline:
             self.metrics.semantic_verifier_score.labels(call.scenario).observe(lookup.score)
         if lookup.refusal is not None:
             self.metrics.semantic_refusals.labels(call.scenario, lookup.refusal).inc()
+        if lookup.explored:
+            self.metrics.semantic_explorations.labels(call.tenant, call.scenario).inc()
         if lookup.refused_by_guard is not None:
             self.metrics.semantic_guard_rejections.labels(lookup.refused_by_guard.split(":", 1)[0]).inc()
         if lookup.hit is None:
@@ -290,7 +293,8 @@ class RequestPipeline:
         answer = await store.get(lookup.hit.store_key)
         if answer is None:
             # The answer expired or was evicted: its vector goes too, and this is a miss.
-            await self.semantic.forget(call.tenant, call.scenario, probe, lookup.hit.vector_key)
+            await self.semantic.forget(call.tenant, call.scenario, probe, lookup.hit.vector_key,
+                                       lookup.hit.store_key)
             return SemanticAnswer(lookup=lookup, dropped="gone")
         if not _fresh_enough(answer, call):
             return SemanticAnswer(lookup=lookup, dropped="too_old")
@@ -386,9 +390,9 @@ class RequestPipeline:
                 vector = (lookup.vector if lookup.vector is not None
                           else await self.semantic.batcher.embed(probe.text))
                 await self.semantic.remember(call.tenant, call.scenario, probe, vector, key)
-            if self.labels is not None and decision_id is not None and lookup is not None:
-                # A refused candidate meets the answer it was refused for: a label for free, off this path.
-                self.labels.after_miss(call, decision_id, lookup, text)
+            if self.labels is not None and lookup is not None:
+                # A refused (or explored) candidate meets the answer it was refused for: a label, off this path.
+                self.labels.after_miss(call, decision_id, lookup, text, key)
         finally:
             # A failed write must not fail the answer its listeners already have (the error still reaches the
             # flight's task, which logs it).

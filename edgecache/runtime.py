@@ -21,7 +21,7 @@ import numpy as np
 from edgecache.access_log import AccessLog
 from edgecache.admission import AdmissionGate
 from edgecache.calls import ParsedRequests
-from edgecache.decision_log import DecisionLog
+from edgecache.decision_log import DecisionLog, labelled_decisions, read_records
 from edgecache.embedders import Embedder
 from edgecache.engines.base import Engine
 from edgecache.errors import EdgeCacheError, NotReady
@@ -33,7 +33,8 @@ from edgecache.metrics import Metrics
 from edgecache.openai_api import IdSource
 from edgecache.pipeline import Call, RequestPipeline
 from edgecache.stores.disk import TenantStores
-from edgecache.semantic_cache import MatchRule, SemanticCache
+from edgecache.semantic_cache import Lookup, MatchRule, SemanticCache
+from edgecache.semantic_learner import SemanticLearner
 from edgecache.settings import Settings
 from edgecache.tenants import TenantDirectory
 from edgecache.ttl_tiers import TtlClassifier
@@ -98,6 +99,8 @@ class Runtime:
         self.semantic: SemanticCache | None = None
         self.semantic_error: str | None = None  # why the (optional) semantic layer is off, while it is
         self._embedder: Embedder | None = None
+        # The learner outlives a re-opened semantic layer (it holds what this box's labels taught it).
+        self.learner = learner_for(settings)
         self.pipeline: RequestPipeline | None = None
         self.warm_prefilled: Prefilled = set()  # system prompts /admin/warmup has prefilled (see edgecache.warmup)
         self.ready = False
@@ -134,9 +137,11 @@ class Runtime:
             return
         if self.settings.semantic.enabled:
             await self._open_semantic()
-        if self.decisions is not None:
+        if self.learner is not None and self.semantic is not None and self.decisions is not None:
+            await self._teach_learner()
+        if self.decisions is not None or self.settings.semantic.decision == "learner":
             self.labels = MissLabels(stores=self.stores, labeler=self._labeler(), decisions=self.decisions,
-                                     observe=self.metrics.observe_label, busy=lambda: self.admission.queued > 0)
+                                     observe=self._observe_label, busy=lambda: self.admission.queued > 0)
         self.pipeline = RequestPipeline(engine=self.engine, stores=self.stores, inflight=self.inflight,
                                         metrics=self.metrics, ttl_for=self.ttl_for, admission=self.admission,
                                         semantic=self.semantic, decisions=self.decisions, labels=self.labels)
@@ -157,7 +162,7 @@ class Runtime:
                 self._embedder = await loop.run_in_executor(None, load_semantic_embedder, self.settings)
             self.semantic = await loop.run_in_executor(
                 None, build_semantic_cache, self.settings, self.metrics, self._embedder, self.vector_cap_for,
-                self.storage_faults, self.damaged_dir)
+                self.storage_faults, self.damaged_dir, self.learner, self._may_explore)
         except EdgeCacheError as exc:
             self._semantic_failed(exc.message)
         except STORAGE_ERRORS as exc:
@@ -181,6 +186,33 @@ class Runtime:
         if self.semantic_error is None:
             log.error("the semantic layer is unavailable, serving exact matches only: %s", why)
         self.semantic_error = why
+
+    async def _teach_learner(self) -> None:
+        """The labels the decision log kept teach the learner before the first request (a restart does not start it
+        from nothing). Bounded by the log's bytes: about 290k records per 64 MiB, read at about 90k a second."""
+        assert self.semantic is not None and self.decisions is not None
+        semantic, directory = self.semantic, self.decisions.directory
+
+        def teach() -> int:
+            return semantic.learn_from_log(labelled_decisions(read_records(directory)))
+
+        try:
+            taught = await asyncio.get_running_loop().run_in_executor(None, teach)
+        except STORAGE_ERRORS as exc:  # an unreadable log costs what it held, not the start
+            self.storage_faults.record("decisions", exc, action="learner starts untaught", path=directory)
+            return
+        if taught:
+            log.info("the semantic learner starts from %d labels of the decision log", taught)
+
+    def _observe_label(self, call: Call, lookup: Lookup, answer_key: str, good: bool) -> None:
+        """A label of a semantic decision: counted, and taught to the learner (when one decides)."""
+        self.metrics.observe_label(call.tenant, call.scenario, "explore" if lookup.explored else "refused", good)
+        if self.semantic is not None:
+            self.semantic.learn(call.tenant, call.scenario, lookup, good, answer_key)
+
+    def _may_explore(self) -> bool:
+        """Exploring costs an engine call: only while the engine has a free slot and nothing waits for one."""
+        return self.admission.queued == 0 and self.admission.running < self.admission.max_running
 
     def _labeler(self) -> Labeler:
         """Equality for greedy answers, then the answers' embeddings under the semantic layer's embedder."""
@@ -291,6 +323,15 @@ class Runtime:
         if self.semantic is not None:
             for (tenant, scenario), count in (await self.semantic.sizes()).items():
                 self.metrics.semantic_index_vectors.labels(tenant, scenario).set(count)
+            learned = self.semantic.learned()
+            if learned is not None:
+                self.metrics.semantic_demoted_entries.set(learned["demoted"])  # type: ignore[arg-type]
+                for name, figures in learned["pools"].items():  # type: ignore[attr-defined]
+                    tenant, scenario = name.split("/", 1)
+                    self.metrics.semantic_learner_false_hit_rate.labels(tenant, scenario).set(
+                        figures["false_hit_rate"])
+                    self.metrics.semantic_learner_false_hit_upper.labels(tenant, scenario).set(
+                        figures["false_hit_upper"])
         if self.ready:
             usage = (await self.engine.stats()).get("kv_usage_ratio")
             if isinstance(usage, (int, float)):
@@ -334,13 +375,25 @@ def load_semantic_embedder(settings: Settings) -> Embedder:
                          gpu_mem_limit=sem.gpu_mem_limit)
 
 
+def learner_for(settings: Settings) -> SemanticLearner | None:
+    """The online learner when ``semantic.decision = "learner"`` (its prior cut comes per lookup, from the rule)."""
+    sem = settings.semantic
+    if not sem.enabled or sem.decision != "learner":
+        return None
+    return SemanticLearner(explore_share=sem.learner_explore_share, demote_after=sem.learner_demote_after,
+                           max_entries=sem.learner_max_entries)
+
+
 def build_semantic_cache(settings: Settings, metrics: Metrics, embedder: Embedder,
                          cap_for: Callable[[str], int | None] = lambda tenant: None,
-                         faults: StorageFaults | None = None, damaged_dir: Path | None = None) -> SemanticCache:
+                         faults: StorageFaults | None = None, damaged_dir: Path | None = None,
+                         learner: SemanticLearner | None = None,
+                         may_explore: Callable[[], bool] = lambda: True) -> SemanticCache:
     """Open the indexes (blocking: disk) around ``embedder``, and load the verifier.
 
     ``semantic.decision`` picks the rule. Under the verifier, a scenario's raw ``threshold`` still overrides it, and an
     embedder the verifier was not fitted for keeps the cosine threshold calibrated for it (and the guard's veto).
+    Under the learner, the threshold (the tenant's, the scenario's, or the embedder's calibrated one) is its prior.
     """
     from edgecache.embedders import default_threshold
     from edgecache.semantic_index import SemanticIndex
@@ -366,4 +419,5 @@ def build_semantic_cache(settings: Settings, metrics: Metrics, embedder: Embedde
                          candidates=sem.candidates, cap_for=cap_for, max_batch=sem.batch_max, faults=faults,
                          max_wait_s=sem.batch_wait_ms / 1000, observe_embed=metrics.embed_seconds.observe,
                          bulk_threads=sem.bulk_threads or os.cpu_count() or 1,
-                         observe_search=metrics.semantic_search_seconds.observe)
+                         observe_search=metrics.semantic_search_seconds.observe, learner=learner,
+                         may_explore=may_explore)

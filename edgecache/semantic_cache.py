@@ -11,7 +11,11 @@ When a candidate serves. The verifier (:mod:`edgecache.verifier`) scores the nea
 cut that the scenario's target false-hit rate calibrates to. A scenario with a raw ``threshold`` (the override), or
 an embedder the verifier was not fitted for, keeps the rule from before the verifier: the nearest candidate only,
 when its cosine reaches the threshold and the guard (:mod:`edgecache.guard`) finds no difference the answer depends
-on. The caller then reads the chosen candidate's result store entry; when that entry has expired or was evicted, the
+on. With a learner (``semantic.decision = "learner"``, :mod:`edgecache.semantic_learner`), the nearest candidate
+past the guard is decided by what this box's own labels taught it, under the scenario's target false-hit rate: serve
+it, explore (refuse it so the engine computes the answer, which then labels the candidate), or miss; the scenario's
+threshold is only the learner's prior. The labels come back through :meth:`SemanticCache.learn`. The caller then
+reads the chosen candidate's result store entry; when that entry has expired or was evicted, the
 vector is dropped and the lookup is a miss, so a semantic hit never serves an expired answer.
 
 Cost. A prompt longer than the embedder's input (``max_input_tokens``) is not matched at all (:meth:`accepts`);
@@ -23,9 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -36,7 +42,11 @@ from edgecache.errors import StorageUnavailable
 from edgecache.guard import DEFAULT_RULES, check
 from edgecache.health import STORAGE_ERRORS, StorageFaults
 from edgecache.semantic_index import Candidate, SemanticIndex
+from edgecache.semantic_learner import Decision, SemanticLearner
 from edgecache.verifier import Verifier
+
+if TYPE_CHECKING:  # the decision log reads Lookup: importing it here would be a cycle
+    from edgecache.decision_log import DecisionRecord
 
 _encoder = msgspec.json.Encoder()
 
@@ -78,10 +88,11 @@ class Lookup(msgspec.Struct, frozen=True):
     """A lookup's outcome: the hit (if any) and the query's vector, kept to index the answer on a miss.
 
     When candidates were there but none served: ``refusal`` says why (``below_threshold``, ``below_cut``,
-    ``veto:<rule>`` or ``guard:<rule>``) and ``refused_by_guard`` is the guard's reason when a rule fired on the
+    ``veto:<rule>``, ``guard:<rule>``, ``explore`` or ``learner:<reason>``) and ``refused_by_guard`` is the guard's reason when a rule fired on the
     refused candidate. ``score`` is the verifier's score of the best candidate (None under a threshold rule).
     ``candidate`` is the entry the decision was about: the hit, or the refused nearest candidate (the decision log
-    records it, and a miss labels it against the fresh answer).
+    records it, and a miss labels it against the fresh answer). ``learned`` is the learner's decision about it
+    (None under the other rules, and when the guard refused before the learner was asked).
     """
 
     vector: np.ndarray | None
@@ -91,12 +102,18 @@ class Lookup(msgspec.Struct, frozen=True):
     score: float | None = None
     refusal: str | None = None
     candidate: SemanticHit | None = None
+    learned: Decision | None = None
+
+    @property
+    def explored(self) -> bool:
+        """The learner refused a candidate it would have served, to label it against the engine's answer."""
+        return self.refusal == "explore"
 
 
 class MatchRule(msgspec.Struct, frozen=True):
     """How a scenario decides (profiles are data): the verifier at a target false-hit rate, or a cosine threshold
     with the guard's veto when ``threshold`` is set (the override, and the rule for an embedder the verifier was not
-    fitted for)."""
+    fitted for). Under a learner, ``threshold`` is its prior and ``target_false_hit_rate`` its bound."""
 
     target_false_hit_rate: float = 0.005
     threshold: float | None = None
@@ -159,7 +176,8 @@ class SemanticCache:
                  max_batch: int = 32, max_wait_s: float = 0.002, guard_rules: Sequence[str] | None = None,
                  observe_embed: Callable[[float], None] | None = None,
                  observe_search: Callable[[float], None] | None = None,
-                 faults: StorageFaults | None = None, bulk_threads: int = 1) -> None:
+                 faults: StorageFaults | None = None, bulk_threads: int = 1,
+                 learner: SemanticLearner | None = None, may_explore: Callable[[], bool] = lambda: True) -> None:
         self.embedder = embedder
         self.index = index
         self.rule_for = rule_for
@@ -169,6 +187,10 @@ class SemanticCache:
         self._guard_rules = tuple(guard_rules) if guard_rules is not None else DEFAULT_RULES
         self._observe_search = observe_search
         self._faults = faults
+        self.learner = learner
+        self.may_explore = may_explore  # False while the engine sheds load: exploring would cost it a slot
+        # Decisions run on the index thread, labels arrive on the event loop: the (pure) learner is not thread-safe.
+        self._learner_lock = threading.Lock()
         self._embed_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed")
         # Bulk embedding (a warmup) gets threads of its own, so lookups never queue behind a warmup's batches; an
         # embedder that may not run on two threads at once shares the lookups' thread instead.
@@ -220,11 +242,20 @@ class SemanticCache:
         vector = await self.batcher.embed(probe.text)
         rule = self.rule_for(tenant, scenario)
         name = self.index_scenario(scenario, probe.namespace)
-        decide = self._by_threshold if rule.threshold is not None or self.verifier is None else self._by_verifier
+        decide: Callable[[str, list[Candidate], MatchRule, np.ndarray], Lookup]
+        if self.learner is not None:
+            may_explore = self.may_explore()  # read on the loop, where admission lives
+
+            def decide(query: str, found: list[Candidate], rule: MatchRule, vector: np.ndarray) -> Lookup:
+                return self._by_learner(tenant, scenario, query, found, rule, vector, may_explore)
+        elif rule.threshold is not None or self.verifier is None:
+            decide = self._by_threshold
+        else:
+            decide = self._by_verifier
 
         def search() -> tuple[Lookup, float]:
             started = time.perf_counter()
-            k = 1 if decide == self._by_threshold else self.candidates
+            k = self.candidates if decide == self._by_verifier else 1
             found = self.index.search(tenant, name, vector, k=k)
             outcome = decide(probe.text, found, rule, vector)
             return outcome, time.perf_counter() - started
@@ -244,12 +275,72 @@ class SemanticCache:
         threshold = rule.threshold if rule.threshold is not None else 1.0
         if best.similarity < threshold:
             return Lookup(vector=vector, similarity=best.similarity, refusal="below_threshold", candidate=candidate)
+        return (self._guard_refusal(query, best, vector)
+                or Lookup(vector=vector, similarity=best.similarity, hit=candidate, candidate=candidate))
+
+    def _guard_refusal(self, query: str, best: Candidate, vector: np.ndarray) -> Lookup | None:
+        """The guard's veto of the nearest candidate (a difference the answer depends on), or None."""
         verdict = check(query, best.text, self._guard_rules)
-        if not verdict.allowed:
-            reason = verdict.reason or "guard"
-            return Lookup(vector=vector, similarity=best.similarity, refused_by_guard=reason,
-                          refusal="guard:" + reason.split(":", 1)[0], candidate=candidate)
-        return Lookup(vector=vector, similarity=best.similarity, hit=candidate, candidate=candidate)
+        if verdict.allowed:
+            return None
+        reason = verdict.reason or "guard"
+        return Lookup(vector=vector, similarity=best.similarity, refused_by_guard=reason,
+                      refusal="guard:" + reason.split(":", 1)[0], candidate=SemanticHit.of(best))
+
+    def _by_learner(self, tenant: str, scenario: str, query: str, found: list[Candidate], rule: MatchRule,
+                    vector: np.ndarray, may_explore: bool) -> Lookup:
+        """The nearest candidate past the guard, as the learner decides it. The guard's rules stay vetoes: a
+        minimal pair (20 vs 50 dollars) must not cost a wrong answer to learn from, and the learner learns only
+        from what it decided."""
+        if not found:
+            return Lookup(vector=vector)
+        best = found[0]
+        vetoed = self._guard_refusal(query, best, vector)
+        if vetoed is not None:
+            return vetoed
+        assert self.learner is not None
+        with self._learner_lock:
+            decision = self.learner.decide(tenant, scenario, best.store_key, best.similarity,
+                                           rule.target_false_hit_rate, prior_cut=rule.threshold,
+                                           may_explore=may_explore)
+        candidate = SemanticHit.of(best)
+        if decision.action == "serve":
+            return Lookup(vector=vector, similarity=best.similarity, hit=candidate, candidate=candidate,
+                          learned=decision)
+        # An exploration is a refusal: the engine computes the answer, the client gets that fresh answer (never the
+        # cached one), and the comparison of the two is the label.
+        return Lookup(vector=vector, similarity=best.similarity, candidate=candidate, learned=decision,
+                      refusal="explore" if decision.action == "explore" else "learner:" + decision.reason)
+
+    def learn(self, tenant: str, scenario: str, lookup: Lookup, good: bool, answer_key: str | None = None) -> None:
+        """A label of a decision the learner made (an exploration, or a candidate it refused): did the candidate's
+        cached answer serve the query? A right one also puts the answer now cached for the query (``answer_key``)
+        in the candidate's class, so each learns from the other's lookups. Labels of other decisions are ignored."""
+        if self.learner is None or lookup.learned is None or lookup.candidate is None:
+            return
+        candidate = lookup.candidate
+        with self._learner_lock:
+            self.learner.record(tenant, scenario, candidate.store_key, candidate.similarity, good,
+                                prior_cut=self.rule_for(tenant, scenario).threshold, decision=lookup.learned)
+            if good and answer_key is not None and answer_key != candidate.store_key:
+                self.learner.link(tenant, scenario, answer_key, candidate.store_key)
+
+    def learn_from_log(self, labelled: Iterable[tuple[DecisionRecord, bool]]) -> int:
+        """Teach the learner the labels a decision log kept (at start: what this box learned before a restart, or
+        under another rule before the learner was turned on). A candidate the guard refused is skipped, as it is
+        live. Returns the labels taught."""
+        if self.learner is None:
+            return 0
+        taught = 0
+        for decision, good in labelled:
+            if decision.reason is not None and decision.reason.startswith(("guard:", "veto:")):
+                continue
+            assert decision.store_key is not None and decision.similarity is not None
+            with self._learner_lock:  # per label: lookups may already be deciding
+                self.learner.record(decision.tenant, decision.scenario, decision.store_key, decision.similarity,
+                                    good, prior_cut=self.rule_for(decision.tenant, decision.scenario).threshold)
+            taught += 1
+        return taught
 
     def _by_verifier(self, query: str, found: list[Candidate], rule: MatchRule, vector: np.ndarray) -> Lookup:
         if not found:
@@ -264,6 +355,15 @@ class SemanticCache:
         chosen = found[judged.chosen]
         hit = SemanticHit.of(chosen)
         return Lookup(vector=vector, similarity=chosen.similarity, score=judged.score, hit=hit, candidate=hit)
+
+    def learned(self) -> dict[str, object] | None:
+        """What the learner holds (None without one): per ``tenant/scenario`` its lookups, explorations, labels and
+        estimated false-hit rate with its bound; entries tracked; entries demoted."""
+        if self.learner is None:
+            return None
+        with self._learner_lock:
+            pools = {f"{tenant}/{scenario}": figures for (tenant, scenario), figures in self.learner.summary().items()}
+            return {"pools": pools, "entries": self.learner.entries, "demoted": self.learner.demoted}
 
     async def remember(self, tenant: str, scenario: str, probe: Probe, vector: np.ndarray, store_key: str) -> None:
         await self._on_disk("vector not indexed", None, True, self.index.add, tenant,
@@ -294,8 +394,12 @@ class SemanticCache:
                                 np.stack([vector for _, vector, _ in group]), [key for _, _, key in group],
                                 [probe.text for probe, _, _ in group], self.cap_for(tenant))
 
-    async def forget(self, tenant: str, scenario: str, probe: Probe, vector_key: int) -> None:
-        """Drop a vector whose result-store entry is gone (expired or evicted)."""
+    async def forget(self, tenant: str, scenario: str, probe: Probe, vector_key: int,
+                     store_key: str | None = None) -> None:
+        """Drop a vector whose result-store entry is gone (expired or evicted), and what was learned about it."""
+        if self.learner is not None and store_key is not None:
+            with self._learner_lock:
+                self.learner.forget(tenant, scenario, store_key)
         await self._on_disk("stale vector kept", 0, True, self.index.remove, tenant,
                             self.index_scenario(scenario, probe.namespace), [vector_key])
 
@@ -305,6 +409,9 @@ class SemanticCache:
                 if tenant in (None, tenant_) and scenario in (None, name.split("~", 1)[0]):
                     self.index.drop(tenant_, name)
 
+        if self.learner is not None:
+            with self._learner_lock:
+                self.learner.drop(tenant, scenario)
         try:
             await self._in_index_thread(drop_matching)
         except STORAGE_ERRORS as exc:

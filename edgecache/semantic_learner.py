@@ -269,13 +269,36 @@ class SemanticLearner:
         """Drop an entry's labels (evicted, flushed, or replaced)."""
         self._entries.pop((tenant, scenario, entry_key), None)
 
+    def drop(self, tenant: str | None = None, scenario: str | None = None) -> None:
+        """Forget everything learned for ``tenant`` (None: every tenant) and ``scenario`` (None: every scenario):
+        a flush of the cache leaves nothing its labels were about."""
+        def matches(t: str, s: str) -> bool:
+            return tenant in (None, t) and scenario in (None, s)
+
+        for key in [key for key in self._pools if matches(*key)]:
+            del self._pools[key]
+        for key in [key for key in self._entries if matches(key[0], key[1])]:
+            del self._entries[key]
+
     # ---- what it has learned ----
+
+    def summary(self) -> dict[tuple[str, str], dict[str, float | int]]:
+        """Per (tenant, scenario): lookups decided, explorations, labels, and the estimated false-hit rate of what
+        it served with its upper bound (shares of the pool's lookups)."""
+        out: dict[tuple[str, str], dict[str, float | int]] = {}
+        for (tenant, scenario), pool in sorted(self._pools.items()):
+            rate, upper, labels = self.estimate(tenant, scenario)
+            out[(tenant, scenario)] = {"lookups": pool.lookups, "explorations": pool.explorations, "labels": labels,
+                                       "false_hit_rate": rate, "false_hit_upper": upper}
+        return out
 
     def estimate(self, tenant: str, scenario: str) -> tuple[float, float, int]:
         """(estimated false-hit rate of the pool's served lookups, its upper bound, labels seen)."""
         pool = self._pools.get((tenant, scenario))
-        if pool is None or pool.lookups == 0:
+        if pool is None:
             return 0.0, 0.0, 0
+        if pool.lookups == 0:
+            return 0.0, 0.0, pool.labels
         rate = pool.served_error / pool.lookups
         upper = (pool.served_error + self.confidence * math.sqrt(pool.served_var)) / pool.lookups
         return rate, upper, pool.labels

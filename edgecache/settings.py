@@ -196,11 +196,12 @@ class SemanticSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         "How often changed indexes are written to disk (the vectors themselves are committed at once).")] = 5.0
     gpu_mem_limit: Annotated[ByteSize | None, _help(
         "GPU memory the ONNX embedder may take on cuda (onnxruntime's gpu_mem_limit).")] = None
-    decision: Annotated[Literal["threshold", "verifier"], _help(
+    decision: Annotated[Literal["threshold", "verifier", "learner"], _help(
         "How a semantic candidate is accepted: threshold (its cosine reaches the scenario's threshold, else the "
-        "value calibrated for the embedder, and the guard finds no difference) or verifier (a calibrated score over "
-        "the nearest candidates meets the scenario's target_false_hit_rate; fitted for use-multilingual only).")] \
-        = "threshold"
+        "value calibrated for the embedder, and the guard finds no difference), verifier (a calibrated score over "
+        "the nearest candidates meets the scenario's target_false_hit_rate; fitted for use-multilingual only) or "
+        "learner (learns from this box's own labels when the nearest candidate serves, within the scenario's "
+        "target_false_hit_rate, exploring where unsure; the threshold is its prior).")] = "threshold"
     candidates: Annotated[int, Meta(ge=1, le=16), _help(
         "Nearest stored prompts the verifier scores per lookup; the best-scored one over the cut serves.")] = 3
     verifier_params: Annotated[str | None, _help(
@@ -212,6 +213,13 @@ class SemanticSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         = ByteSize(64 * 2**20)
     decision_log_files: Annotated[int, Meta(ge=1, le=1000), _help(
         "How many files the decision log rotates through (each holds decision_log_bytes / files).")] = 8
+    learner_explore_share: Annotated[float, Meta(ge=0.0, le=0.5), _help(
+        "decision = learner: the most semantic lookups (a share per tenant and scenario, plus 20 to start) that "
+        "may be explored: refused and computed to label a candidate the learner is unsure of.")] = 0.05
+    learner_demote_after: Annotated[int, Meta(ge=1), _help(
+        "decision = learner: wrong labels after which a cached answer is no longer served semantically.")] = 2
+    learner_max_entries: Annotated[int, Meta(ge=1), _help(
+        "decision = learner: cached answers whose labels are kept (least recently used go first).")] = 100_000
     label_answer_bar: Annotated[float, Meta(gt=0.0, le=1.0), _help(
         "Cosine of two answers' embeddings at or above which a refused candidate's cached answer is labelled as "
         "serving the query (a label from a miss: the fresh answer against the candidate's).")] = 0.95
@@ -222,8 +230,8 @@ class SemanticSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
 class ScenarioSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     target_false_hit_rate: Annotated[float, Meta(gt=0.0, le=0.5), _help(
-        "With semantic.decision = verifier: the share of semantic lookups that may get a wrong answer; the "
-        "verifier's calibration turns it into its cut.")] = 0.005
+        "With semantic.decision = verifier or learner: the share of semantic lookups that may get a wrong answer; "
+        "the verifier's calibration turns it into its cut, the learner bounds what it serves by it.")] = 0.005
     threshold: Annotated[Annotated[float, Meta(ge=0.0, le=1.0)] | None, _help(
         "Cosine similarity the nearest candidate needs (with the guard's veto); unset means the value calibrated "
         "for the embedder. Set, it also overrides the verifier.")] = None

@@ -76,22 +76,23 @@ def refused(store_key: str) -> Lookup:
 async def test_a_refused_candidate_is_labelled_in_the_background_within_a_bound(tmp_path: Path) -> None:
     store = Store({"k1": "same answer", "k2": "other answer"})
     log = DecisionLog(tmp_path, max_bytes=1 << 20)
-    seen: list[tuple[str, str, str, bool]] = []
+    seen: list[tuple[Call, Lookup, str, bool]] = []
     labels = MissLabels(stores=lambda tenant: store, labeler=EqualityLabeler(), decisions=log,  # type: ignore[arg-type]
                         observe=lambda *args: seen.append(args), max_pending=2)
     call = Call(request=request(), tenant="acme", scenario="support")
-    labels.after_miss(call, "d1", refused("k1"), "same  answer")
-    labels.after_miss(call, "d2", refused("k2"), "a different answer")  # equality cannot tell: no label
-    labels.after_miss(call, "d3", refused("k1"), "same answer")          # past max_pending: skipped
+    first = refused("k1")
+    labels.after_miss(call, "d1", first, "same  answer", "n1")
+    labels.after_miss(call, "d2", refused("k2"), "a different answer", "n2")  # equality cannot tell: no label
+    labels.after_miss(call, "d3", refused("k1"), "same answer", "n3")          # past max_pending: skipped
     hit = SemanticHit(similarity=0.99, store_key="k1", vector_key=1)
-    labels.after_miss(call, "d4", Lookup(vector=None, hit=hit, candidate=hit), "x")  # served: nothing to label
-    labels.after_miss(call, "d5", Lookup(vector=None), "x")                            # no candidate
+    labels.after_miss(call, "d4", Lookup(vector=None, hit=hit, candidate=hit), "x", "n4")  # served: nothing
+    labels.after_miss(call, "d5", Lookup(vector=None), "x", "n5")                            # no candidate
     await labels.drain()
     log.close()
     assert labels.skipped == 1 and labels.labelled == 1 and store.reads == 2
     assert [(r.id, r.good, r.labeler) for r in read_records(tmp_path) if isinstance(r, LabelRecord)] == \
         [("d1", True, "equality")]
-    assert seen == [("acme", "support", "refused", True)]
+    assert seen == [(call, first, "n1", True)]
 
 
 async def test_no_label_starts_while_the_box_is_busy(tmp_path: Path) -> None:
@@ -101,13 +102,17 @@ async def test_no_label_starts_while_the_box_is_busy(tmp_path: Path) -> None:
     labels = MissLabels(stores=lambda tenant: store, labeler=EqualityLabeler(), decisions=log,  # type: ignore[arg-type]
                         busy=lambda: busy[0])
     call = Call(request=request(), tenant="acme", scenario="support")
-    labels.after_miss(call, "d1", refused("k1"), "same answer")
+    labels.after_miss(call, "d1", refused("k1"), "same answer", "n1")
+    # An exploration is labelled even while busy: its engine call was spent for that label.
+    explored = Lookup(vector=None, similarity=0.8, refusal="explore",
+                      candidate=SemanticHit(similarity=0.8, store_key="k1", vector_key=1))
+    labels.after_miss(call, "d2", explored, "same answer", "n2")
     busy[0] = False
-    labels.after_miss(call, "d2", refused("k1"), "same answer")
+    labels.after_miss(call, "d3", refused("k1"), "same answer", "n3")
     await labels.drain()
     log.close()
-    assert (labels.skipped, labels.labelled, store.reads) == (1, 1, 1)
-    assert [r.id for r in read_records(tmp_path)] == ["d2"]
+    assert (labels.skipped, labels.labelled, store.reads) == (1, 2, 2)
+    assert sorted(r.id for r in read_records(tmp_path)) == ["d2", "d3"]
 
 
 def test_stats_render_a_labels_table_when_there_are_labels() -> None:
