@@ -1,0 +1,47 @@
+"""Smoke test of scripts/bench_learner_serving.py: a tiny pairs file through the in-process server in both modes
+(the real embedder and index, the script's class-answer engine), and the simulation beside it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_learner_serving.py"
+
+PAIRS = [
+    ("How do I reset my password?", "How can I reset my password?", 1),
+    ("How can I reset my password?", "What is the way to reset my password?", 1),
+    ("Transfer 20 dollars to Anna", "Transfer 50 dollars to Anna", 0),
+    ("What is the weather in Paris today?", "What is the weather like in Paris today?", 1),
+    ("How tall is the Eiffel tower?", "How old is the Eiffel tower?", 0),
+]
+
+
+def _load() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_learner_serving", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_both_modes_through_the_server_score_every_response(tmp_path: Path, capsys: Any) -> None:
+    data = tmp_path / "pairs.tsv"
+    data.write_text("".join(f"{a}\t{b}\t{label}\n" for a, b, label in PAIRS), encoding="utf-8")
+    result = _load().main(["--pairs", str(data), "--scenario", "support", "--progress", "0"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    assert result["n"] == 9  # every distinct text once
+    for mode in ("threshold", "learner"):
+        # Every response matched to the logged entry that served it, every lookup in the decision log.
+        assert result[f"{mode}_inconsistent"] == 0 and result[f"{mode}_unlogged"] == 0
+        # Exact labels: a different class answer is labelled wrong, and no label disagrees with the ground truth.
+        assert result[f"{mode}_label_errors"] == 0 and result[f"{mode}_labels_bad"] >= 1
+    # The shipped rule serves the password paraphrases and never the 20/50 dollars pair (the guard).
+    assert result["threshold_hit_rate"] > 0 and result["threshold_false_hit_rate"] == 0
+    # The untaught learner refuses, and each refused candidate comes back as a label.
+    assert result["learner_labels"] >= 5
+    assert {"sim_hit_rate", "sim_false_hit_rate", "sim_explorations", "ratio_hit_rate"} <= set(result)
