@@ -10,6 +10,10 @@ also judges each pair as ``semantic.label_judge`` would (one token: does the oth
 question as its own answer does?), and the judge's good / bad / cannot-tell shares are printed per kind of pair.
 
     python scripts/measure_answer_labels.py [--pairs 40] [--max-tokens 48] [--judge] [--data DATA_DIR]
+        [--profile cpu] [--model MODEL]
+
+On a GPU box, ``--profile t4 --model MODEL_PATH --judge`` measures the judge of the model the box serves (the one
+``semantic.label_judge`` is on for in the GPU profiles); the figures in README are the CPU model's.
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ async def main_async(args: argparse.Namespace) -> None:
     positives = [(r["origin"], r["similar"]) for r in rows[:args.pairs]]
     negatives = [(rows[i]["similar"], rows[i + 1]["origin"]) for i in range(args.pairs)]
     with tempfile.TemporaryDirectory() as tmp:
-        settings = resolve_settings("cpu", {"data_dir": tmp}, environ={})
+        overrides = {"data_dir": tmp} | ({"engine.model": args.model} if args.model else {})
+        settings = resolve_settings(args.profile, overrides, environ={})
         engine = engine_from_settings(settings)
         await engine.start()
         texts = sorted({t for pair in positives + negatives for t in pair})
@@ -115,6 +120,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--judge", action="store_true", help="also ask the model for its one-token judgement")
+    parser.add_argument("--profile", default="cpu", help="the hardware profile whose engine answers and judges")
+    parser.add_argument("--model", default=None, help="the engine's model (a local path), over the profile's")
     parser.add_argument("--answers", default=None, help="A JSON file caching the engine's answers between runs.")
     parser.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
     args = parser.parse_args()
