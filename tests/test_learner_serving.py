@@ -228,3 +228,38 @@ def test_labelled_decisions_pair_labels_with_their_decisions_within_a_window(tmp
     log.close()
     paired = [(d.id, good) for d, good in labelled_decisions(read_records(tmp_path), window=3)]
     assert paired == [(ids[2], False), (ids[1], True)]
+
+
+class JudgingEngine(ScriptedEngine):
+    """Scripted answers; to the judge's prompt it says ``verdict``."""
+
+    def __init__(self, answers: list[str], verdict: str) -> None:
+        super().__init__(answers)
+        self.verdict = verdict
+
+    def answer_for(self, request: Any) -> str:
+        from edgecache.labeling import JUDGE_INSTRUCTIONS
+
+        if request.messages and request.messages[0].content == JUDGE_INSTRUCTIONS:
+            return self.verdict
+        return super().answer_for(request)
+
+
+async def test_with_label_judge_the_served_model_labels_what_equality_cannot(make_settings: Any) -> None:
+    settings = make_settings(semantic__enabled=True, semantic__decision="learner", semantic__label_judge=True)
+    # Close enough that answer embeddings alone would not call it wrong; the judge does.
+    engine = JudgingEngine(["Open Settings, then Security, then Reset password.",
+                            "Open Settings, then Privacy, then Reset password."], verdict="No")
+    async with serve_in_process(create_app(settings, engine=engine)) as c:
+        rt = c.app.state.runtime  # type: ignore[attr-defined]
+        teach_confidence(rt.learner, "default", "default")
+        rt.learner.audit_share = 1.0
+        await ask(c, ORIGINAL)
+        assert (await ask(c, PARAPHRASE))[0] == "miss"  # explored
+        judged = [r for r in engine.requests if r.params.max_tokens == 1]
+        assert len(judged) == 1 and judged[0].salt == "default"
+        rt.decisions.flush()
+        explored = [r for r in read_records(Path(settings.data_dir) / "decisions")
+                    if isinstance(r, DecisionRecord)][-1]
+        labels = rt.learner.entry_labels_of("default", "default", explored.store_key)
+        assert explored.decision == "explore" and len(labels) == 1 and labels[0][1] is False
