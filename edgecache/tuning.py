@@ -13,14 +13,15 @@ a lower cut is drawn from exactly the band it would add.
 **Served decisions are not labelled** (a hit's answer went out; nothing computed a second answer to compare), so a
 plain replay of the labels is biased wherever the running policy served: per served it sees only the candidates
 that were refused or explored up there (the doubtful ones: too high a cut), per lookup it misses the hits' false
-hits (too low a cut). The online learner audits a random share of its confident serves (``explore``, reason
-``audit``): those labels are a random sample of the served decisions, so the replay weighs them up to stand for
-every hit (Horvitz-Thompson, the propensity estimated per group as audits / (audits + hits)). In general every
-decision belongs to a stratum, ``served`` (hits and audits) or its own kind (``refused``, ``explore``, ``miss``),
-and a label counts for ``decisions / labelled`` of its stratum, assumed missing at random within it; the bound uses
-the weighted rate and Kish's effective number of labels (one bad audit standing for 50 hits is one observation, not
-50). A stratum with no label at all (hits on a log without audits) cannot be estimated: it is left out and its
-decisions at or above the cut are reported as ``unlabelled``, so the bias is shown rather than hidden.
+hits (too low a cut). The online learner leaves labels that stand for its hits: its audits (``explore``, reason
+``audit``: a random share of its confident serves) and the candidates it refused only because its false-hit ledger
+was spent (``refused``, reason ``learner:budget``), both labelled like every refusal. So every decision belongs to a
+stratum, ``served`` (hits and those, :data:`SERVABLE`) or its own kind (``refused``, ``explore``, ``miss``), and a
+label counts for ``decisions / labelled`` of its stratum (Horvitz-Thompson, missing at random within a stratum
+assumed); the bound uses the weighted rate and Kish's effective number of labels (one bad audit standing for 40
+hits is one observation, not 40). A stratum with no label at all (hits under the threshold rule, which neither
+audits nor keeps a ledger) cannot be estimated: it is left out and its decisions at or above the cut are reported
+as ``unlabelled``, so the bias is shown rather than hidden.
 
 Pure functions over records, so the CLI and tests share them; :func:`overlay_toml` writes the per-scenario
 ``threshold`` overlay (and each tenant's own, ``tenant_thresholds``) that ``edgecache serve --overlay FILE`` loads on
@@ -62,10 +63,18 @@ class Sample(msgspec.Struct, frozen=True):
     weight: float = 1.0    # how many decisions of its stratum this label stands for
 
 
+#: Decisions the running policy judged servable but did not serve, so their labels may stand for its hits: the
+#: learner's audits (a random share of its confident serves) and the candidates it refused only because its
+#: false-hit ledger was spent (``budget``: under the cut and not demoted, refused for the time they came, not for
+#: themselves; a little riskier than the hits on the whole, since unsure candidates are among them and the ledger
+#: turns away the costlier ones first, so the estimate errs high).
+SERVABLE = {("explore", "audit"), ("refused", "learner:budget")}
+
+
 def stratum_of(record: DecisionRecord) -> str:
-    """Which decisions a label may stand for: an audit is a random sample of the confident serves, so it shares the
-    hits' stratum; any other decision stands for its own kind."""
-    if record.decision == "hit" or (record.decision == "explore" and record.reason == "audit"):
+    """Which decisions a label may stand for: hits and the :data:`SERVABLE` decisions share the ``served`` stratum;
+    any other decision stands for its own kind."""
+    if record.decision == "hit" or (record.decision, record.reason) in SERVABLE:
         return "served"
     return record.decision
 

@@ -414,9 +414,12 @@ def learner_stream(stream: Stream, sim: np.ndarray, *, scenario: str, target: fl
         decision = learner.decide(tenant, scenario, str(j), value, target, prior_cut=prior)
         logged = None
         if log is not None:
-            logged = log.decided(tenant, scenario, stream.texts[i], LOGGED_AS[decision.action],  # type: ignore[index]
-                                 reason=decision.reason, store_key=str(j), vector_key=j, similarity=s,
-                                 score=None if value == s else value)
+            action = LOGGED_AS[decision.action]  # type: ignore[index]
+            # The reasons the server logs (record_lookup): none for a hit, the learner's for an exploration (unsure
+            # or audit), "learner:<why>" for a refused candidate.
+            reason = {"hit": None, "explore": decision.reason}.get(action, "learner:" + decision.reason)
+            logged = log.decided(tenant, scenario, stream.texts[i], action, reason=reason, store_key=str(j),  # type: ignore[arg-type]
+                                 vector_key=j, similarity=s, score=None if value == s else value)
         decisions[i] = (decision, logged)
         return decision.action
 

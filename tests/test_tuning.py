@@ -224,3 +224,20 @@ def test_hits_with_no_audit_are_reported_unlabelled(tmp_path: Path) -> None:
     result = runner.invoke(cli, ["tune", str(tmp_path), "--target-error", "0.05", "--confidence", "0"],
                            env={"COLUMNS": "200"})
     assert result.exit_code == 0 and "no label in their stratum" in result.output
+
+
+def test_the_learners_budget_refusals_stand_for_its_hits(tmp_path: Path) -> None:
+    """A candidate the learner refused only because its ledger was spent is labelled and was servable: it shares
+    the hits' stratum, as an audit does; a refusal above the learner's cut does not."""
+    log = DecisionLog(tmp_path, max_bytes=1 << 20, flush_interval_s=0.05)
+    for i in range(30):
+        log.decided("acme", "support", f"h{i}", "hit", store_key="s", similarity=0.95)
+    for i, (kind, reason, good) in enumerate([("refused", "learner:budget", False), ("refused", "learner:budget", True),
+                                              ("refused", "learner:above_cut", False)]):
+        log.labelled(log.decided("acme", "support", f"r{i}", kind, reason=reason, store_key="s", similarity=0.95),
+                     good, "truth")
+    log.close()
+    found = tune(read_records(tmp_path), target=0.6, confidence=0, per="lookup")[0]
+    # 32 servable decisions, half of their two labels bad: 16 estimated false hits, and the refusal above the cut's.
+    assert found.cut == 0.95 and found.unlabelled == 0
+    assert found.false_hit_rate is not None and abs(found.false_hit_rate - 17 / 33) < 1e-9
