@@ -193,7 +193,7 @@ class MissLabels:
     def after_miss(self, call: Call, decision_id: str | None, lookup: Lookup, fresh: str, answer_key: str) -> None:
         """Schedule the label of ``lookup``'s refused candidate against ``fresh``, the answer stored under
         ``answer_key`` (nothing when the candidate served or there was none)."""
-        if lookup.hit is not None or lookup.candidate is None or lookup.refusal is None:
+        if lookup.candidate is None or lookup.refusal is None:  # no candidate, or it served
             return
         if len(self._tasks) >= self.max_pending * (2 if lookup.explored else 1) or (
                 self.busy() and not lookup.explored):

@@ -85,7 +85,7 @@ async def test_a_refused_candidate_is_labelled_in_the_background_within_a_bound(
     labels.after_miss(call, "d2", refused("k2"), "a different answer", "n2")  # equality cannot tell: no label
     labels.after_miss(call, "d3", refused("k1"), "same answer", "n3")          # past max_pending: skipped
     hit = SemanticHit(similarity=0.99, store_key="k1", vector_key=1)
-    labels.after_miss(call, "d4", Lookup(vector=None, hit=hit, candidate=hit), "x", "n4")  # served: nothing
+    labels.after_miss(call, "d4", Lookup(vector=None, candidate=hit), "x", "n4")  # served: nothing
     labels.after_miss(call, "d5", Lookup(vector=None), "x", "n5")                            # no candidate
     await labels.drain()
     log.close()

@@ -263,3 +263,14 @@ async def test_with_label_judge_the_served_model_labels_what_equality_cannot(mak
                     if isinstance(r, DecisionRecord)][-1]
         labels = rt.learner.entry_labels_of("default", "default", explored.store_key)
         assert explored.decision == "explore" and len(labels) == 1 and labels[0][1] is False
+
+
+async def test_labels_reach_the_learner_with_the_decision_log_off(make_settings: Any) -> None:
+    settings = make_settings(semantic__enabled=True, semantic__decision="learner", semantic__decision_log_bytes=0)
+    async with serve_in_process(create_app(settings, engine=ConstantEngine())) as c:
+        rt = c.app.state.runtime  # type: ignore[attr-defined]
+        assert rt.decisions is None and rt.labels is not None
+        await ask(c, ORIGINAL)
+        assert (await ask(c, PARAPHRASE))[0] == "miss"  # untaught: refused, labelled from the miss
+        assert rt.learner.summary()[("default", "default")]["labels"] == 1
+    assert not (Path(settings.data_dir) / "decisions").exists()
