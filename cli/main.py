@@ -315,7 +315,9 @@ def tune(
         metavar="FILE", help="Write the per-scenario cuts as a TOML overlay for `serve --overlay FILE`.")] = None,
 ) -> None:
     """Replay a decision log: per tenant and scenario, the lowest similarity cut whose false-hit rate among the
-    labelled decisions it would serve meets --target-error, the hit rate it would have given, and its labels."""
+    decisions it would serve meets --target-error, the hit rate it would have given, and its labels. Hits are never
+    labelled: the learner's audits and budget refusals stand for them (weighted); on a log without those, the hits
+    at or above a cut are shown as unlabelled."""
     from pathlib import Path
 
     from edgecache.decision_log import log_files, read_records
