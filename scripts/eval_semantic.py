@@ -32,7 +32,16 @@ search, verify) and their p50 / p99 reported, with the share that paid for a sec
                    with hindsight, simulated on the stream, at <= the learner's false-hit rate). Rates are shares of
                    all lookups. Last line: n, hit_rate, false_hit_rate, explorations, exploration_share, labels,
                    demoted, oracle_hit_rate, oracle_threshold, ratio_to_oracle, oracle_hit_rate_at_target,
-                   static_hit_rate, static_false_hit_rate, static_threshold, target_false_hit_rate, embedder, seed.
+                   static_hit_rate, static_false_hit_rate, static_threshold, target_false_hit_rate, embedder, seed,
+                   oracle_threshold_at_target (the oracle's cut at the target), replay_threshold /
+                   replay_threshold_at_target (the cut a replay of the learner's own lookups implies with every
+                   label known, at the learner's false-hit rate / the target), log, tune.
+  --log DIR        (with --stream) write the learner's run to DIR as a decision log, the records the server writes:
+                   a ``decision`` per lookup (``miss`` with no candidate, else ``hit``, ``explore`` or ``refused``
+                   with the learner's reason, the nearest candidate's keys and cosine) and a ``label`` for every
+                   label the run reveals (explorations and refused candidates; hits stay unlabelled). Then
+                   ``edgecache tune DIR`` reads it; the last line's ``tune`` holds what it finds per variant
+                   (:data:`TUNE_VARIANTS`) beside the oracle's cuts.
 
 Otherwise the last line printed is one JSON object: n, hit_rate, false_hit_rate, threshold, embedder, hit_rate_at_1pct,
 baseline_hit_rate_at_1pct, baseline_threshold_at_1pct, oos_hit_rate (intent sets with out-of-scope rows, else
