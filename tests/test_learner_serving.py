@@ -83,6 +83,11 @@ async def test_a_confident_learner_serves_and_an_explored_request_gets_the_fresh
         stats = (await c.get("/stats")).json()
         pool = stats["semantic"]["learner"]["pools"]["default/default"]
         assert pool["explorations"] == 1 and pool["lookups"] == 2  # since the drop
+        from edgecache.cli.render import stats_tables
+
+        learned = [t for t in stats_tables(stats) if str(t.title).startswith("Semantic learner")]
+        assert len(learned) == 1 and learned[0].row_count == 1
+        assert not [t for t in stats_tables(stats, tenant="other") if str(t.title).startswith("Semantic learner")]
         assert 'edgecache_semantic_learner_false_hit_rate{scenario="default",tenant="default"}' in \
             (await c.get("/metrics")).text
         rt.decisions.flush()
