@@ -315,7 +315,9 @@ def tune(
         metavar="FILE", help="Write the per-scenario cuts as a TOML overlay for `serve --overlay FILE`.")] = None,
 ) -> None:
     """Replay a decision log: per tenant and scenario, the lowest similarity cut whose false-hit rate among the
-    labelled decisions it would serve meets --target-error, the hit rate it would have given, and its labels."""
+    decisions it would serve meets --target-error, the hit rate it would have given, and its labels. Hits are never
+    labelled: the learner's audits and budget refusals stand for them (weighted); on a log without those, the hits
+    at or above a cut are shown as unlabelled."""
     from pathlib import Path
 
     from edgecache.decision_log import log_files, read_records
@@ -342,17 +344,30 @@ def tune(
                          per=per)  # type: ignore[arg-type]
     console = Console()
     table = Table(title=f"Cuts at <= {target_error:.2%} false hits per {per} ({confidence:.0%} bound)")
-    for column in ("tenant", "scenario", "lookups", "labels", "cut", "false hits (bound)", "hit rate", "backing"):
+    # Decisions at or above a cut whose stratum has no label (hits on a log without audits): a column only when
+    # there are some, so the usual table stays narrow.
+    unlabelled = any(cut.unlabelled for cut in cuts if cut.cut is not None)
+    for column in ("tenant", "scenario", "lookups", "labels", "cut", "false hits (bound)", "hit rate", "backing",
+                   *(("unlabelled",) if unlabelled else ())):
         table.add_column(column, justify="left" if column in ("tenant", "scenario") else "right")
     for cut in cuts:
         name = cut.tenant  # "*": every tenant pooled, the row --write uses
         if cut.cut is None:
-            table.add_row(name, cut.scenario, str(cut.lookups), str(cut.labels), "-", "too few labels", "-", "0")
+            table.add_row(name, cut.scenario, str(cut.lookups), str(cut.labels), "-", "too few labels", "-", "0",
+                          *(("-",) if unlabelled else ()))
         else:
+            # Labels weighed up for the decisions they stand for (audits for hits) back the bound with fewer
+            # effective labels than their count: shown beside it.
+            backing = str(cut.backing) if abs(cut.effective - cut.backing) < 0.5 else \
+                f"{cut.backing} (eff. {cut.effective:.0f})"
             table.add_row(name, cut.scenario, str(cut.lookups), str(cut.labels), f"{cut.cut:.4f}",
                           f"{cut.false_hit_rate:.2%} ({cut.false_hit_upper:.2%})", f"{cut.hit_rate:.1%}",
-                          str(cut.backing))
+                          backing, *((str(cut.unlabelled),) if unlabelled else ()))
     console.print(table)
+    if unlabelled:
+        console.print("[yellow]warning:[/yellow] some decisions at or above a cut have no label in their stratum "
+                      "(hits on a log without audits): their false hits are not in the estimate (column "
+                      "unlabelled).", markup=True, highlight=False)
     console.print("tenant * pools every tenant's decisions: --write writes its cuts per scenario, and each "
                   "tenant's own as tenant_thresholds.")
     if bad_lines[0]:

@@ -334,7 +334,7 @@ def record_lookup(decisions: DecisionLog, tenant: str, scenario: str, query: str
                   dropped: str | None = None) -> str:
     """Log what a semantic lookup decided; returns the decision's id. ``served``: its hit's answer went out;
     ``dropped``: why a hit's answer did not (``gone``: expired or evicted; ``too_old`` for the caller's TTL)."""
-    candidate = lookup.candidate or lookup.hit
+    candidate = lookup.candidate
     decision: Decision
     if served:
         decision, reason = "hit", None

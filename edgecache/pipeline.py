@@ -287,20 +287,20 @@ class RequestPipeline:
             self.metrics.semantic_explorations.labels(call.tenant, call.scenario).inc()
         if lookup.refused_by_guard is not None:
             self.metrics.semantic_guard_rejections.labels(lookup.refused_by_guard.split(":", 1)[0]).inc()
-        if lookup.hit is None:
+        hit = lookup.hit
+        if hit is None:
             return SemanticAnswer(lookup=lookup)
         store = self.stores(call.tenant)
-        answer = await store.get(lookup.hit.store_key)
+        answer = await store.get(hit.store_key)
         if answer is None:
             # The answer expired or was evicted: its vector goes too, and this is a miss.
-            await self.semantic.forget(call.tenant, call.scenario, probe, lookup.hit.vector_key,
-                                       lookup.hit.store_key)
+            await self.semantic.forget(call.tenant, call.scenario, probe, hit.vector_key, hit.store_key)
             return SemanticAnswer(lookup=lookup, dropped="gone")
         if not _fresh_enough(answer, call):
             return SemanticAnswer(lookup=lookup, dropped="too_old")
         if policy.write:  # kept under this request's own key too: its repeats are exact hits
             await store.put(key, answer, tag=call.scenario)
-        return SemanticAnswer(lookup=lookup, answer=answer, similarity=lookup.hit.similarity)
+        return SemanticAnswer(lookup=lookup, answer=answer, similarity=hit.similarity)
 
     async def store_known_answers(self, known: Sequence[tuple[Call, str]]) -> list[bool | None]:
         """Warmup: keep each ``text`` as the answer to its ``call``, in the store and (first-turn chat) the semantic

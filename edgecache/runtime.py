@@ -12,7 +12,8 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import aclosing
 from typing import TYPE_CHECKING
 from pathlib import Path
 
@@ -23,12 +24,13 @@ from edgecache.admission import AdmissionGate
 from edgecache.calls import ParsedRequests
 from edgecache.decision_log import DecisionLog, labelled_decisions, read_records
 from edgecache.embedders import Embedder
-from edgecache.engines.base import Engine
+from edgecache.engines.base import Chunk, Engine, GenerationRequest
 from edgecache.errors import EdgeCacheError, NotReady
 from edgecache.health import READY, STORAGE_ERRORS, Health, HealthChecks, StorageFaults
 from edgecache.inflight import FlightTable
 from edgecache.inflight.local import InflightTable
-from edgecache.labeling import AnswerEmbeddingLabeler, EqualityLabeler, FirstVerdict, Labeler, MissLabels
+from edgecache.labeling import (AnswerEmbeddingLabeler, EqualityLabeler, FirstVerdict, Labeler, MissLabels,
+                                ModelJudgeLabeler)
 from edgecache.metrics import Metrics
 from edgecache.openai_api import IdSource
 from edgecache.pipeline import Call, RequestPipeline
@@ -215,15 +217,28 @@ class Runtime:
         return self.admission.queued == 0 and self.admission.running < self.admission.max_running
 
     def _labeler(self) -> Labeler:
-        """Equality for greedy answers, then the answers' embeddings under the semantic layer's embedder."""
+        """Equality for greedy answers, then (``label_judge``) the served model's judgement, then the answers'
+        embeddings under the semantic layer's embedder."""
         async def embed(texts: Sequence[str]) -> np.ndarray:
             if self.semantic is None:
                 raise NotReady("the semantic layer is off")
             return await self.semantic.embed_many(texts)
 
         sem = self.settings.semantic
-        return FirstVerdict(EqualityLabeler(), AnswerEmbeddingLabeler(embed, sem.label_answer_bar,
-                                                                      sem.label_answer_floor))
+        judge = [ModelJudgeLabeler(self._judge_call, may_run=self._may_explore)] if sem.label_judge else []
+        return FirstVerdict(EqualityLabeler(), *judge,
+                            AnswerEmbeddingLabeler(embed, sem.label_answer_bar, sem.label_answer_floor))
+
+    async def _judge_call(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        """One engine call for the judge, inside an admission slot like any miss (the judge asks only when one is
+        free, so it does not wait)."""
+        async with self.admission.slot(request.salt or "default"):
+            async with aclosing(self.engine.generate(request)) as stream:
+                async for chunk in stream:
+                    if chunk.finish_reason is not None:
+                        self.metrics.observe_engine_call(chunk.prompt_tokens, chunk.cached_tokens,
+                                                         chunk.completion_tokens)
+                    yield chunk
 
     def keeps_prompts(self, tenant_id: str) -> bool:
         """Whether the tenant's plan lets the decision log keep its query text."""

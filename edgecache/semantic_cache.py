@@ -85,24 +85,30 @@ class SemanticHit(msgspec.Struct, frozen=True):
 
 
 class Lookup(msgspec.Struct, frozen=True):
-    """A lookup's outcome: the hit (if any) and the query's vector, kept to index the answer on a miss.
+    """A lookup's outcome: the candidate it decided about (if any), whether it served, and the query's vector, kept
+    to index the answer on a miss.
 
-    When candidates were there but none served: ``refusal`` says why (``below_threshold``, ``below_cut``,
-    ``veto:<rule>``, ``guard:<rule>``, ``explore`` or ``learner:<reason>``) and ``refused_by_guard`` is the guard's reason when a rule fired on the
-    refused candidate. ``score`` is the verifier's score of the best candidate (None under a threshold rule).
-    ``candidate`` is the entry the decision was about: the hit, or the refused nearest candidate (the decision log
-    records it, and a miss labels it against the fresh answer). ``learned`` is the learner's decision about it
-    (None under the other rules, and when the guard refused before the learner was asked).
+    ``candidate`` is the entry the decision was about: the one that serves, or the refused nearest candidate (the
+    decision log records it, and a miss labels it against the fresh answer). It serves unless ``refusal`` says why
+    not (``below_threshold``, ``below_cut``, ``veto:<rule>``, ``guard:<rule>``, ``explore`` or
+    ``learner:<reason>``); ``refused_by_guard`` is the guard's reason when a rule fired on the refused candidate.
+    ``score`` is the verifier's score of the best candidate (None under a threshold rule). ``learned`` is the
+    learner's decision about it (None under the other rules, and when the guard refused before the learner was
+    asked).
     """
 
     vector: np.ndarray | None
-    hit: SemanticHit | None = None
+    candidate: SemanticHit | None = None
+    refusal: str | None = None
     refused_by_guard: str | None = None
     similarity: float | None = None
     score: float | None = None
-    refusal: str | None = None
-    candidate: SemanticHit | None = None
     learned: Decision | None = None
+
+    @property
+    def hit(self) -> SemanticHit | None:
+        """The candidate that serves: there was one, and nothing refused it."""
+        return self.candidate if self.refusal is None else None
 
     @property
     def explored(self) -> bool:
@@ -276,7 +282,7 @@ class SemanticCache:
         if best.similarity < threshold:
             return Lookup(vector=vector, similarity=best.similarity, refusal="below_threshold", candidate=candidate)
         return (self._guard_refusal(query, best, vector)
-                or Lookup(vector=vector, similarity=best.similarity, hit=candidate, candidate=candidate))
+                or Lookup(vector=vector, similarity=best.similarity, candidate=candidate))
 
     def _guard_refusal(self, query: str, best: Candidate, vector: np.ndarray) -> Lookup | None:
         """The guard's veto of the nearest candidate (a difference the answer depends on), or None."""
@@ -305,8 +311,7 @@ class SemanticCache:
                                            may_explore=may_explore)
         candidate = SemanticHit.of(best)
         if decision.action == "serve":
-            return Lookup(vector=vector, similarity=best.similarity, hit=candidate, candidate=candidate,
-                          learned=decision)
+            return Lookup(vector=vector, similarity=best.similarity, candidate=candidate, learned=decision)
         # An exploration is a refusal: the engine computes the answer, the client gets that fresh answer (never the
         # cached one), and the comparison of the two is the label.
         return Lookup(vector=vector, similarity=best.similarity, candidate=candidate, learned=decision,
@@ -354,7 +359,7 @@ class SemanticCache:
                           refused_by_guard=judged.rule, candidate=SemanticHit.of(nearest))
         chosen = found[judged.chosen]
         hit = SemanticHit.of(chosen)
-        return Lookup(vector=vector, similarity=chosen.similarity, score=judged.score, hit=hit, candidate=hit)
+        return Lookup(vector=vector, similarity=chosen.similarity, score=judged.score, candidate=hit)
 
     def learned(self) -> dict[str, object] | None:
         """What the learner holds (None without one): per ``tenant/scenario`` its lookups, explorations, labels and

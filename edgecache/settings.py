@@ -220,6 +220,10 @@ class SemanticSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         "decision = learner: wrong labels after which a cached answer is no longer served semantically.")] = 2
     learner_max_entries: Annotated[int, Meta(ge=1), _help(
         "decision = learner: cached answers whose labels are kept (least recently used go first).")] = 100_000
+    label_judge: Annotated[bool, _help(
+        "Ask the served model for a one-token judgement (does the cached answer serve the question as the fresh "
+        "one does?) when equality cannot tell, before the answer embeddings; only while the engine has a free "
+        "slot. Worth it with a 7B-class model (the GPU profiles); a small CPU model judges poorly.")] = False
     label_answer_bar: Annotated[float, Meta(gt=0.0, le=1.0), _help(
         "Cosine of two answers' embeddings at or above which a refused candidate's cached answer is labelled as "
         "serving the query (a label from a miss: the fresh answer against the candidate's).")] = 0.95

@@ -8,11 +8,20 @@ reported, with the hit rate it would have given (the share of all logged lookups
 least that similar) and how many labels back it.
 
 Labels from misses sit below the cut that was running (the refused candidates), so on such a log the estimate for
-a lower cut is drawn from exactly the band it would add; an above-cut hit is labelled only when it was explored.
+a lower cut is drawn from exactly the band it would add.
 
-``per="lookup"`` counts false hits as a share of all the group's lookups instead (the issue's definition, and the
-static oracle's in ``scripts/eval_semantic.py --stream``): meaningful when the labels cover the decisions a lower cut
-would serve, as on a fully labelled replay.
+**Served decisions are not labelled** (a hit's answer went out; nothing computed a second answer to compare), so a
+plain replay of the labels is biased wherever the running policy served: per served it sees only the candidates
+that were refused or explored up there (the doubtful ones: too high a cut), per lookup it misses the hits' false
+hits (too low a cut). The online learner leaves labels that stand for its hits: its audits (``explore``, reason
+``audit``: a random share of its confident serves) and the candidates it refused only because its false-hit ledger
+was spent (``refused``, reason ``learner:budget``), both labelled like every refusal. So every decision belongs to a
+stratum, ``served`` (hits and those, :data:`SERVABLE`) or its own kind (``refused``, ``explore``, ``miss``), and a
+label counts for ``decisions / labelled`` of its stratum (Horvitz-Thompson, missing at random within a stratum
+assumed); the bound uses the weighted rate and Kish's effective number of labels (one bad audit standing for 40
+hits is one observation, not 40). A stratum with no label at all (hits under the threshold rule, which neither
+audits nor keeps a ledger) cannot be estimated: it is left out and its decisions at or above the cut are reported
+as ``unlabelled``, so the bias is shown rather than hidden.
 
 Pure functions over records, so the CLI and tests share them; :func:`overlay_toml` writes the per-scenario
 ``threshold`` overlay (and each tenant's own, ``tenant_thresholds``) that ``edgecache serve --overlay FILE`` loads on
@@ -33,9 +42,9 @@ from edgecache.decision_log import DecisionRecord, LabelRecord, Record
 ALL = "*"
 
 
-def wilson_upper(bad: int, n: int, confidence: float = 0.95) -> float:
-    """One-sided Wilson score upper bound of a rate seen as ``bad`` of ``n`` (1.0 with no observations).
-    ``confidence`` 0 gives the plain rate."""
+def wilson_upper(bad: float, n: float, confidence: float = 0.95) -> float:
+    """One-sided Wilson score upper bound of a rate seen as ``bad`` of ``n`` (1.0 with no observations; both may be
+    effective, weighted counts). ``confidence`` 0 gives the plain rate."""
     if n <= 0:
         return 1.0
     p = bad / n
@@ -51,6 +60,23 @@ def wilson_upper(bad: int, n: int, confidence: float = 0.95) -> float:
 class Sample(msgspec.Struct, frozen=True):
     similarity: float
     good: bool
+    weight: float = 1.0    # how many decisions of its stratum this label stands for
+
+
+#: Decisions the running policy judged servable but did not serve, so their labels may stand for its hits: the
+#: learner's audits (a random share of its confident serves) and the candidates it refused only because its
+#: false-hit ledger was spent (``budget``: under the cut and not demoted, refused for the time they came, not for
+#: themselves; a little riskier than the hits on the whole, since unsure candidates are among them and the ledger
+#: turns away the costlier ones first, so the estimate errs high).
+SERVABLE = {("explore", "audit"), ("refused", "learner:budget")}
+
+
+def stratum_of(record: DecisionRecord) -> str:
+    """Which decisions a label may stand for: hits and the :data:`SERVABLE` decisions share the ``served`` stratum;
+    any other decision stands for its own kind."""
+    if record.decision == "hit" or (record.decision, record.reason) in SERVABLE:
+        return "served"
+    return record.decision
 
 
 class Group(msgspec.Struct, kw_only=True):
@@ -61,6 +87,7 @@ class Group(msgspec.Struct, kw_only=True):
     lookups: int = 0
     similarities: list[float] = msgspec.field(default_factory=list)
     labelled: list[Sample] = msgspec.field(default_factory=list)
+    unlabelled: list[float] = msgspec.field(default_factory=list)  # decisions in a stratum with no label at all
 
 
 class Cut(msgspec.Struct, frozen=True, kw_only=True):
@@ -73,12 +100,15 @@ class Cut(msgspec.Struct, frozen=True, kw_only=True):
     false_hit_upper: float | None = None   # its upper bound
     backing: int = 0       # labelled decisions at or above the cut
     hit_rate: float | None = None          # share of the group's lookups the cut would have served
+    effective: float = 0.0  # the labels' effective number (Kish) behind the bound: backing when unweighted
+    unlabelled: int = 0    # decisions at or above the cut whose stratum has no label: not in the estimate
 
 
 def join(records: Iterable[Record], *, tenant: str | None = None, scenario: str | None = None,
-         pooled: bool = True) -> dict[tuple[str, str], Group]:
+         pooled: bool = True, weigh: bool = True) -> dict[tuple[str, str], Group]:
     """Decisions by (tenant, scenario) with their labels joined (a decision's last label wins). With ``pooled``,
-    every scenario also gets a group over all the selected tenants, under tenant ``*``."""
+    every scenario also gets a group over all the selected tenants, under tenant ``*``. Without ``weigh`` every
+    label counts once and nothing is reported unlabelled (the plain replay, biased where the policy served)."""
     decisions: dict[str, DecisionRecord] = {}
     labels: dict[str, bool] = {}
     for record in records:
@@ -87,53 +117,83 @@ def join(records: Iterable[Record], *, tenant: str | None = None, scenario: str 
                 decisions[record.id] = record
         elif isinstance(record, LabelRecord):
             labels[record.id] = record.good
+    # Per group and stratum: decisions with a candidate, and how many of them are labelled.
+    counts: dict[tuple[str, str, str], list[int]] = {}
+    names_of: dict[str, list[tuple[str, str]]] = {}
+    for record in decisions.values():
+        names_of[record.id] = [(record.tenant, record.scenario)] + ([(ALL, record.scenario)] if pooled else [])
+        if record.similarity is None:
+            continue
+        for name in names_of[record.id]:
+            count = counts.setdefault((*name, stratum_of(record)), [0, 0])
+            count[0] += 1
+            count[1] += record.id in labels
     groups: dict[tuple[str, str], Group] = {}
     for record in decisions.values():
-        names = [(record.tenant, record.scenario)] + ([(ALL, record.scenario)] if pooled else [])
         good = labels.get(record.id)
-        for name in names:
+        for name in names_of[record.id]:
             group = groups.get(name)
             if group is None:
                 group = groups[name] = Group(tenant=name[0], scenario=name[1])
             group.lookups += 1
-            if record.similarity is not None:
-                group.similarities.append(record.similarity)
-                if good is not None:
-                    group.labelled.append(Sample(record.similarity, good))
+            if record.similarity is None:
+                continue
+            group.similarities.append(record.similarity)
+            decided, labelled = counts[(*name, stratum_of(record))]
+            if good is not None:
+                group.labelled.append(Sample(record.similarity, good, decided / labelled if weigh else 1.0))
+            elif not labelled and weigh:
+                group.unlabelled.append(record.similarity)
     return groups
 
 
 def lowest_cut(group: Group, *, target: float, confidence: float = 0.95,
                per: Literal["served", "lookup"] = "served") -> Cut:
-    """The lowest similarity cut whose false-hit bound among the labelled decisions at or above it (``per``
-    served) or among all the group's lookups (``per`` lookup) is within ``target``."""
+    """The lowest similarity cut whose false-hit bound among the decisions at or above it (``per`` served) or among
+    all the group's lookups (``per`` lookup) is within ``target``, each label weighted for the decisions of its
+    stratum it stands for (all 1 on a log whose every stratum is fully labelled: then per lookup is the bound of
+    bad labels of all lookups, per served of bad labels of those at or above the cut)."""
     labelled = sorted(group.labelled, key=lambda s: -s.similarity)
-    best: tuple[float, int, int] | None = None  # cut, bad, n
-    bad = n = 0
-    i = 0
+    best: tuple[float, float, float, float, int] | None = None  # cut, weighted bad, weighted n, effective n, n
+    bad = weight = squares = 0.0
+    n = i = 0
     while i < len(labelled):
         value = labelled[i].similarity
         while i < len(labelled) and labelled[i].similarity == value:  # ties enter together
-            bad += not labelled[i].good
+            sample = labelled[i]
+            bad += sample.weight * (not sample.good)
+            weight += sample.weight
+            squares += sample.weight * sample.weight
             n += 1
             i += 1
-        if wilson_upper(bad, n if per == "served" else group.lookups, confidence) <= target:
-            best = (value, bad, n)
+        effective = weight * weight / squares  # Kish: n when every weight is equal
+        if _upper(bad, weight, effective, group.lookups, per, confidence) <= target:
+            best = (value, bad, weight, effective, n)
     if best is None:
         return Cut(tenant=group.tenant, scenario=group.scenario, lookups=group.lookups, labels=len(labelled),
                    cut=None)
-    cut, bad, n = best
+    cut, bad, weight, effective, n = best
     served = sum(1 for s in group.similarities if s >= cut)
-    base = n if per == "served" else group.lookups
     return Cut(tenant=group.tenant, scenario=group.scenario, lookups=group.lookups, labels=len(labelled), cut=cut,
-               false_hit_rate=bad / base, false_hit_upper=wilson_upper(bad, base, confidence), backing=n,
-               hit_rate=served / group.lookups if group.lookups else 0.0)
+               false_hit_rate=bad / (weight if per == "served" else group.lookups),
+               false_hit_upper=_upper(bad, weight, effective, group.lookups, per, confidence), backing=n,
+               hit_rate=served / group.lookups if group.lookups else 0.0, effective=effective,
+               unlabelled=sum(1 for s in group.unlabelled if s >= cut))
+
+
+def _upper(bad: float, weight: float, effective: float, lookups: int, per: str, confidence: float) -> float:
+    """The bound of the weighted false-hit rate: per served among the (weighted) decisions at or above the cut with
+    ``effective`` labels behind it; per lookup of all lookups, the lookups shrunk by the same design effect."""
+    if per == "served":
+        return wilson_upper(bad / weight * effective, effective, confidence)
+    scaled = lookups * effective / weight
+    return wilson_upper(bad / lookups * scaled, scaled, confidence)
 
 
 def tune(records: Iterable[Record], *, target: float = 0.01, confidence: float = 0.95, tenant: str | None = None,
-         scenario: str | None = None, per: Literal["served", "lookup"] = "served") -> list[Cut]:
+         scenario: str | None = None, per: Literal["served", "lookup"] = "served", weigh: bool = True) -> list[Cut]:
     """:func:`lowest_cut` for every group of :func:`join`, the pooled ``*`` groups first within a scenario."""
-    groups = join(records, tenant=tenant, scenario=scenario)
+    groups = join(records, tenant=tenant, scenario=scenario, weigh=weigh)
     order = sorted(groups, key=lambda key: (key[1], key[0] != ALL, key[0]))
     return [lowest_cut(groups[key], target=target, confidence=confidence, per=per) for key in order]
 

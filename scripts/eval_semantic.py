@@ -32,7 +32,16 @@ search, verify) and their p50 / p99 reported, with the share that paid for a sec
                    with hindsight, simulated on the stream, at <= the learner's false-hit rate). Rates are shares of
                    all lookups. Last line: n, hit_rate, false_hit_rate, explorations, exploration_share, labels,
                    demoted, oracle_hit_rate, oracle_threshold, ratio_to_oracle, oracle_hit_rate_at_target,
-                   static_hit_rate, static_false_hit_rate, static_threshold, target_false_hit_rate, embedder, seed.
+                   static_hit_rate, static_false_hit_rate, static_threshold, target_false_hit_rate, embedder, seed,
+                   oracle_threshold_at_target (the oracle's cut at the target), replay_threshold /
+                   replay_threshold_at_target (the cut a replay of the learner's own lookups implies with every
+                   label known, at the learner's false-hit rate / the target), log, tune.
+  --log DIR        (with --stream) write the learner's run to DIR as a decision log, the records the server writes:
+                   a ``decision`` per lookup (``miss`` with no candidate, else ``hit``, ``explore`` or ``refused``
+                   with the learner's reason, the nearest candidate's keys and cosine) and a ``label`` for every
+                   label the run reveals (explorations and refused candidates; hits stay unlabelled). Then
+                   ``edgecache tune DIR`` reads it; the last line's ``tune`` holds what it finds per variant
+                   (:data:`TUNE_VARIANTS`) beside the oracle's cuts.
 
 Otherwise the last line printed is one JSON object: n, hit_rate, false_hit_rate, threshold, embedder, hit_rate_at_1pct,
 baseline_hit_rate_at_1pct, baseline_threshold_at_1pct, oos_hit_rate (intent sets with out-of-scope rows, else
@@ -59,6 +68,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edgecache import guard  # noqa: E402
+from edgecache.decision_log import DecisionLog, log_files  # noqa: E402
 from edgecache.embedders import Embedder, default_threshold, load_embedder  # noqa: E402
 from edgecache.semantic_index import SemanticIndex  # noqa: E402
 from edgecache.settings import resolve_settings  # noqa: E402
@@ -337,6 +347,9 @@ class StreamResult(msgspec.Struct):
     explorations: int = 0
     labels: int = 0
     demoted: int = 0
+    #: every lookup that had a candidate: its similarity and whether the candidate was right (what a fully labelled
+    #: log of the run would hold)
+    candidates: list[tuple[float, bool]] = msgspec.field(default_factory=list)
 
     @property
     def hit_rate(self) -> float:
@@ -347,18 +360,22 @@ class StreamResult(msgspec.Struct):
         return self.false_hits / max(self.lookups, 1)
 
 
-def run_stream(stream: Stream, sim: np.ndarray, decide, record=None, link=None) -> StreamResult:
+def run_stream(stream: Stream, sim: np.ndarray, decide, record=None, link=None, alone=None) -> StreamResult:
     """Look the texts up in order against a cache that grows: a lookup not served is computed and stored. ``decide``
     (query, candidate, similarity) -> serve | explore | miss; on explore or miss the pair's label is revealed to
-    ``record`` (on a miss the engine computed the answer anyway, so comparing it with the candidate's is free)."""
+    ``record`` (on a miss the engine computed the answer anyway, so comparing it with the candidate's is free).
+    ``alone`` (query) hears a lookup that found the cache empty (no candidate: a plain miss)."""
     out = StreamResult(lookups=len(stream.texts))
     stored = np.zeros(len(stream.texts), dtype=np.int64)
     n_stored = 0
     for i in range(len(stream.texts)):
+        if not n_stored and alone is not None:
+            alone(i)
         if n_stored:
             row = sim[i, stored[:n_stored]]
             best = int(np.argmax(row))
             j, s = int(stored[best]), float(row[best])
+            out.candidates.append((s, right_answer(stream, i, j)))
             action = decide(i, j, s)
             if action == "serve":
                 if right_answer(stream, i, j):
@@ -379,11 +396,81 @@ def run_stream(stream: Stream, sim: np.ndarray, decide, record=None, link=None) 
     return out
 
 
+#: How a learner's action is written to the decision log, as the server writes it (``refused``: a candidate was
+#: there and not served).
+LOGGED_AS = {"serve": "hit", "explore": "explore", "miss": "refused"}
+
+
+def learner_stream(stream: Stream, sim: np.ndarray, *, scenario: str, target: float, shipped: float,
+                   signal=None, seed: int = 0, explore_share: float = 0.05, audit_share: float | None = None,
+                   link: bool = True, log: DecisionLog | None = None,
+                   tenant: str = "eval") -> tuple[StreamResult, int]:
+    """The online learner on the stream; returns its result and how many entries it demoted. ``shipped`` is the
+    static prior cut on the cosine; ``signal`` (query, candidate, cosine) -> (what the learner sees, the prior cut
+    on it) replaces the cosine (the verifier's score). With ``log``, every lookup
+    is written as the server writes it: one ``decision`` record (the nearest candidate's store and vector key and
+    its similarity; the learner's reason) and a ``label`` for every label the run reveals (explorations and refused
+    candidates); served lookups stay unlabelled, as in production."""
+    from edgecache.semantic_learner import SemanticLearner
+
+    learner = SemanticLearner(prior_cut=shipped, seed=seed, explore_share=explore_share,
+                              **({} if audit_share is None else {"audit_share": audit_share}))
+    decisions: dict[int, tuple] = {}  # query -> (the learner's decision, its log id)
+    prior_cut = signal or (lambda i, j, s: (s, shipped))
+
+    def decide(i: int, j: int, s: float) -> str:
+        value, prior = prior_cut(i, j, s)
+        decision = learner.decide(tenant, scenario, str(j), value, target, prior_cut=prior)
+        logged = None
+        if log is not None:
+            action = LOGGED_AS[decision.action]  # type: ignore[index]
+            # The reasons the server logs (record_lookup): none for a hit, the learner's for an exploration (unsure
+            # or audit), "learner:<why>" for a refused candidate.
+            reason = {"hit": None, "explore": decision.reason}.get(action, "learner:" + decision.reason)
+            logged = log.decided(tenant, scenario, stream.texts[i], action, reason=reason, store_key=str(j),  # type: ignore[arg-type]
+                                 vector_key=j, similarity=s, score=None if value == s else value)
+        decisions[i] = (decision, logged)
+        return decision.action
+
+    def record(i: int, j: int, s: float, correct: bool) -> None:
+        value, prior = prior_cut(i, j, s)
+        decision, logged = decisions.pop(i)
+        learner.record(tenant, scenario, str(j), value, correct, prior_cut=prior, decision=decision)
+        if logged is not None:
+            log.labelled(logged, correct, "stream-truth")  # type: ignore[union-attr]
+
+    def linked(i: int, j: int) -> None:
+        if link:
+            learner.link(tenant, scenario, str(i), str(j))
+
+    def alone(i: int) -> None:
+        if log is not None:
+            log.decided(tenant, scenario, stream.texts[i], "miss")
+
+    result = run_stream(stream, sim, decide, record, linked, alone)
+    decisions.clear()  # served lookups: never labelled
+    return result, learner.demoted
+
+
+def hindsight_cut(candidates: list[tuple[float, bool]], lookups: int, target: float) -> float | None:
+    """The lowest cut whose wrong candidates at or above it stay within ``target`` of ``lookups``, with every label
+    known: the cut a fully labelled replay of a log implies (``edgecache tune --per lookup --confidence 0``)."""
+    bad, best = 0, None
+    order = sorted(candidates, key=lambda x: -x[0])
+    k = 0
+    while k < len(order):
+        value = order[k][0]
+        while k < len(order) and order[k][0] == value:
+            bad += not order[k][1]
+            k += 1
+        if bad <= target * lookups + 1e-9:
+            best = value
+    return best
+
+
 def stream_main(args: argparse.Namespace, kind: str, path: Path) -> dict:
     """--stream: the learner (:mod:`edgecache.semantic_learner`) against the shipped static rule and the static
     oracle on the same stream. Rates are shares of all lookups."""
-    from edgecache.semantic_learner import SemanticLearner
-
     settings = resolve_settings(args.profile, {}, environ={})
     scenario = settings.scenarios.get(args.scenario) or settings.scenarios["default"]
     target = args.target if args.target is not None else 0.01
@@ -397,39 +484,32 @@ def stream_main(args: argparse.Namespace, kind: str, path: Path) -> dict:
     sim = vectors @ vectors.T
     embedded = time.perf_counter() - t0
 
-    learner = SemanticLearner(prior_cut=shipped, seed=args.seed, explore_share=args.explore_share)
-    scn = args.scenario
     verifier = Verifier.load(args.verifier or settings.semantic.verifier_params)
     use_verifier = args.signal == "verifier" and verifier.embedder == emb.version
     signal_of: dict[tuple[int, int], float] = {}
 
     def signal(i: int, j: int, s: float) -> tuple[float, float]:
-        """What the learner sees of a candidate, and the static prior cut on it: the cosine and the scenario's
-        threshold, or the verifier's score (0 when a hard veto refuses the pair) and its calibrated cut."""
-        if not use_verifier:
-            return s, shipped
+        """What the learner sees of a candidate, and the static prior cut on it: the verifier's score (0 when a
+        hard veto refuses the pair) and its calibrated cut."""
         if (i, j) not in signal_of:
             judged = verifier.judge(stream.texts[i], [(stream.texts[j], s)], cut=0.0)
             signal_of[(i, j)] = judged.score if judged.chosen is not None else 0.0
         return signal_of[(i, j)], min(verifier.cut(target, stream.texts[i]), 0.999)
 
-    decisions = {}
-
-    def learner_decide(i: int, j: int, s: float) -> str:
-        value, prior = signal(i, j, s)
-        decisions[i] = learner.decide("eval", scn, str(j), value, target, prior_cut=prior)
-        return decisions[i].action
-
-    def learner_record(i: int, j: int, s: float, correct: bool) -> None:
-        value, prior = signal(i, j, s)
-        learner.record("eval", scn, str(j), value, correct, prior_cut=prior, decision=decisions.pop(i))
-
-    def learner_link(i: int, j: int) -> None:
-        if args.link:
-            learner.link("eval", scn, str(i), str(j))
-
-    learned = run_stream(stream, sim, learner_decide, learner_record, learner_link)
-    learned.demoted = learner.demoted
+    log = None
+    if args.log is not None:
+        if log_files(args.log):
+            raise SystemExit(f"error: {args.log} already holds a decision log (give an empty or new folder)")
+        log = DecisionLog(args.log, max_bytes=256 << 20, files=8)
+    try:
+        learned, demoted = learner_stream(
+            stream, sim, scenario=args.scenario, target=target, shipped=shipped,
+            signal=signal if use_verifier else None, seed=args.seed, explore_share=args.explore_share,
+            audit_share=args.audit_share, link=args.link, log=log)
+    finally:
+        if log is not None:
+            log.close()
+    learned.demoted = demoted
     static = run_stream(stream, sim, lambda i, j, s: "serve" if s >= shipped - 1e-9 and guard.check(
         stream.texts[i], stream.texts[j], rules).allowed else "miss")
     cuts = np.round(np.arange(args.oracle_from, 1.0001, args.oracle_step), 4)
@@ -439,6 +519,11 @@ def stream_main(args: argparse.Namespace, kind: str, path: Path) -> dict:
     at_target = [(r.hit_rate, c) for c, r in sweep if r.false_hit_rate <= target + 1e-12]
     oracle_target_hit, oracle_target_cut = max(at_target, key=lambda x: (x[0], -x[1])) if at_target else (0.0, 1.0)
     ratio = learned.hit_rate / oracle_hit if oracle_hit > 0 else None
+    # The cut a fully labelled replay of the learner's own lookups implies (what `tune --per lookup --confidence 0`
+    # would find if every served lookup were labelled too): apart from the oracle's by the cache the oracle grows.
+    replay_cut = hindsight_cut(learned.candidates, learned.lookups, learned.false_hit_rate)
+    replay_target_cut = hindsight_cut(learned.candidates, learned.lookups, target)
+    tuned = tune_log(args.log, target=target, learner_rate=learned.false_hit_rate) if log is not None else None
     elapsed = time.perf_counter() - t0
 
     print(f"stream {stream.name}: {learned.lookups} lookups in seeded order (seed {args.seed}), cache grows on every "
@@ -452,6 +537,14 @@ def stream_main(args: argparse.Namespace, kind: str, path: Path) -> dict:
               f"   at <= the learner's false hits; learner / oracle "
               + ("n/a" if ratio is None else f"{ratio:.2f}x"))
     print(f"{'static oracle at target (cos>=%.3f)' % oracle_target_cut:34}{oracle_target_hit:10.4f}")
+    print(f"fully labelled replay of the learner's lookups: cut {_cut(replay_cut)} at <= the learner's false hits, "
+          f"{_cut(replay_target_cut)} at target" + (f"; decision log written to {args.log}" if log else ""))
+    if tuned is not None:
+        print(f"edgecache tune on that log (cut, labels behind it; oracle {oracle_cut:.4f} at the learner's false "
+              f"hits, {oracle_target_cut:.4f} at target):")
+        for name, found in tuned.items():
+            print(f"  {name:34}{_cut(found['cut']):>8}  ({found['backing']} labels, effective "
+                  f"{found['effective']:.0f}, {found['unlabelled']} unlabelled)")
     print(f"({embedded:.1f} s to embed, {elapsed:.1f} s in all)")
     result = {
         "n": learned.lookups,
@@ -472,9 +565,49 @@ def stream_main(args: argparse.Namespace, kind: str, path: Path) -> dict:
         "embedder": emb.version,
         "signal": "verifier" if use_verifier else "cosine",
         "seed": args.seed,
+        "oracle_threshold_at_target": float(oracle_target_cut),
+        "replay_threshold": None if replay_cut is None else round(replay_cut, 4),
+        "replay_threshold_at_target": None if replay_target_cut is None else round(replay_target_cut, 4),
+        "log": None if log is None else str(args.log),
+        "tune": tuned,
     }
     print(json.dumps(result))
     return result
+
+
+#: The `edgecache tune` variants run on a --stream --log run: (per, confidence, target: "target" or "learner", the
+#: learner's own false-hit rate, as the oracle_threshold's), and whether labels are weighted by their stratum.
+TUNE_VARIANTS = {
+    "lookup_point@learner": ("lookup", 0.0, "learner", True),
+    "lookup_point@target": ("lookup", 0.0, "target", True),
+    "lookup_95@target": ("lookup", 0.95, "target", True),
+    "served_point@target": ("served", 0.0, "target", True),
+    "served_95@target": ("served", 0.95, "target", True),
+    "plain_lookup_point@learner": ("lookup", 0.0, "learner", False),
+    "plain_lookup_point@target": ("lookup", 0.0, "target", False),
+    "plain_served_point@target": ("served", 0.0, "target", False),
+}
+
+
+def tune_log(path: Path, *, target: float, learner_rate: float) -> dict[str, dict]:
+    """What `edgecache tune PATH --target-error T [--per P] [--confidence C]` finds on the log (the pooled row;
+    ``plain_``: every label counted once, the replay without weighing audits up for the hits they stand for)."""
+    from edgecache.decision_log import read_records
+    from edgecache.tuning import ALL, tune
+
+    records = list(read_records(path))
+    out = {}
+    for name, (per, confidence, at, weigh) in TUNE_VARIANTS.items():
+        goal = learner_rate if at == "learner" else target
+        [found] = [c for c in tune(records, target=goal, confidence=confidence, per=per, weigh=weigh)  # type: ignore[arg-type]
+                   if c.tenant == ALL]
+        out[name] = {"cut": None if found.cut is None else round(found.cut, 4), "backing": found.backing,
+                     "effective": round(found.effective, 1), "unlabelled": found.unlabelled}
+    return out
+
+
+def _cut(cut: float | None) -> str:
+    return "-" if cut is None else f"{cut:.4f}"
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -506,6 +639,10 @@ def main(argv: list[str] | None = None) -> dict:
                    help="--stream: an entry stored after a right label shares labels with its candidate")
     p.add_argument("--explore-share", type=float, default=0.05, help="--stream: the learner's exploration budget")
     p.add_argument("--oracle-from", type=float, default=0.5, help="--stream: lowest cosine cut the oracle tries")
+    p.add_argument("--audit-share", type=float, default=None,
+                   help="--stream: the share of confident serves the learner audits (default: the learner's)")
+    p.add_argument("--log", type=Path, metavar="DIR",
+                   help="--stream: write the learner's run to DIR as a decision log (`edgecache tune DIR` reads it)")
     p.add_argument("--oracle-step", type=float, default=0.005, help="--stream: the oracle's cut step")
     args = p.parse_args(argv)
     if args.stream:

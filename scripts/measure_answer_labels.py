@@ -5,9 +5,15 @@ get the same answer (positive); a query and another query's origin should not (n
 once by the engine at temperature 0, and the two answers of a pair are labelled as the server would label a refused
 candidate: equality (whitespace aside), else the answers' cosine under the semantic embedder against each bar.
 Printed per bar: the share of positive pairs labelled good (labels the cut can learn from) and of negative pairs
-labelled good (wrong "good" labels, which would let ``tune`` lower a cut too far).
+labelled good (wrong "good" labels, which would let ``tune`` lower a cut too far). With ``--judge`` the same engine
+also judges each pair as ``semantic.label_judge`` would (one token: does the other text's answer serve this
+question as its own answer does?), and the judge's good / bad / cannot-tell shares are printed per kind of pair.
 
-    python scripts/measure_answer_labels.py [--pairs 40] [--max-tokens 48] [--data ../shared/data]
+    python scripts/measure_answer_labels.py [--pairs 40] [--max-tokens 48] [--judge] [--data DATA_DIR]
+        [--profile cpu] [--model MODEL]
+
+On a GPU box, ``--profile t4 --model MODEL_PATH --judge`` measures the judge of the model the box serves (the one
+``semantic.label_judge`` is on for in the GPU profiles); the figures in README are the CPU model's.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from edgecache.engines import engine_from_settings  # noqa: E402
 from edgecache.engines.base import GenerationRequest, Message, SamplingParams  # noqa: E402
-from edgecache.labeling import normalised  # noqa: E402
+from edgecache.labeling import ModelJudgeLabeler, normalised  # noqa: E402
 from edgecache.runtime import load_semantic_embedder  # noqa: E402
 from edgecache.settings import resolve_settings  # noqa: E402
 
@@ -52,7 +58,8 @@ async def main_async(args: argparse.Namespace) -> None:
     positives = [(r["origin"], r["similar"]) for r in rows[:args.pairs]]
     negatives = [(rows[i]["similar"], rows[i + 1]["origin"]) for i in range(args.pairs)]
     with tempfile.TemporaryDirectory() as tmp:
-        settings = resolve_settings("cpu", {"data_dir": tmp}, environ={})
+        overrides = {"data_dir": tmp} | ({"engine.model": args.model} if args.model else {})
+        settings = resolve_settings(args.profile, overrides, environ={})
         engine = engine_from_settings(settings)
         await engine.start()
         texts = sorted({t for pair in positives + negatives for t in pair})
@@ -65,6 +72,16 @@ async def main_async(args: argparse.Namespace) -> None:
         print(f"{len(texts)} answers in {time.perf_counter() - started:.0f} s", flush=True)
         if cache is not None:
             cache.write_text(json.dumps(answers))
+        verdicts: dict[str, list[bool | None]] = {}
+        if args.judge:
+            judge = ModelJudgeLabeler(engine.generate)
+            started = time.perf_counter()
+            for name, pairs in (("positive", positives), ("negative", negatives)):
+                # The query is the pair's first text; the cached answer is the other text's, the fresh one its own.
+                verdicts[name] = [await judge.label(answers[b], answers[a], GenerationRequest(
+                    messages=(Message(role="user", content=a),), params=SamplingParams(temperature=0.0)))
+                    for a, b in pairs]
+            print(f"{judge.asked} judgements in {time.perf_counter() - started:.0f} s", flush=True)
         await engine.close()
     embedder = load_semantic_embedder(settings)
     vectors = {t: v for t, v in zip(texts, embedder.embed([answers[t] for t in texts]))}
@@ -88,6 +105,12 @@ async def main_async(args: argparse.Namespace) -> None:
               f"(max {max(cosines):.3f}); good at "
               + ", ".join(f"{bar}: {sum(c >= bar for c in cosines) / len(pairs):.0%}" for bar in BARS)
               + "; bad below " + ", ".join(f"{f}: {sum(c < f for c in cosines) / len(pairs):.0%}" for f in FLOORS))
+    for name, judged in verdicts.items():
+        shares = {v: sum(x is v for x in judged) / len(judged) for v in (True, False, None)}
+        result[f"{name}_judge_good"], result[f"{name}_judge_bad"] = shares[True], shares[False]
+        result[f"{name}_judge_none"] = shares[None]
+        print(f"{name}: the model judge says good {shares[True]:.0%}, bad {shares[False]:.0%}, "
+              f"cannot tell {shares[None]:.0%}")
     print(json.dumps(result))
 
 
@@ -96,6 +119,9 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=40)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--judge", action="store_true", help="also ask the model for its one-token judgement")
+    parser.add_argument("--profile", default="cpu", help="the hardware profile whose engine answers and judges")
+    parser.add_argument("--model", default=None, help="the engine's model (a local path), over the profile's")
     parser.add_argument("--answers", default=None, help="A JSON file caching the engine's answers between runs.")
     parser.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
     args = parser.parse_args()

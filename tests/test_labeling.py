@@ -85,7 +85,7 @@ async def test_a_refused_candidate_is_labelled_in_the_background_within_a_bound(
     labels.after_miss(call, "d2", refused("k2"), "a different answer", "n2")  # equality cannot tell: no label
     labels.after_miss(call, "d3", refused("k1"), "same answer", "n3")          # past max_pending: skipped
     hit = SemanticHit(similarity=0.99, store_key="k1", vector_key=1)
-    labels.after_miss(call, "d4", Lookup(vector=None, hit=hit, candidate=hit), "x", "n4")  # served: nothing
+    labels.after_miss(call, "d4", Lookup(vector=None, candidate=hit), "x", "n4")  # served: nothing
     labels.after_miss(call, "d5", Lookup(vector=None), "x", "n5")                            # no candidate
     await labels.drain()
     log.close()
@@ -133,3 +133,38 @@ def test_stats_render_a_labels_table_when_there_are_labels() -> None:
     assert stats_tables(body, tenant="other")[-1].title == "Result stores"
     assert "edgecache_semantic_false_hit_rate{scenario=\"support\",tenant=\"acme\"} 0.5" in \
         metrics.render().decode()
+
+
+async def test_the_model_judge_asks_one_token_under_the_tenants_salt_and_reads_yes_or_no() -> None:
+    from edgecache.engines.base import Chunk
+    from edgecache.labeling import JUDGE_INSTRUCTIONS, ModelJudgeLabeler
+
+    asked: list[GenerationRequest] = []
+    replies = iter([" Yes", "no.", "Maybe", "yes"])
+
+    async def generate(req: GenerationRequest):  # type: ignore[no-untyped-def]
+        asked.append(req)
+        yield Chunk(text=next(replies))
+        yield Chunk(finish_reason="length", prompt_tokens=10, completion_tokens=1)
+
+    free = [True]
+    judge = ModelJudgeLabeler(generate, may_run=lambda: free[0], max_answer_chars=50)
+    question = GenerationRequest(messages=(Message(role="system", content="Be brief."),
+                                           Message(role="user", content="How do I reset my password?")),
+                                 params=SamplingParams(temperature=0.0), salt="acme")
+    verdicts = [await judge.label("Open Settings.", "Open Settings, then Security.", question) for _ in range(3)]
+    assert verdicts == [True, False, None]
+    first = asked[0]
+    assert first.salt == "acme" and first.params.max_tokens == 1 and first.params.temperature == 0.0
+    assert first.messages is not None and first.messages[0].content == JUDGE_INSTRUCTIONS
+    assert "How do I reset my password?" in first.messages[1].content
+    # Bounded whatever the answers' size: each is cut to max_answer_chars.
+    await judge.label("x" * 100_000, "y" * 100_000, question)
+    body = asked[-1].messages[1].content  # type: ignore[index]
+    assert "x" * 50 in body and "x" * 51 not in body and len(body) < 400
+    # No free engine slot: it does not ask, and cannot tell.
+    free[0] = False
+    assert await judge.label("a", "b", question) is None and len(asked) == 4 and judge.asked == 4
+    # Nothing to judge without a user question.
+    free[0] = True
+    assert await judge.label("a", "b", GenerationRequest(prompt="raw")) is None and len(asked) == 4

@@ -83,6 +83,11 @@ async def test_a_confident_learner_serves_and_an_explored_request_gets_the_fresh
         stats = (await c.get("/stats")).json()
         pool = stats["semantic"]["learner"]["pools"]["default/default"]
         assert pool["explorations"] == 1 and pool["lookups"] == 2  # since the drop
+        from edgecache.cli.render import stats_tables
+
+        learned = [t for t in stats_tables(stats) if str(t.title).startswith("Semantic learner")]
+        assert len(learned) == 1 and learned[0].row_count == 1
+        assert not [t for t in stats_tables(stats, tenant="other") if str(t.title).startswith("Semantic learner")]
         assert 'edgecache_semantic_learner_false_hit_rate{scenario="default",tenant="default"}' in \
             (await c.get("/metrics")).text
         rt.decisions.flush()
@@ -228,3 +233,49 @@ def test_labelled_decisions_pair_labels_with_their_decisions_within_a_window(tmp
     log.close()
     paired = [(d.id, good) for d, good in labelled_decisions(read_records(tmp_path), window=3)]
     assert paired == [(ids[2], False), (ids[1], True)]
+
+
+class JudgingEngine(ScriptedEngine):
+    """Scripted answers; to the judge's prompt it says ``verdict``."""
+
+    def __init__(self, answers: list[str], verdict: str) -> None:
+        super().__init__(answers)
+        self.verdict = verdict
+
+    def answer_for(self, request: Any) -> str:
+        from edgecache.labeling import JUDGE_INSTRUCTIONS
+
+        if request.messages and request.messages[0].content == JUDGE_INSTRUCTIONS:
+            return self.verdict
+        return super().answer_for(request)
+
+
+async def test_with_label_judge_the_served_model_labels_what_equality_cannot(make_settings: Any) -> None:
+    settings = make_settings(semantic__enabled=True, semantic__decision="learner", semantic__label_judge=True)
+    # Close enough that answer embeddings alone would not call it wrong; the judge does.
+    engine = JudgingEngine(["Open Settings, then Security, then Reset password.",
+                            "Open Settings, then Privacy, then Reset password."], verdict="No")
+    async with serve_in_process(create_app(settings, engine=engine)) as c:
+        rt = c.app.state.runtime  # type: ignore[attr-defined]
+        teach_confidence(rt.learner, "default", "default")
+        rt.learner.audit_share = 1.0
+        await ask(c, ORIGINAL)
+        assert (await ask(c, PARAPHRASE))[0] == "miss"  # explored
+        judged = [r for r in engine.requests if r.params.max_tokens == 1]
+        assert len(judged) == 1 and judged[0].salt == "default"
+        rt.decisions.flush()
+        explored = [r for r in read_records(Path(settings.data_dir) / "decisions")
+                    if isinstance(r, DecisionRecord)][-1]
+        labels = rt.learner.entry_labels_of("default", "default", explored.store_key)
+        assert explored.decision == "explore" and len(labels) == 1 and labels[0][1] is False
+
+
+async def test_labels_reach_the_learner_with_the_decision_log_off(make_settings: Any) -> None:
+    settings = make_settings(semantic__enabled=True, semantic__decision="learner", semantic__decision_log_bytes=0)
+    async with serve_in_process(create_app(settings, engine=ConstantEngine())) as c:
+        rt = c.app.state.runtime  # type: ignore[attr-defined]
+        assert rt.decisions is None and rt.labels is not None
+        await ask(c, ORIGINAL)
+        assert (await ask(c, PARAPHRASE))[0] == "miss"  # untaught: refused, labelled from the miss
+        assert rt.learner.summary()[("default", "default")]["labels"] == 1
+    assert not (Path(settings.data_dir) / "decisions").exists()

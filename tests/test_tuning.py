@@ -170,3 +170,74 @@ def test_a_tenant_threshold_for_an_unknown_scenario_is_refused(tmp_path: Path) -
     overlay.write_text('[tenant_thresholds."acme"]\nnope = 0.8\n')
     with pytest.raises(SettingsError, match="unknown scenarios: nope"):
         resolve_settings("cpu", {"data_dir": str(tmp_path)}, environ={}, overlays=[overlay])
+
+
+def audited_log(directory: Path, *, n: int = 20000, seed: int = 0, serve_from: float = 0.85,
+                audit: float = 0.5) -> list[tuple[float, bool]]:
+    """A policy's log: at or above ``serve_from`` a lookup is served (a ``hit``, never labelled) except a random
+    ``audit`` share, explored and labelled; below it refused and labelled. Wrong with probability 0.10 below 0.85,
+    0.02 above (so the hits carry false hits a plain replay never sees). Returns every lookup's truth."""
+    rng = random.Random(seed)
+    log = DecisionLog(directory, max_bytes=64 << 20, flush_interval_s=0.05)
+    truth = []
+    for i in range(n):
+        similarity = rng.uniform(0.5, 1.0)
+        good = rng.random() >= (0.10 if similarity < 0.85 else 0.02)
+        truth.append((similarity, good))
+        if similarity >= serve_from and rng.random() >= audit:
+            log.decided("acme", "support", f"q{i}", "hit", reason="confident", store_key=f"s{i}",
+                        similarity=similarity)
+            continue
+        kind, reason = ("explore", "audit") if similarity >= serve_from else ("refused", "above_cut")
+        decision_id = log.decided("acme", "support", f"q{i}", kind, reason=reason, store_key=f"s{i}",
+                                  similarity=similarity)
+        log.labelled(decision_id, good, "truth")
+    log.close()
+    return truth
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_audits_stand_for_the_unlabelled_hits(tmp_path: Path, seed: int) -> None:
+    truth = sorted(audited_log(tmp_path, seed=seed), reverse=True)
+    bad, oracle = 0, None
+    for similarity, good in truth:  # the hindsight cut with every lookup's truth, per lookup
+        bad += not good
+        if bad <= 0.01 * len(truth):
+            oracle = similarity
+    assert oracle is not None
+    records = list(read_records(tmp_path))
+    weighed = tune(records, target=0.01, confidence=0, per="lookup")[0]
+    plain = tune(records, target=0.01, confidence=0, per="lookup", weigh=False)[0]
+    assert weighed.cut is not None and abs(weighed.cut - oracle) <= 0.01, (weighed, oracle)
+    # Counting only the labels misses the hits' false hits: the cut comes out too low.
+    assert plain.cut is not None and plain.cut < oracle - 0.008, (plain, oracle)
+    # Half the hits' stratum labelled: each audit stands for two, and the bound sees fewer effective labels.
+    assert weighed.effective < weighed.backing and weighed.unlabelled == 0
+    bounded = tune(records, target=0.01, per="lookup")[0]
+    assert bounded.cut is not None and weighed.cut <= bounded.cut
+
+
+def test_hits_with_no_audit_are_reported_unlabelled(tmp_path: Path) -> None:
+    audited_log(tmp_path, n=3000, audit=0.0)
+    found = tune(read_records(tmp_path), target=0.05, confidence=0)[0]
+    assert found.cut is not None and found.unlabelled > 0  # left out of the estimate, and said so
+    result = runner.invoke(cli, ["tune", str(tmp_path), "--target-error", "0.05", "--confidence", "0"],
+                           env={"COLUMNS": "200"})
+    assert result.exit_code == 0 and "no label in their stratum" in result.output
+
+
+def test_the_learners_budget_refusals_stand_for_its_hits(tmp_path: Path) -> None:
+    """A candidate the learner refused only because its ledger was spent is labelled and was servable: it shares
+    the hits' stratum, as an audit does; a refusal above the learner's cut does not."""
+    log = DecisionLog(tmp_path, max_bytes=1 << 20, flush_interval_s=0.05)
+    for i in range(30):
+        log.decided("acme", "support", f"h{i}", "hit", store_key="s", similarity=0.95)
+    for i, (kind, reason, good) in enumerate([("refused", "learner:budget", False), ("refused", "learner:budget", True),
+                                              ("refused", "learner:above_cut", False)]):
+        log.labelled(log.decided("acme", "support", f"r{i}", kind, reason=reason, store_key="s", similarity=0.95),
+                     good, "truth")
+    log.close()
+    found = tune(read_records(tmp_path), target=0.6, confidence=0, per="lookup")[0]
+    # 32 servable decisions, half of their two labels bad: 16 estimated false hits, and the refusal above the cut's.
+    assert found.cut == 0.95 and found.unlabelled == 0
+    assert found.false_hit_rate is not None and abs(found.false_hit_rate - 17 / 33) < 1e-9

@@ -1,0 +1,96 @@
+"""`scripts/eval_semantic.py --stream --log DIR`: the online learner's run written as a decision log (the records the
+server writes), which `edgecache tune` reads; on a synthetic stream with a known truth, the cut tune recovers from
+the log lands on the cut that truth implies."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from typer.testing import CliRunner
+
+from edgecache.cli.main import app as cli
+from edgecache.decision_log import DecisionLog, DecisionRecord, LabelRecord, read_records
+from edgecache.tuning import ALL, tune
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import eval_semantic  # noqa: E402
+
+
+def test_a_stream_run_writes_a_decision_log_that_tune_reads(tmp_path: Path, capsys) -> None:
+    data = tmp_path / "intents.jsonl"
+    rows = [("how do I reset my password", "reset"), ("reset my password please", "reset"),
+            ("I forgot my password", "reset"), ("what is my balance", "balance"), ("show my balance", "balance"),
+            ("how much money do I have", "balance"), ("play some jazz music", "oos")]
+    data.write_text("".join(json.dumps({"text": t, "intent": i}) + "\n" for t, i in rows), encoding="utf-8")
+    logs = tmp_path / "decisions"
+    result = eval_semantic.main(["--stream", "--intents", str(data), "--scenario", "support", "--oracle-step",
+                                 "0.05", "--log", str(logs)])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    assert result["log"] == str(logs) and set(result["tune"]) == set(eval_semantic.TUNE_VARIANTS)
+    records = list(read_records(logs))
+    decisions = {r.id: r for r in records if isinstance(r, DecisionRecord)}
+    labels = {r.id: r for r in records if isinstance(r, LabelRecord)}
+    assert len(decisions) == len(rows) and all(d.tenant == "eval" and d.scenario == "support"
+                                               for d in decisions.values())
+    first, *rest = sorted(decisions.values(), key=lambda d: int(d.id.rsplit("-", 1)[1]))
+    assert first.decision == "miss" and first.similarity is None  # the cache was empty
+    assert all(d.similarity is not None and d.store_key is not None and d.vector_key is not None for d in rest)
+    assert all(d.query is None for d in decisions.values())  # a keyed hash, as for a plan without log_prompts
+    # A label for every exploration and refused candidate (what the run revealed), none for a hit.
+    assert set(labels) == {i for i, d in decisions.items() if d.decision in ("explore", "refused")}
+    assert result["labels"] == len(labels)
+    out = CliRunner().invoke(cli, ["tune", str(logs), "--per", "lookup", "--confidence", "0"], env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    assert f"{len(rows)}" in out.output and "support" in out.output
+    # A second run into the same folder would mix two runs' decisions: refused.
+    again = CliRunner().invoke(cli, ["tune", str(logs)])
+    assert again.exit_code == 0
+    try:
+        eval_semantic.main(["--stream", "--intents", str(data), "--scenario", "support", "--log", str(logs)])
+    except SystemExit as exc:
+        assert "already holds a decision log" in str(exc)
+    else:
+        raise AssertionError("a second run into a used log folder was not refused")
+
+
+def synthetic_stream(n: int, seed: int) -> tuple[eval_semantic.Stream, np.ndarray]:
+    """Texts in groups of 5 that answer each other: a candidate of the same group at cosine 0.82-0.98, any other at
+    0.2-0.78, so the truth is a cut at 0.8 (right iff the nearest candidate is at least that similar)."""
+    rng = np.random.default_rng(seed)
+    group = rng.permutation(np.arange(n) // 5).tolist()
+    sim = rng.uniform(0.2, 0.78, (n, n)).astype(np.float32)
+    same = np.equal.outer(group, group)
+    sim[same] = rng.uniform(0.82, 0.98, int(same.sum()))
+    sim = np.triu(sim) + np.triu(sim, 1).T
+    return eval_semantic.Stream([f"text {i}" for i in range(n)], group, set(), "synthetic"), sim
+
+
+def test_tune_recovers_the_cut_a_synthetic_truth_implies_from_a_learner_log(tmp_path: Path) -> None:
+    stream, sim = synthetic_stream(1500, seed=0)
+    log = DecisionLog(tmp_path, max_bytes=64 << 20, flush_interval_s=0.05)
+    result, _ = eval_semantic.learner_stream(stream, sim, scenario="support", target=0.01, shipped=0.85, seed=0,
+                                             log=log)
+    log.close()
+    assert result.hits > 100 and result.false_hit_rate <= 0.01
+    assert all((s >= 0.8) == right for s, right in result.candidates)  # the truth is the cut at 0.8
+    # Every lookup labelled, with hindsight: the lowest cut whose wrong candidates stay within 1 % of the lookups.
+    implied = eval_semantic.hindsight_cut(result.candidates, result.lookups, 0.01)
+    assert implied is not None and 0.75 <= implied <= 0.82
+    records = list(read_records(tmp_path))
+    hits = [r for r in records if isinstance(r, DecisionRecord) and r.decision == "hit"]
+    assert len(hits) == result.hits  # served lookups stay unlabelled; tune weighs the audits up for them
+    [found] = [c for c in tune(records, target=0.01, confidence=0, per="lookup") if c.tenant == ALL]
+    assert found.cut is not None and abs(found.cut - implied) <= 0.01, (found, implied)
+    assert found.unlabelled == 0 and found.effective < found.backing  # audits weighed up for the hits
+    # Per served (the default): wrong candidates within 1 % of those at or above the cut, with hindsight.
+    bad, implied_served = 0, None
+    for n, (similarity, right) in enumerate(sorted(result.candidates, reverse=True), 1):
+        bad += not right
+        if bad <= 0.01 * n:
+            implied_served = similarity
+    [served] = [c for c in tune(records, target=0.01, confidence=0) if c.tenant == ALL]
+    assert served.cut is not None and implied_served is not None and abs(served.cut - implied_served) <= 0.01, \
+        (served, implied_served)
