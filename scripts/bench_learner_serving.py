@@ -23,7 +23,7 @@ and floor (0.95 / 0.3) two class answers such as ``answer #3`` and ``answer #7``
 a wrong candidate gets no label at all. ``--labels exact`` (the default) sets bar and floor to 1.0, so a different
 answer is a wrong one: for a deterministic engine whose answers are its classes that is the truth, and the server's
 labels are then as good as the simulation's (``label errors`` counts where they are not: a pair the set labels
-different within one group). ``--labels shipped`` keeps the profile's bar and floor.
+different within one group). ``--labels shipped`` keeps the profile's bar and floor (and its model judge, off on ``cpu``).
 
 Beside the two modes, ``--simulate`` (default on) runs ``eval_semantic.py --stream`` on the same set, limit, seed
 and target, so the server's learner can be read against the simulation's figures in the same table.
@@ -194,6 +194,7 @@ def settings_for(args: argparse.Namespace, decision: str, data_dir: Path, target
     if args.ttl != "profile":
         overrides[f"scenarios.{args.scenario}.ttl_s"] = float(args.ttl)
     if args.labels == "exact":
+        overrides["semantic.label_judge"] = False  # the GPU profiles' model judge: this engine cannot judge
         overrides["semantic.label_answer_bar"] = 1.0
         overrides["semantic.label_answer_floor"] = 1.0
     return resolve_settings(args.profile, overrides, environ={})
