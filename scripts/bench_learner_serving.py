@@ -23,7 +23,8 @@ and floor (0.95 / 0.3) two class answers such as ``answer #3`` and ``answer #7``
 a wrong candidate gets no label at all. ``--labels exact`` (the default) sets bar and floor to 1.0, so a different
 answer is a wrong one: for a deterministic engine whose answers are its classes that is the truth, and the server's
 labels are then as good as the simulation's (``label errors`` counts where they are not: a pair the set labels
-different within one group). ``--labels shipped`` keeps the profile's bar and floor (and its model judge, off on ``cpu``).
+different within one group). ``--labels shipped`` keeps the profile's bar and floor (and its model judge, off on
+``cpu``).
 
 Beside the two modes, ``--simulate`` (default on) runs ``eval_semantic.py --stream`` on the same set, limit, seed
 and target, so the server's learner can be read against the simulation's figures in the same table.
