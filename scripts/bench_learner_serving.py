@@ -169,6 +169,7 @@ class ModeResult(msgspec.Struct):
     metric_explorations: float = 0.0
     labels: int = 0
     labels_bad: int = 0
+    labels_taught: int = 0  # labels of candidates the learner decided (a vetoed candidate's label is not learnt)
     label_errors: int = 0
     unlabelled_wrong: int = 0
     demoted: int = 0
@@ -282,6 +283,7 @@ async def run_mode(stream: Stream, decision: str, args: argparse.Namespace, data
             continue
         out.labels += 1
         out.labels_bad += not good
+        out.labels_taught += not (record.reason or "").startswith("guard:")
         out.label_errors += good != truth
     return out
 
@@ -370,6 +372,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result.update({
             f"{mode}_hit_rate": round(r.hit_rate, 4), f"{mode}_false_hit_rate": round(r.false_hit_rate, 4),
             f"{mode}_explorations": r.explorations, f"{mode}_labels": r.labels, f"{mode}_labels_bad": r.labels_bad,
+            f"{mode}_labels_taught": r.labels_taught,
             f"{mode}_label_errors": r.label_errors, f"{mode}_unlabelled_wrong": r.unlabelled_wrong,
             f"{mode}_demoted": r.demoted, f"{mode}_vetoed": r.vetoed, f"{mode}_inconsistent": r.inconsistent,
             f"{mode}_unlogged": r.unlogged,

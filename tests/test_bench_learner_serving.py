@@ -45,4 +45,5 @@ def test_both_modes_through_the_server_score_every_response(tmp_path: Path, caps
     # The untaught learner refuses, and each refused candidate comes back as a label; the guard vetoes the 20/50
     # dollars pair before the learner is asked.
     assert result["learner_labels"] >= 5 and result["learner_vetoed"] >= 1
+    assert result["learner_labels_taught"] <= result["learner_labels"]
     assert {"sim_hit_rate", "sim_false_hit_rate", "sim_explorations", "ratio_hit_rate"} <= set(result)
