@@ -12,7 +12,8 @@ record share the files, told apart by ``kind``::
 ``decision`` is ``hit`` (the candidate served), ``miss`` (no candidate, or its answer gone or too old: ``reason``),
 ``refused`` (a candidate was there and not served: ``reason`` is the lookup's refusal) or ``explore`` (the
 candidate would have served, but the engine answered to label it). A label names its decision's id; ``good`` says
-whether the candidate's cached answer serves the query.
+whether the candidate's cached answer serves the query, or is ``null`` when the labeler compared the two answers and
+could not tell (the learner counts such a candidate as wrong; ``tune`` leaves it out).
 
 **Query text** is kept only for a tenant whose plan says ``log_prompts = true``; otherwise the record holds a keyed
 hash of it (BLAKE2b keyed with a secret kept beside the log, so equal queries can be matched within the log but a
@@ -73,7 +74,7 @@ class DecisionRecord(msgspec.Struct, tag="decision", tag_field="kind", kw_only=T
 class LabelRecord(msgspec.Struct, tag="label", tag_field="kind", kw_only=True):
     id: str
     t: float
-    good: bool
+    good: bool | None  # None: compared, and the labeler could not tell
     labeler: str
 
 
@@ -115,8 +116,9 @@ def read_records(path: Path, on_bad_line: Callable[[Path, int], None] | None = N
                 on_bytes(unreported)
 
 
-def labelled_decisions(records: Iterable[Record], *, window: int = 100_000) -> Iterator[tuple[DecisionRecord, bool]]:
-    """Each decision that has a label, with the label (the last one wins), in the order the labels came. A label
+def labelled_decisions(records: Iterable[Record], *,
+                       window: int = 100_000) -> Iterator[tuple[DecisionRecord, bool | None]]:
+    """Each decision that has a label, with the label (None: could not tell), in the order the labels came. A label
     follows its decision within seconds, so only the last ``window`` decisions wait for theirs: memory is bounded
     whatever the log's size."""
     waiting: OrderedDict[str, DecisionRecord] = OrderedDict()
@@ -187,7 +189,7 @@ class DecisionLog:
         self._put(_encoder.encode(record))
         return record.id
 
-    def labelled(self, decision_id: str, good: bool, labeler: str) -> None:
+    def labelled(self, decision_id: str, good: bool | None, labeler: str) -> None:
         """Append the label of an earlier decision."""
         self._put(_encoder.encode(LabelRecord(id=decision_id, t=round(self._clock(), 3), good=good,
                                               labeler=labeler)))

@@ -172,13 +172,14 @@ class MissLabels:
     """Labels a refused candidate against the answer the engine computed instead, in the background.
 
     ``stores`` gives a tenant's result store; ``decisions`` (None: not logged) gets a label record per label;
-    ``observe(call, lookup, answer_key, good)`` gets each label (``answer_key``: where the fresh answer is stored).
-    ``labelled`` / ``skipped`` count labels made and labels skipped (a full queue, or ``busy()``: the box is
+    ``observe(call, lookup, answer_key, good)`` gets each label (``answer_key``: where the fresh answer is stored;
+    ``good`` None: compared, could not tell). ``labelled`` / ``unverified`` / ``skipped`` count labels made, answers
+    compared without a verdict, and labels skipped (a full queue, or ``busy()``: the box is
     shedding or queueing load).
     """
 
     def __init__(self, *, stores: Callable[[str], ResultStore], labeler: Labeler, decisions: DecisionLog | None,
-                 observe: Callable[[Call, Lookup, str, bool], None] | None = None, max_pending: int = 8,
+                 observe: Callable[[Call, Lookup, str, bool | None], None] | None = None, max_pending: int = 8,
                  busy: Callable[[], bool] = lambda: False) -> None:
         self.stores = stores
         self.labeler = labeler
@@ -187,6 +188,7 @@ class MissLabels:
         self.max_pending = max_pending
         self.busy = busy
         self.labelled = 0
+        self.unverified = 0  # compared, and the labeler could not tell
         self.skipped = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -215,11 +217,14 @@ class MissLabels:
         if cached is None:
             return  # the candidate's answer is gone: nothing to compare
         good = await self.labeler.label(cached.text, fresh, call.request)
-        if good is None:
-            return
+        # "Could not tell" is kept too: a labeler that can only ever say "right" (equality) would otherwise teach
+        # whoever reads the labels that every candidate it compared was right.
         if self.decisions is not None and decision_id is not None:
             self.decisions.labelled(decision_id, good, self.labeler.name)
-        self.labelled += 1
+        if good is None:
+            self.unverified += 1
+        else:
+            self.labelled += 1
         if self.observe is not None:
             self.observe(call, lookup, answer_key, good)
 

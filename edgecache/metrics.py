@@ -95,7 +95,8 @@ class Metrics:
             registry=self.registry)
         self.semantic_labels = Counter(
             "edgecache_semantic_labels", "Labels of semantic decisions (did the cached answer serve?), by tenant, "
-            "scenario, the decision labelled (hit, explore, refused) and the label (good, bad).",
+            "scenario, the decision labelled (hit, explore, refused) and the label (good, bad, or unverified: "
+            "compared, could not tell).",
             ["tenant", "scenario", "decision", "label"], registry=self.registry)
         self.semantic_false_hit_rate = Gauge(
             "edgecache_semantic_false_hit_rate", "Estimated false-hit rate of served semantic decisions, from the "
@@ -147,12 +148,16 @@ class Metrics:
         if ttft_s is not None:
             self._ttft_by_outcome[outcome].observe(ttft_s)
 
-    def observe_label(self, tenant: str, scenario: str, decision: str, good: bool) -> None:
+    def observe_label(self, tenant: str, scenario: str, decision: str, good: bool | None) -> None:
         """A label of a semantic decision. Labels of served decisions (hit, explore) update the false-hit
-        estimate; a refused candidate's label says what a lower cut would have served."""
+        estimate; a refused candidate's label says what a lower cut would have served. None (compared, could not
+        tell) is only counted."""
         from edgecache.tuning import wilson_upper
 
-        self.semantic_labels.labels(tenant, scenario, decision, "good" if good else "bad").inc()
+        self.semantic_labels.labels(tenant, scenario, decision,
+                                    "unverified" if good is None else "good" if good else "bad").inc()
+        if good is None:
+            return
         counts = self._label_counts.setdefault((tenant, scenario), [0, 0, 0, 0])
         counts[2] += 1
         counts[3] += not good

@@ -206,8 +206,8 @@ class Runtime:
         if taught:
             log.info("the semantic learner starts from %d labels of the decision log", taught)
 
-    def _observe_label(self, call: Call, lookup: Lookup, answer_key: str, good: bool) -> None:
-        """A label of a semantic decision: counted, and taught to the learner (when one decides)."""
+    def _observe_label(self, call: Call, lookup: Lookup, answer_key: str, good: bool | None) -> None:
+        """A label of a semantic decision (None: could not tell): counted, and taught to the learner."""
         self.metrics.observe_label(call.tenant, call.scenario, "explore" if lookup.explored else "refused", good)
         if self.semantic is not None:
             self.semantic.learn(call.tenant, call.scenario, lookup, good, answer_key)

@@ -317,20 +317,25 @@ class SemanticCache:
         return Lookup(vector=vector, similarity=best.similarity, candidate=candidate, learned=decision,
                       refusal="explore" if decision.action == "explore" else "learner:" + decision.reason)
 
-    def learn(self, tenant: str, scenario: str, lookup: Lookup, good: bool, answer_key: str | None = None) -> None:
+    def learn(self, tenant: str, scenario: str, lookup: Lookup, good: bool | None,
+              answer_key: str | None = None) -> None:
         """A label of a decision the learner made (an exploration, or a candidate it refused): did the candidate's
         cached answer serve the query? A right one also puts the answer now cached for the query (``answer_key``)
-        in the candidate's class, so each learns from the other's lookups. Labels of other decisions are ignored."""
+        in the candidate's class, so each learns from the other's lookups. Labels of other decisions are ignored.
+
+        ``good`` None (the labeler compared the answers and could not tell) counts as wrong: the learner's bound
+        then holds for what the labels can verify. Ignoring it instead would let a labeler that can only ever say
+        "right" (equality at temperature 0) teach the learner that every candidate it compared was right."""
         if self.learner is None or lookup.learned is None or lookup.candidate is None:
             return
         candidate = lookup.candidate
         with self._learner_lock:
-            self.learner.record(tenant, scenario, candidate.store_key, candidate.similarity, good,
+            self.learner.record(tenant, scenario, candidate.store_key, candidate.similarity, good is True,
                                 prior_cut=self.rule_for(tenant, scenario).threshold, decision=lookup.learned)
-            if good and answer_key is not None and answer_key != candidate.store_key:
+            if good is True and answer_key is not None and answer_key != candidate.store_key:
                 self.learner.link(tenant, scenario, answer_key, candidate.store_key)
 
-    def learn_from_log(self, labelled: Iterable[tuple[DecisionRecord, bool]]) -> int:
+    def learn_from_log(self, labelled: Iterable[tuple[DecisionRecord, bool | None]]) -> int:
         """Teach the learner the labels a decision log kept (at start: what this box learned before a restart, or
         under another rule before the learner was turned on). A candidate the guard refused is skipped, as it is
         live. Returns the labels taught."""
@@ -341,9 +346,9 @@ class SemanticCache:
             if decision.reason is not None and decision.reason.startswith(("guard:", "veto:")):
                 continue
             assert decision.store_key is not None and decision.similarity is not None
-            with self._learner_lock:  # per label: lookups may already be deciding
+            with self._learner_lock:  # per label: lookups may already be deciding; None counts as wrong (learn)
                 self.learner.record(decision.tenant, decision.scenario, decision.store_key, decision.similarity,
-                                    good, prior_cut=self.rule_for(decision.tenant, decision.scenario).threshold)
+                                    good is True, prior_cut=self.rule_for(decision.tenant, decision.scenario).threshold)
             taught += 1
         return taught
 

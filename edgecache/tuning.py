@@ -116,7 +116,8 @@ def join(records: Iterable[Record], *, tenant: str | None = None, scenario: str 
             if (tenant is None or record.tenant == tenant) and (scenario is None or record.scenario == scenario):
                 decisions[record.id] = record
         elif isinstance(record, LabelRecord):
-            labels[record.id] = record.good
+            if record.good is not None:  # "could not tell" is no label here
+                labels[record.id] = record.good
     # Per group and stratum: decisions with a candidate, and how many of them are labelled.
     counts: dict[tuple[str, str, str], list[int]] = {}
     names_of: dict[str, list[tuple[str, str]]] = {}

@@ -80,19 +80,19 @@ async def test_a_refused_candidate_is_labelled_in_the_background_within_a_bound(
     labels = MissLabels(stores=lambda tenant: store, labeler=EqualityLabeler(), decisions=log,  # type: ignore[arg-type]
                         observe=lambda *args: seen.append(args), max_pending=2)
     call = Call(request=request(), tenant="acme", scenario="support")
-    first = refused("k1")
+    first, second = refused("k1"), refused("k2")
     labels.after_miss(call, "d1", first, "same  answer", "n1")
-    labels.after_miss(call, "d2", refused("k2"), "a different answer", "n2")  # equality cannot tell: no label
+    labels.after_miss(call, "d2", second, "a different answer", "n2")  # equality cannot tell: "unverified"
     labels.after_miss(call, "d3", refused("k1"), "same answer", "n3")          # past max_pending: skipped
     hit = SemanticHit(similarity=0.99, store_key="k1", vector_key=1)
     labels.after_miss(call, "d4", Lookup(vector=None, candidate=hit), "x", "n4")  # served: nothing
     labels.after_miss(call, "d5", Lookup(vector=None), "x", "n5")                            # no candidate
     await labels.drain()
     log.close()
-    assert labels.skipped == 1 and labels.labelled == 1 and store.reads == 2
-    assert [(r.id, r.good, r.labeler) for r in read_records(tmp_path) if isinstance(r, LabelRecord)] == \
-        [("d1", True, "equality")]
-    assert seen == [(call, first, "n1", True)]
+    assert (labels.skipped, labels.labelled, labels.unverified, store.reads) == (1, 1, 1, 2)
+    assert sorted((r.id, r.good, r.labeler) for r in read_records(tmp_path) if isinstance(r, LabelRecord)) == \
+        [("d1", True, "equality"), ("d2", None, "equality")]
+    assert sorted(seen, key=lambda x: x[2]) == [(call, first, "n1", True), (call, second, "n2", None)]
 
 
 async def test_no_label_starts_while_the_box_is_busy(tmp_path: Path) -> None:

@@ -279,3 +279,23 @@ async def test_labels_reach_the_learner_with_the_decision_log_off(make_settings:
         assert (await ask(c, PARAPHRASE))[0] == "miss"  # untaught: refused, labelled from the miss
         assert rt.learner.summary()[("default", "default")]["labels"] == 1
     assert not (Path(settings.data_dir) / "decisions").exists()
+
+
+async def test_an_answer_the_labelers_cannot_verify_counts_against_its_candidate(make_settings: Any) -> None:
+    # Different answers that neither equality nor the answer embeddings can call (cosine between floor and bar):
+    # ignoring them would leave the learner only the "right" verdicts of equality.
+    settings = make_settings(semantic__enabled=True, semantic__decision="learner")
+    engine = ScriptedEngine(["answer #3", "answer #7"])
+    async with serve_in_process(create_app(settings, engine=engine)) as c:
+        rt = c.app.state.runtime  # type: ignore[attr-defined]
+        await ask(c, ORIGINAL)
+        assert (await ask(c, PARAPHRASE))[0] == "miss"  # untaught: refused, then compared
+        rt.decisions.flush()
+        records = list(read_records(Path(settings.data_dir) / "decisions"))
+        refused = [r for r in records if isinstance(r, DecisionRecord)][-1]
+        assert [(r.id, r.good) for r in records if not isinstance(r, DecisionRecord)] == [(refused.id, None)]
+        labels = rt.learner.entry_labels_of("default", "default", refused.store_key)
+        assert len(labels) == 1 and labels[0][1] is False
+        assert rt.labels.unverified == 1 and rt.labels.labelled == 0
+        assert 'edgecache_semantic_labels_total{decision="refused",label="unverified",scenario="default",' \
+               'tenant="default"} 1.0' in (await c.get("/metrics")).text
