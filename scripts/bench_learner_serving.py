@@ -19,12 +19,13 @@ lookups, as in the stream eval.
 Labels. The server labels a refused or explored candidate by comparing its cached answer with the fresh one:
 equality first (temperature 0), then the answers' embeddings (True at or above ``semantic.label_answer_bar``, False
 below ``semantic.label_answer_floor``, no label between). Equality alone never says "wrong": with the shipped bar
-and floor (0.95 / 0.3) two class answers such as ``answer #3`` and ``answer #7`` embed at a cosine of about 0.7 and
-a wrong candidate gets no label at all. ``--labels exact`` (the default) sets bar and floor to 1.0, so a different
-answer is a wrong one: for a deterministic engine whose answers are its classes that is the truth, and the server's
-labels are then as good as the simulation's (``label errors`` counts where they are not: a pair the set labels
-different within one group). ``--labels shipped`` keeps the profile's bar and floor (and its model judge, off on
-``cpu``).
+and floor (0.95 / 0.3) two class answers such as ``answer #3`` and ``answer #7`` embed at a cosine of about 0.7:
+compared, no verdict (``none``: the label record's ``good`` is null, and the learner counts it as wrong; ``errors``
+then counts the right candidates among them). ``--labels exact`` (the default) sets bar and floor to 1.0, so a
+different answer is a wrong one: for a deterministic engine whose answers are its classes that is the truth, and the
+server's labels are then as good as the simulation's (``label errors`` counts where they are not: a pair the set
+labels different within one group). ``--labels shipped`` keeps the profile's bar and floor (and its model judge, off
+on ``cpu``).
 
 Beside the two modes, ``--simulate`` (default on) runs ``eval_semantic.py --stream`` on the same set, limit, seed
 and target, so the server's learner can be read against the simulation's figures in the same table.
@@ -169,6 +170,7 @@ class ModeResult(msgspec.Struct):
     metric_explorations: float = 0.0
     labels: int = 0
     labels_bad: int = 0
+    labels_unverified: int = 0  # compared without a verdict (``good`` null): wrong to the learner
     labels_taught: int = 0  # labels of candidates the learner decided (a vetoed candidate's label is not learnt)
     label_errors: int = 0
     unlabelled_wrong: int = 0
@@ -246,7 +248,7 @@ async def run_mode(stream: Stream, decision: str, args: argparse.Namespace, data
 
     at = {text: i for i, text in enumerate(stream.texts)}
     decided: dict[int, DecisionRecord] = {}
-    label_of: dict[str, bool] = {}
+    label_of: dict[str, bool | None] = {}
     for record in read_records(data_dir / "decisions"):
         if isinstance(record, DecisionRecord) and record.query_hash in position:
             decided[position[record.query_hash]] = record
@@ -275,16 +277,20 @@ async def run_mode(stream: Stream, decision: str, args: argparse.Namespace, data
         if j is None:
             continue
         truth = right_answer(stream, i, j)
-        good = label_of.get(record.id)
-        if good is None:
+        if record.id not in label_of:
             out.unlabelled_wrong += not truth
             if not truth:
                 out.oddities.append(f"unlabelled wrong candidate: {record.decision} {record.reason} {i}->{j}")
             continue
+        good = label_of[record.id]
         out.labels += 1
-        out.labels_bad += not good
         out.labels_taught += not (record.reason or "").startswith("guard:")
-        out.label_errors += good != truth
+        if good is None:  # compared, could not tell: the learner counts it as wrong
+            out.labels_unverified += 1
+            out.label_errors += truth
+        else:
+            out.labels_bad += not good
+            out.label_errors += good != truth
     return out
 
 
@@ -343,11 +349,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"stream {stream.name}: {len(stream.texts)} first-turn chat requests in seeded order (seed {args.seed}), "
           f"scenario {args.scenario}, target {shown_target:.2%}, labels {args.labels}; through the server in "
           f"process (real embedder and index, class-answer engine)")
-    print(f"{'':26}{'hit rate':>9}{'false':>8}{'explored':>9}{'labels':>7}{'bad':>5}{'errors':>7}"
+    print(f"{'':26}{'hit rate':>9}{'false':>8}{'explored':>9}{'labels':>7}{'bad':>5}{'none':>5}{'errors':>7}"
           f"{'demoted':>8}{'vetoed':>7}{'s':>6}")
     for mode, r in results.items():
         name = "threshold (shipped)" if mode == "threshold" else "learner"
         print(f"{name:26}{r.hit_rate:9.4f}{r.false_hit_rate:8.4f}{r.explorations:9d}{r.labels:7d}{r.labels_bad:5d}"
+              f"{r.labels_unverified:5d}"
               f"{r.label_errors:7d}{r.demoted:8d}{r.vetoed:7d}{r.seconds:6.0f}")
         if r.inconsistent or r.unlogged or r.explorations != round(r.metric_explorations):
             print(f"  ! {r.inconsistent} answers not the logged entry's, {r.unlogged} lookups not logged, "
@@ -363,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               + (f"{ratio_false:8.2f}" if ratio_false is not None else f"{'n/a':>8}"))
     if sim is not None:
         print(f"{'simulation: learner':26}{sim['hit_rate']:9.4f}{sim['false_hit_rate']:8.4f}"
-              f"{sim['explorations']:9d}{sim['labels']:7d}{'':5}{'':7}{sim['demoted']:8d}")
+              f"{sim['explorations']:9d}{sim['labels']:7d}{'':5}{'':5}{'':7}{sim['demoted']:8d}")
         print(f"{'simulation: static':26}{sim['static_hit_rate']:9.4f}{sim['static_false_hit_rate']:8.4f}"
               f"   (oracle at the learner's false hits {sim['oracle_hit_rate']:.4f})")
     result: dict[str, Any] = {"set": stream.name, "n": len(stream.texts), "scenario": args.scenario,
@@ -372,7 +379,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result.update({
             f"{mode}_hit_rate": round(r.hit_rate, 4), f"{mode}_false_hit_rate": round(r.false_hit_rate, 4),
             f"{mode}_explorations": r.explorations, f"{mode}_labels": r.labels, f"{mode}_labels_bad": r.labels_bad,
-            f"{mode}_labels_taught": r.labels_taught,
+            f"{mode}_labels_taught": r.labels_taught, f"{mode}_labels_unverified": r.labels_unverified,
             f"{mode}_label_errors": r.label_errors, f"{mode}_unlabelled_wrong": r.unlabelled_wrong,
             f"{mode}_demoted": r.demoted, f"{mode}_vetoed": r.vetoed, f"{mode}_inconsistent": r.inconsistent,
             f"{mode}_unlogged": r.unlogged,
