@@ -313,6 +313,9 @@ def tune(
         "lookups (for a fully labelled replay).")] = "served",
     write: Annotated[Optional[str], typer.Option(
         metavar="FILE", help="Write the per-scenario cuts as a TOML overlay for `serve --overlay FILE`.")] = None,
+    unverified: Annotated[str, typer.Option(
+        help="Labels whose answers were compared but no labeler could tell: bad (a cut is backed only by verified "
+        "labels) or skip (left out, as if they were missing at random).")] = "bad",
 ) -> None:
     """Replay a decision log: per tenant and scenario, the lowest similarity cut whose false-hit rate among the
     decisions it would serve meets --target-error, the hit rate it would have given, and its labels. Hits are never
@@ -330,6 +333,9 @@ def tune(
     if per not in ("served", "lookup"):
         typer.secho("error: --per is served or lookup", fg="red", err=True)
         raise typer.Exit(2)
+    if unverified not in ("bad", "skip"):
+        typer.secho("error: --unverified is bad or skip", fg="red", err=True)
+        raise typer.Exit(2)
     files = log_files(Path(log))
     if not files:
         typer.secho(f"error: no decision log at {log}", fg="red", err=True)
@@ -341,7 +347,7 @@ def tune(
         records = read_records(Path(log), on_bad_line=lambda *_: bad_lines.__setitem__(0, bad_lines[0] + 1),
                                on_bytes=lambda n: progress.advance(task, n))
         cuts = tune_cuts(records, target=target_error, confidence=confidence, tenant=tenant, scenario=scenario,
-                         per=per)  # type: ignore[arg-type]
+                         per=per, unverified=unverified)  # type: ignore[arg-type]
     console = Console()
     table = Table(title=f"Cuts at <= {target_error:.2%} false hits per {per} ({confidence:.0%} bound)")
     # Decisions at or above a cut whose stratum has no label (hits on a log without audits): a column only when

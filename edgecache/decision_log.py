@@ -13,7 +13,7 @@ record share the files, told apart by ``kind``::
 ``refused`` (a candidate was there and not served: ``reason`` is the lookup's refusal) or ``explore`` (the
 candidate would have served, but the engine answered to label it). A label names its decision's id; ``good`` says
 whether the candidate's cached answer serves the query, or is ``null`` when the labeler compared the two answers and
-could not tell (the learner counts such a candidate as wrong; ``tune`` leaves it out).
+could not tell (the learner counts such a candidate as wrong, and so does ``tune`` unless told ``--unverified skip``).
 
 **Query text** is kept only for a tenant whose plan says ``log_prompts = true``; otherwise the record holds a keyed
 hash of it (BLAKE2b keyed with a secret kept beside the log, so equal queries can be matched within the log but a

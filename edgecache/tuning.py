@@ -105,7 +105,8 @@ class Cut(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def join(records: Iterable[Record], *, tenant: str | None = None, scenario: str | None = None,
-         pooled: bool = True, weigh: bool = True) -> dict[tuple[str, str], Group]:
+         pooled: bool = True, weigh: bool = True,
+         unverified: Literal["bad", "skip"] = "bad") -> dict[tuple[str, str], Group]:
     """Decisions by (tenant, scenario) with their labels joined (a decision's last label wins). With ``pooled``,
     every scenario also gets a group over all the selected tenants, under tenant ``*``. Without ``weigh`` every
     label counts once and nothing is reported unlabelled (the plain replay, biased where the policy served)."""
@@ -116,8 +117,10 @@ def join(records: Iterable[Record], *, tenant: str | None = None, scenario: str 
             if (tenant is None or record.tenant == tenant) and (scenario is None or record.scenario == scenario):
                 decisions[record.id] = record
         elif isinstance(record, LabelRecord):
-            if record.good is not None:  # "could not tell" is no label here
+            if record.good is not None:
                 labels[record.id] = record.good
+            elif unverified == "bad":  # compared, and no labeler could tell: not evidence that it serves
+                labels[record.id] = False
     # Per group and stratum: decisions with a candidate, and how many of them are labelled.
     counts: dict[tuple[str, str, str], list[int]] = {}
     names_of: dict[str, list[tuple[str, str]]] = {}
@@ -192,9 +195,10 @@ def _upper(bad: float, weight: float, effective: float, lookups: int, per: str, 
 
 
 def tune(records: Iterable[Record], *, target: float = 0.01, confidence: float = 0.95, tenant: str | None = None,
-         scenario: str | None = None, per: Literal["served", "lookup"] = "served", weigh: bool = True) -> list[Cut]:
+         scenario: str | None = None, per: Literal["served", "lookup"] = "served", weigh: bool = True,
+         unverified: Literal["bad", "skip"] = "bad") -> list[Cut]:
     """:func:`lowest_cut` for every group of :func:`join`, the pooled ``*`` groups first within a scenario."""
-    groups = join(records, tenant=tenant, scenario=scenario, weigh=weigh)
+    groups = join(records, tenant=tenant, scenario=scenario, weigh=weigh, unverified=unverified)
     order = sorted(groups, key=lambda key: (key[1], key[0] != ALL, key[0]))
     return [lowest_cut(groups[key], target=target, confidence=confidence, per=per) for key in order]
 

@@ -241,3 +241,21 @@ def test_the_learners_budget_refusals_stand_for_its_hits(tmp_path: Path) -> None
     # 32 servable decisions, half of their two labels bad: 16 estimated false hits, and the refusal above the cut's.
     assert found.cut == 0.95 and found.unlabelled == 0
     assert found.false_hit_rate is not None and abs(found.false_hit_rate - 17 / 33) < 1e-9
+
+
+def test_unverified_labels_count_as_bad_unless_told_to_skip_them(tmp_path: Path) -> None:
+    # Right above 0.80, wrong below; but between 0.80 and 0.90 the labelers could not tell (good: null).
+    rng = random.Random(3)
+    log = DecisionLog(tmp_path, max_bytes=64 << 20, flush_interval_s=0.05)
+    for i in range(4000):
+        similarity = rng.uniform(0.5, 1.0)
+        decision_id = log.decided("acme", "support", f"q{i}", "refused", reason="below_cut", store_key=f"s{i}",
+                                  vector_key=i, similarity=similarity)
+        log.labelled(decision_id, None if 0.80 <= similarity < 0.90 else similarity >= 0.80, "equality")
+    log.close()
+    strict = {c.tenant: c for c in tune(read_records(tmp_path), target=0.01)}["acme"]
+    skipped = {c.tenant: c for c in tune(read_records(tmp_path), target=0.01, unverified="skip")}["acme"]
+    assert strict.cut is not None and strict.cut > 0.89  # only verified labels back a cut (a few bad ones fit the bound)
+    assert skipped.cut is not None and abs(skipped.cut - 0.80) <= 0.01  # as if missing at random
+    result = runner.invoke(cli, ["tune", str(tmp_path), "--unverified", "maybe"])
+    assert result.exit_code == 2 and "--unverified" in result.output
