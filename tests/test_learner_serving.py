@@ -5,7 +5,6 @@ in-process with scripted engines; the learner's own logic is tested in test_sema
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from edgecache.semantic_index import SemanticIndex
 from edgecache.semantic_learner import SemanticLearner
 from tests.conftest import chat_body, serve_in_process
 from tests.fakes import FakeEngine
+from tests.test_decision_log import settled
 
 ORIGINAL = "How do I reset my password?"
 PARAPHRASE = "How can I reset my password?"
@@ -27,15 +27,6 @@ def teach_confidence(learner: SemanticLearner, tenant: str, scenario: str) -> No
     """Right labels at every similarity from 0.5 up, enough that the pool would serve any candidate there."""
     for i in range(10_000):
         learner.record(tenant, scenario, f"taught-{i % 50}", 0.5 + (i % 50) / 100, True)
-
-
-async def settled(c: Any) -> None:
-    rt = c.app.state.runtime
-    for _ in range(1000):
-        if not len(rt.inflight) and (rt.labels is None or not rt.labels._tasks):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("a flight or a label never finished")
 
 
 class ScriptedEngine(FakeEngine):
