@@ -141,7 +141,7 @@ class Runtime:
             await self._open_semantic()
         if self.learner is not None and self.semantic is not None and self.decisions is not None:
             await self._teach_learner()
-        if self.decisions is not None or self.settings.semantic.decision == "learner":
+        if self.decisions is not None or self.learner is not None:
             self.labels = MissLabels(stores=self.stores, labeler=self._labeler(), decisions=self.decisions,
                                      observe=self._observe_label, busy=lambda: self.admission.queued > 0)
         self.pipeline = RequestPipeline(engine=self.engine, stores=self.stores, inflight=self.inflight,
