@@ -290,3 +290,30 @@ async def test_an_answer_the_labelers_cannot_verify_counts_against_its_candidate
         assert rt.labels.unverified == 1 and rt.labels.labelled == 0
         assert 'edgecache_semantic_labels_total{decision="refused",label="unverified",scenario="default",' \
                'tenant="default"} 1.0' in (await c.get("/metrics")).text
+
+
+async def test_the_learner_explores_and_labels_with_the_real_cpu_engine(make_settings: Any) -> None:
+    """End to end with llama.cpp: an explored paraphrase is computed by the engine (a second engine call), its
+    client gets that answer, and the comparison with the cached answer reaches the log and the learner."""
+    settings = make_settings(semantic__enabled=True, semantic__decision="learner")
+    async with serve_in_process(create_app(settings)) as c:
+        rt = c.app.state.runtime  # type: ignore[attr-defined]
+        model = (await c.get("/v1/models")).json()["data"][0]["id"]
+        teach_confidence(rt.learner, "default", "default")
+        rt.learner.audit_share = 1.0
+        answers = []
+        for text in (ORIGINAL, PARAPHRASE):
+            resp = await c.post("/v1/chat/completions", json=chat_body(text, model=model, max_tokens=12))
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-edgecache"] == "miss"
+            answers.append(resp.json()["choices"][0]["message"]["content"])
+            await settled(c)
+        stats = (await c.get("/stats")).json()
+        assert stats["engine"]["calls"] == 2  # the explored paraphrase was computed, not served from the cache
+        rt.decisions.flush()
+        records = list(read_records(Path(settings.data_dir) / "decisions"))
+    explored = [r for r in records if isinstance(r, DecisionRecord)][-1]
+    assert explored.decision == "explore" and explored.reason == "audit"
+    assert [r.id for r in records if not isinstance(r, DecisionRecord)] == [explored.id]  # compared: one label
+    labels = rt.learner.entry_labels_of("default", "default", explored.store_key)
+    assert len(labels) == 1 and answers[1].strip()
