@@ -351,4 +351,4 @@ def record_lookup(decisions: DecisionLog, tenant: str, scenario: str, query: str
     return decisions.decided(tenant, scenario, query, decision, reason=reason,
                        store_key=candidate.store_key if candidate else None,
                        vector_key=candidate.vector_key if candidate else None,
-                       similarity=candidate.similarity if candidate else None, score=lookup.score)
+                       similarity=lookup.similarity, score=lookup.score)

@@ -101,9 +101,13 @@ class Lookup(msgspec.Struct, frozen=True):
     candidate: SemanticHit | None = None
     refusal: str | None = None
     refused_by_guard: str | None = None
-    similarity: float | None = None
     score: float | None = None
     learned: Decision | None = None
+
+    @property
+    def similarity(self) -> float | None:
+        """The candidate's cosine similarity to the query (None without a candidate)."""
+        return self.candidate.similarity if self.candidate is not None else None
 
     @property
     def hit(self) -> SemanticHit | None:
@@ -280,9 +284,9 @@ class SemanticCache:
         candidate = SemanticHit.of(best)
         threshold = rule.threshold if rule.threshold is not None else 1.0
         if best.similarity < threshold:
-            return Lookup(vector=vector, similarity=best.similarity, refusal="below_threshold", candidate=candidate)
+            return Lookup(vector=vector, refusal="below_threshold", candidate=candidate)
         return (self._guard_refusal(query, best, vector)
-                or Lookup(vector=vector, similarity=best.similarity, candidate=candidate))
+                or Lookup(vector=vector, candidate=candidate))
 
     def _guard_refusal(self, query: str, best: Candidate, vector: np.ndarray) -> Lookup | None:
         """The guard's veto of the nearest candidate (a difference the answer depends on), or None."""
@@ -290,7 +294,7 @@ class SemanticCache:
         if verdict.allowed:
             return None
         reason = verdict.reason or "guard"
-        return Lookup(vector=vector, similarity=best.similarity, refused_by_guard=reason,
+        return Lookup(vector=vector, refused_by_guard=reason,
                       refusal="guard:" + reason.split(":", 1)[0], candidate=SemanticHit.of(best))
 
     def _by_learner(self, tenant: str, scenario: str, query: str, found: list[Candidate], rule: MatchRule,
@@ -311,10 +315,10 @@ class SemanticCache:
                                            may_explore=may_explore)
         candidate = SemanticHit.of(best)
         if decision.action == "serve":
-            return Lookup(vector=vector, similarity=best.similarity, candidate=candidate, learned=decision)
+            return Lookup(vector=vector, candidate=candidate, learned=decision)
         # An exploration is a refusal: the engine computes the answer, the client gets that fresh answer (never the
         # cached one), and the comparison of the two is the label.
-        return Lookup(vector=vector, similarity=best.similarity, candidate=candidate, learned=decision,
+        return Lookup(vector=vector, candidate=candidate, learned=decision,
                       refusal="explore" if decision.action == "explore" else "learner:" + decision.reason)
 
     def learn(self, tenant: str, scenario: str, lookup: Lookup, good: bool | None,
@@ -360,11 +364,11 @@ class SemanticCache:
                                      self.verifier.cut(rule.target_false_hit_rate, query))
         if judged.chosen is None:
             nearest = found[0]
-            return Lookup(vector=vector, similarity=nearest.similarity, score=judged.score, refusal=judged.refusal,
+            return Lookup(vector=vector, score=judged.score, refusal=judged.refusal,
                           refused_by_guard=judged.rule, candidate=SemanticHit.of(nearest))
         chosen = found[judged.chosen]
         hit = SemanticHit.of(chosen)
-        return Lookup(vector=vector, similarity=chosen.similarity, score=judged.score, candidate=hit)
+        return Lookup(vector=vector, score=judged.score, candidate=hit)
 
     def learned(self) -> dict[str, object] | None:
         """What the learner holds (None without one): per ``tenant/scenario`` its lookups, explorations, labels and

@@ -82,7 +82,7 @@ def record_cost_us(n: int = 20000) -> float:
     """The loop's cost of one decision record, in microseconds (the file write happens on the writer thread)."""
     with tempfile.TemporaryDirectory() as tmp:
         log = DecisionLog(Path(tmp), max_bytes=64 << 20)
-        lookup = Lookup(vector=np.zeros(4, dtype=np.float32), similarity=0.91, refusal="below_threshold",
+        lookup = Lookup(vector=np.zeros(4, dtype=np.float32), refusal="below_threshold",
                         candidate=SemanticHit(similarity=0.91, store_key="k" * 32, vector_key=12345))
         started = time.perf_counter()
         for i in range(n):

@@ -69,7 +69,7 @@ class Store:
 
 
 def refused(store_key: str) -> Lookup:
-    return Lookup(vector=None, similarity=0.8, refusal="below_threshold",
+    return Lookup(vector=None, refusal="below_threshold",
                   candidate=SemanticHit(similarity=0.8, store_key=store_key, vector_key=1))
 
 
@@ -104,7 +104,7 @@ async def test_no_label_starts_while_the_box_is_busy(tmp_path: Path) -> None:
     call = Call(request=request(), tenant="acme", scenario="support")
     labels.after_miss(call, "d1", refused("k1"), "same answer", "n1")
     # An exploration is labelled even while busy: its engine call was spent for that label.
-    explored = Lookup(vector=None, similarity=0.8, refusal="explore",
+    explored = Lookup(vector=None, refusal="explore",
                       candidate=SemanticHit(similarity=0.8, store_key="k1", vector_key=1))
     labels.after_miss(call, "d2", explored, "same answer", "n2")
     busy[0] = False
