@@ -42,7 +42,7 @@ from edgecache.errors import StorageUnavailable
 from edgecache.guard import DEFAULT_RULES, check
 from edgecache.health import STORAGE_ERRORS, StorageFaults
 from edgecache.semantic_index import Candidate, SemanticIndex
-from edgecache.semantic_learner import Decision, SemanticLearner
+from edgecache.semantic_learner import Decision, SemanticLearner, miss_refusal
 from edgecache.verifier import Verifier
 
 if TYPE_CHECKING:  # the decision log reads Lookup: importing it here would be a cycle
@@ -319,7 +319,7 @@ class SemanticCache:
         # An exploration is a refusal: the engine computes the answer, the client gets that fresh answer (never the
         # cached one), and the comparison of the two is the label.
         return Lookup(vector=vector, candidate=candidate, learned=decision,
-                      refusal="explore" if decision.action == "explore" else "learner:" + decision.reason)
+                      refusal="explore" if decision.action == "explore" else miss_refusal(decision.reason))
 
     def learn(self, tenant: str, scenario: str, lookup: Lookup, good: bool | None,
               answer_key: str | None = None) -> None:

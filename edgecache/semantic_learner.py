@@ -54,6 +54,13 @@ from typing import Literal
 import numpy as np
 
 Action = Literal["serve", "explore", "miss"]
+#: Why a candidate was served, explored or missed (``Decision.reason``). The decision log keeps them (an exploration
+#: under its reason, a miss as :func:`miss_refusal` of it) and ``edgecache tune`` weighs labels by them (``SERVABLE``).
+Reason = Literal["confident", "point_estimate", "audit", "unsure", "above_cut", "budget", "demoted"]
+#: An audit is a confident serve explored at random; a budget miss was refused for when it came (the ledger was
+#: spent), not for itself. Their labels stand for the learner's hits.
+AUDIT: Reason = "audit"
+BUDGET: Reason = "budget"
 
 #: Similarity bins of the pooled curve (similarities are clipped to [0, 1]).
 _BINS = 100
@@ -70,7 +77,12 @@ class Decision:
     error: float
     bound: float
     cut: float
-    reason: str
+    reason: Reason
+
+
+def miss_refusal(reason: Reason) -> str:
+    """A miss's refusal as the semantic layer reports and logs it: ``learner:<reason>``."""
+    return "learner:" + reason
 
 
 @dataclass(slots=True)
@@ -207,11 +219,11 @@ class SemanticLearner:
         if pool.served_error + error > target_error * (1.0 - self.margin) * pool.lookups:
             # The cut is the policy for traffic like the past; the ledger is what was actually spent: expected false
             # hits of everything served so far, never over the pool's share.
-            return Decision("miss", error, bound, cut, "budget")
+            return Decision("miss", error, bound, cut, BUDGET)
         budget = may_explore and pool.explorations + 1 <= self.explore_share * pool.lookups + self.explore_allowance
         if budget and (bound > cut or self._random.random() < self.audit_share):
             pool.explorations += 1
-            return Decision("explore", error, bound, cut, "unsure" if bound > cut else "audit")
+            return Decision("explore", error, bound, cut, "unsure" if bound > cut else AUDIT)
         if bound > cut and may_explore:
             # Unsure and the exploration budget is spent: compute fresh (the label still comes, for free).
             return Decision("miss", error, bound, cut, "unsure")

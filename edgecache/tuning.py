@@ -38,6 +38,7 @@ from statistics import NormalDist
 import msgspec
 
 from edgecache.decision_log import DecisionRecord, LabelRecord, Record
+from edgecache.semantic_learner import AUDIT, BUDGET, miss_refusal
 
 ALL = "*"
 
@@ -68,7 +69,7 @@ class Sample(msgspec.Struct, frozen=True):
 #: false-hit ledger was spent (``budget``: under the cut and not demoted, refused for the time they came, not for
 #: themselves; a little riskier than the hits on the whole, since unsure candidates are among them and the ledger
 #: turns away the costlier ones first, so the estimate errs high).
-SERVABLE = {("explore", "audit"), ("refused", "learner:budget")}
+SERVABLE = {("explore", AUDIT), ("refused", miss_refusal(BUDGET))}
 
 
 def stratum_of(record: DecisionRecord) -> str:
