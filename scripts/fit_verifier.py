@@ -111,9 +111,12 @@ def samples(cases: list[Case]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def fit_logistic(x: np.ndarray, y: np.ndarray, w: np.ndarray, *, steps: int = 3000, l2: float = 1e-3,
-                 lr: float = 0.05) -> tuple[np.ndarray, float]:
-    """Weighted logistic regression, signs held by projection after every Adam step."""
-    signs = np.array([SIGNS[f] for f in FEATURES], dtype=np.float64)
+                 lr: float = 0.05, signs: Sequence[int] | None = None) -> tuple[np.ndarray, float]:
+    """Weighted logistic regression, signs held by projection after every Adam step.
+
+    ``signs`` (one per column of ``x``, +1 / -1 / 0) defaults to :data:`edgecache.verifier.SIGNS` in feature order.
+    """
+    signs = np.array([SIGNS[f] for f in FEATURES] if signs is None else list(signs), dtype=np.float64)
     theta = np.zeros(x.shape[1] + 1)
     m, v = np.zeros_like(theta), np.zeros_like(theta)
     xb = np.hstack([x, np.ones((len(x), 1))])
