@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from pathlib import Path
 
@@ -168,9 +167,10 @@ def test_a_small_fit_is_deterministic_and_loads() -> None:
         assert w["cosine"] >= 0 and w["numbers"] <= 0 and w["order"] <= 0
 
 
-@pytest.mark.skipif(os.environ.get("EDGECACHE_FULL_REFIT") != "1",
-                    reason="a full refit embeds ~40k texts (minutes); set EDGECACHE_FULL_REFIT=1")
+@pytest.mark.skipif(not (fit_verifier.DATA / "pawsx_zh_valid.tsv").exists(), reason="../shared/data is not present")
 def test_fit_verifier_rebuilds_the_shipped_file(tmp_path: Path) -> None:
+    # A full refit (~40k texts embedded, 1.5 min on a quiet box). It runs wherever the data is, because the shipped
+    # file goes stale silently: a change to the index's search settings moves the nearest candidates it is fitted on.
     out = tmp_path / "params.json"
     assert fit_verifier.main(["--out", str(out)]) == 0
     assert out.read_bytes() == SHIPPED_PARAMS.read_bytes()
