@@ -418,10 +418,13 @@ def profiles_show(
 
         console = Console()
         resolved = Table(title=f"Profile {settings.profile}: {settings.description}")
-        resolved.add_column("setting")
-        resolved.add_column("value")
-        for key, value in _flatten(settings_to_dict(settings)):
-            resolved.add_row(key, _show_value(value))
+        rows = [(key, _show_value(value)) for key, value in _flatten(settings_to_dict(settings))]
+        # A setting's name is what the reader copies into a profile or an EDGECACHE_* variable: never cut it (a
+        # narrow terminal, or a pipe, which rich sizes at 80 columns); the value folds instead.
+        resolved.add_column("setting", no_wrap=True, min_width=max((len(key) for key, _ in rows), default=7))
+        resolved.add_column("value", overflow="fold")
+        for key, value in rows:
+            resolved.add_row(key, value)
         console.print(resolved)
         if split is not None:
             table = Table(title=f"GPU memory split ({settings.engine.model})")

@@ -279,3 +279,12 @@ def test_no_code_branches_on_a_profile_name() -> None:
             if found:
                 offenders[str(path.relative_to(REPO_ROOT))] = found
     assert offenders == {}
+
+
+def test_profiles_show_prints_every_setting_name_whole() -> None:
+    # Under a test runner, as in a pipe, rich lays the table out at 80 columns: the longest names must not be cut.
+    result = show("cpu")
+    assert result.exit_code == 0
+    for scenario in ("default", "support", "knowledge", "code"):
+        assert f"scenarios.{scenario}.target_false_hit_rate" in result.output
+    assert "semantic.learner_explore_share" in result.output and "…" not in result.output
