@@ -168,6 +168,7 @@ def test_a_small_fit_is_deterministic_and_loads() -> None:
 
 
 @pytest.mark.skipif(not (fit_verifier.DATA / "pawsx_zh_valid.tsv").exists(), reason="../shared/data is not present")
+@pytest.mark.timeout(1200)  # several times the quiet figure on a busy 2-core box
 def test_fit_verifier_rebuilds_the_shipped_file(tmp_path: Path) -> None:
     # A full refit (~40k texts embedded, 1.5 min on a quiet box). It runs wherever the data is, because the shipped
     # file goes stale silently: a change to the index's search settings moves the nearest candidates it is fitted on.
