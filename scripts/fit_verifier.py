@@ -190,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", type=Path, help="keep embeddings here between runs (a directory)")
     p.add_argument("--loo", action="store_true", help="print the leave-one-set-out calibration check")
     args = p.parse_args(argv)
+    if not DATA.is_dir():
+        print(f"error: the data sets are not at {DATA} (../shared/data beside the checkout)", file=sys.stderr)
+        return 2
 
     from edgecache.embedders import load_embedder
 

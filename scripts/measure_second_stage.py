@@ -121,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--candidates", type=int, default=3)
     p.add_argument("--limit", type=int, default=2000, help="lookups per measured set (as eval_semantic --limit)")
     args = p.parse_args(argv)
+    if not DATA.is_dir():
+        print(f"error: the data sets are not at {DATA} (../shared/data beside the checkout)", file=sys.stderr)
+        return 2
 
     from edgecache.embedders import load_embedder
 
