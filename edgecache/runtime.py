@@ -44,6 +44,7 @@ from edgecache.warmup import Prefilled
 
 if TYPE_CHECKING:
     from edgecache.fleet import Fleet
+    from edgecache.fleet.labels import SharedLabel
     from edgecache.stores.redis import RedisTenantStores
 
 log = logging.getLogger("edgecache")
@@ -141,6 +142,8 @@ class Runtime:
             await self._open_semantic()
         if self.learner is not None and self.semantic is not None and self.decisions is not None:
             await self._teach_learner()
+        if self.learner is not None and self.fleet is not None:  # a label on one node teaches every node
+            self.fleet.share_labels(self._apply_shared_label)
         if self.decisions is not None or self.learner is not None:
             self.labels = MissLabels(stores=self.stores, labeler=self._labeler(), decisions=self.decisions,
                                      observe=self._observe_label, busy=lambda: self.admission.queued > 0)
@@ -211,6 +214,16 @@ class Runtime:
         self.metrics.observe_label(call.tenant, call.scenario, "explore" if lookup.explored else "refused", good)
         if self.semantic is not None:
             self.semantic.learn(call.tenant, call.scenario, lookup, good, answer_key)
+        feed = self.fleet.labels if self.fleet is not None else None
+        if feed is not None and lookup.learned is not None and lookup.candidate is not None:
+            feed.publish(call.tenant, call.scenario, lookup.candidate.store_key, lookup.candidate.similarity, good,
+                         answer_key)
+
+    def _apply_shared_label(self, label: SharedLabel) -> None:
+        """A label another node of the fleet got (edgecache/fleet/labels.py)."""
+        if self.semantic is not None:
+            self.semantic.learn_shared(label.tenant, label.scenario, label.store_key, label.similarity, label.good,
+                                       label.answer_key)
 
     def _may_explore(self) -> bool:
         """Exploring costs an engine call: only while the engine has a free slot and nothing waits for one."""

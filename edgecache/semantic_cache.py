@@ -332,12 +332,24 @@ class SemanticCache:
         "right" (equality at temperature 0) teach the learner that every candidate it compared was right."""
         if self.learner is None or lookup.learned is None or lookup.candidate is None:
             return
-        candidate = lookup.candidate
+        self._teach(tenant, scenario, lookup.candidate.store_key, lookup.candidate.similarity, good, answer_key,
+                    decision=lookup.learned)
+
+    def learn_shared(self, tenant: str, scenario: str, store_key: str, similarity: float, good: bool | None,
+                     answer_key: str | None) -> None:
+        """A label another node of the fleet got for a shared answer (:mod:`edgecache.fleet.labels`): taught as
+        this node's own, except that it says nothing of this node's calibration (the decision was the other's)."""
+        if self.learner is not None:
+            self._teach(tenant, scenario, store_key, similarity, good, answer_key)
+
+    def _teach(self, tenant: str, scenario: str, store_key: str, similarity: float, good: bool | None,
+               answer_key: str | None, decision: Decision | None = None) -> None:
+        assert self.learner is not None
         with self._learner_lock:
-            self.learner.record(tenant, scenario, candidate.store_key, candidate.similarity, good is True,
-                                prior_cut=self.rule_for(tenant, scenario).threshold, decision=lookup.learned)
-            if good is True and answer_key is not None and answer_key != candidate.store_key:
-                self.learner.link(tenant, scenario, answer_key, candidate.store_key)
+            self.learner.record(tenant, scenario, store_key, similarity, good is True,
+                                prior_cut=self.rule_for(tenant, scenario).threshold, decision=decision)
+            if good is True and answer_key is not None and answer_key != store_key:
+                self.learner.link(tenant, scenario, answer_key, store_key)
 
     def learn_from_log(self, labelled: Iterable[tuple[DecisionRecord, bool | None]]) -> int:
         """Teach the learner the labels a decision log kept (at start: what this box learned before a restart, or
@@ -350,9 +362,8 @@ class SemanticCache:
             if decision.reason is not None and decision.reason.startswith(("guard:", "veto:")):
                 continue
             assert decision.store_key is not None and decision.similarity is not None
-            with self._learner_lock:  # per label: lookups may already be deciding; None counts as wrong (learn)
-                self.learner.record(decision.tenant, decision.scenario, decision.store_key, decision.similarity,
-                                    good is True, prior_cut=self.rule_for(decision.tenant, decision.scenario).threshold)
+            # One lock per label: lookups may already be deciding. None counts as wrong, as in learn.
+            self._teach(decision.tenant, decision.scenario, decision.store_key, decision.similarity, good, None)
             taught += 1
         return taught
 

@@ -5,7 +5,8 @@ backends, and reads ``used_memory`` from ``INFO memory`` before and after:
 
 - a result: one answer of --answer-chars characters in the store (value, LRU member, size, tag);
 - a flight: one finished flight's lease and stream of --chunks chunks, as it is during its finished window;
-- a vector: one record of a --dim-dimension vector (float16) and its prompt text in a tenant's vector stream.
+- a vector: one record of a --dim-dimension vector (float16) and its prompt text in a tenant's vector stream;
+- a label: one semantic learner label in the fleet's label stream.
 
     python scripts/redis_memory.py [--n 2000] [--answer-chars 600] [--chunks 40] [--dim 512]
 """
@@ -27,6 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from edgecache.engines.base import Chunk  # noqa: E402
+from edgecache.fleet.labels import LABELS, SharedLabel  # noqa: E402
 from edgecache.fleet.link import RedisLink  # noqa: E402
 from edgecache.fleet.vectors import VectorRecord  # noqa: E402
 from edgecache.inflight.local import Flight  # noqa: E402
@@ -87,6 +89,15 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, float]:
                 text="How do I reset my password on the mobile app?", vector=vector))})
         await pipe.execute()
         out["vector"] = (await used(link) - before) / args.n
+
+        before = await used(link)
+        pipe = link.client.pipeline(transaction=False)
+        for i in range(args.n):
+            pipe.xadd(LABELS, {"l": encode(SharedLabel(
+                origin="node-0123456789ab", tenant="tenant-a", scenario="support", store_key=f"{i:032x}",
+                similarity=0.8731, good=False, answer_key=f"{i + 1:032x}"))})
+        await pipe.execute()
+        out["label"] = (await used(link) - before) / args.n
     finally:
         await link.close()
     return out
@@ -115,7 +126,8 @@ def main() -> None:
     print(f"Redis memory per entry (redis-server, n={args.n}):")
     for label, value in ((f"result ({args.answer_chars}-char answer)", figures["result"]),
                          (f"flight ({args.chunks} chunks, finished window)", figures["flight"]),
-                         (f"vector ({args.dim}-dim f16 + prompt text)", figures["vector"])):
+                         (f"vector ({args.dim}-dim f16 + prompt text)", figures["vector"]),
+                         ("learner label", figures["label"])):
         print(f"  {label:42}{value:8.0f} B")
 
 

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from edgecache.app import create_app
+from edgecache.decision_log import DecisionRecord, read_records
 from edgecache.settings import Settings
 from tests.conftest import chat_body, serve_in_process
 from tests.fakes import FakeEngine
@@ -237,3 +238,38 @@ async def test_a_paraphrase_stored_on_one_node_is_a_semantic_hit_on_another(
             late_feed = c.app.state.runtime.fleet.vectors  # type: ignore[attr-defined]
             await until(lambda: late_feed.applied >= 1)
             assert served(await ask(c, "how do I reset my password?")) == "semantic"
+
+
+async def test_a_label_on_one_node_teaches_the_others(make_settings: Any, tmp_path: Path, redis_url: str) -> None:
+    # Node A explores a paraphrase of a shared answer and finds it wrong; node B, which never saw that label, stops
+    # serving the answer too. Without the shared labels B would go on serving it: its own learner is confident.
+    from tests.test_decision_log import settled
+    from tests.test_learner_serving import ORIGINAL, PARAPHRASE, ScriptedEngine, teach_confidence
+
+    engines = [ScriptedEngine(["Open Settings, then Security, then Reset password.",
+                               "Bananas are yellow fruit, rich in potassium."]), FakeEngine()]
+    async with fleet(make_settings, tmp_path, redis_url, engines, semantic__enabled=True,
+                     semantic__decision="learner") as (a, b):
+        ra, rb = (n.app.state.runtime for n in (a, b))  # type: ignore[attr-defined]
+        for rt in (ra, rb):
+            teach_confidence(rt.learner, "default", "default")
+            rt.learner.demote_after = 1
+        rb.learner.audit_share = 0.0
+        assert served(await ask(a, ORIGINAL)) == "miss"
+        await until(lambda: rb.fleet.vectors.applied >= 1)
+        assert served(await ask(b, "How could I reset my password?")) == "semantic"  # B serves A's answer
+        ra.learner.audit_share = 1.0
+        assert served(await ask(a, PARAPHRASE)) == "miss"  # explored: the fresh answer is about bananas
+        await settled(a)  # the label comes after the answer
+        ra.decisions.flush()
+        explored = [r for r in read_records(tmp_path / "node0" / "decisions") if isinstance(r, DecisionRecord)][-1]
+        assert explored.decision == "explore" and ra.learner.is_demoted("default", "default", explored.store_key)
+        await until(lambda: rb.fleet.labels.applied >= 1)
+        assert rb.learner.is_demoted("default", "default", explored.store_key)
+        assert rb.learner.entry_labels_of("default", "default", explored.store_key)[-1][1] is False
+        calls = engines[1].calls
+        assert served(await ask(b, "how do I reset my password?")) == "miss"  # demoted on B too
+        assert engines[1].calls == calls + 1
+        health = (await b.get("/health")).json()
+        assert health["redis"]["labels"]["applied"] >= 1
+        assert (await a.get("/health")).json()["redis"]["labels"]["published"] >= 1

@@ -1,7 +1,8 @@
 """Past one box: what a node shares with the rest of its fleet through one Redis.
 
 :class:`Fleet` is this node's membership: the link (:mod:`edgecache.fleet.link`), the flush and model events
-(:mod:`edgecache.fleet.events`) and the shared semantic vectors (:mod:`edgecache.fleet.vectors`). The shared layers'
+(:mod:`edgecache.fleet.events`), the shared semantic vectors (:mod:`edgecache.fleet.vectors`) and the semantic
+learner's labels (:mod:`edgecache.fleet.labels`). The shared layers'
 backends live with their layers: :mod:`edgecache.stores.redis` and :mod:`edgecache.inflight.redis`. Built only when
 ``store.backend = "redis"``; a single box never imports any of it (nor the redis client).
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from edgecache.fleet.events import FleetEvents, FlushHandler
+from edgecache.fleet.labels import LabelFeed, SharedLabel
 from edgecache.fleet.link import RedisLink
 from edgecache.fleet.vectors import SharedIndex, VectorFeed
 from edgecache.health import READY, Health
@@ -33,6 +35,7 @@ class Fleet:
                               on_state=metrics.observe_redis)
         self.events = FleetEvents(self.link, self.node_id, on_flush)
         self.vectors: VectorFeed | None = None
+        self.labels: LabelFeed | None = None
 
     async def start(self) -> None:
         await self.link.start()
@@ -40,7 +43,8 @@ class Fleet:
 
     def health(self) -> dict[str, Any]:
         """The /health detail: this node, the fleet's epoch, the link's state."""
-        return {"node": self.node_id, "epoch": self.events.epoch, **self.link.state()}
+        labels = {"labels": self.labels.state()} if self.labels is not None else {}
+        return {"node": self.node_id, "epoch": self.events.epoch, **self.link.state(), **labels}
 
     def health_check(self) -> Health:
         """Redis away is ``degraded``, never ``failed``: the node still serves from its memory tier and engine."""
@@ -59,7 +63,16 @@ class Fleet:
         self.vectors.start()
         return SharedIndex(local_index, self.vectors)
 
+    def share_labels(self, on_label: Callable[[SharedLabel], None]) -> LabelFeed:
+        """Start sharing the semantic learner's labels: this node's go to the fleet, the others' to ``on_label``."""
+        if self.labels is None:
+            self.labels = LabelFeed(self.link, self.node_id, on_label)
+            self.labels.start()
+        return self.labels
+
     async def close(self) -> None:
+        if self.labels is not None:
+            await self.labels.close()
         if self.vectors is not None:
             await self.vectors.close()
         await self.events.close()
