@@ -343,18 +343,25 @@ class SemanticCache:
             self._teach(tenant, scenario, store_key, similarity, good, answer_key)
 
     def _teach(self, tenant: str, scenario: str, store_key: str, similarity: float, good: bool | None,
-               answer_key: str | None, decision: Decision | None = None) -> None:
+               answer_key: str | None, decision: Decision | None = None) -> bool:
+        """One label to the learner; False when its scenario is no longer configured (a label from a log written
+        before the profile changed, or from a fleet node whose profile still has it): nothing of it to teach."""
         assert self.learner is not None
+        try:
+            prior_cut = self.rule_for(tenant, scenario).threshold
+        except KeyError:
+            return False
         with self._learner_lock:
-            self.learner.record(tenant, scenario, store_key, similarity, good is True,
-                                prior_cut=self.rule_for(tenant, scenario).threshold, decision=decision)
+            self.learner.record(tenant, scenario, store_key, similarity, good is True, prior_cut=prior_cut,
+                                decision=decision)
             if good is True and answer_key is not None and answer_key != store_key:
                 self.learner.link(tenant, scenario, answer_key, store_key)
+        return True
 
     def learn_from_log(self, labelled: Iterable[tuple[DecisionRecord, bool | None]]) -> int:
         """Teach the learner the labels a decision log kept (at start: what this box learned before a restart, or
         under another rule before the learner was turned on). A candidate the guard refused is skipped, as it is
-        live. Returns the labels taught."""
+        live, and so is a label of a scenario the profile no longer has. Returns the labels taught."""
         if self.learner is None:
             return 0
         taught = 0
@@ -363,8 +370,8 @@ class SemanticCache:
                 continue
             assert decision.store_key is not None and decision.similarity is not None
             # One lock per label: lookups may already be deciding. None counts as wrong, as in learn.
-            self._teach(decision.tenant, decision.scenario, decision.store_key, decision.similarity, good, None)
-            taught += 1
+            if self._teach(decision.tenant, decision.scenario, decision.store_key, decision.similarity, good, None):
+                taught += 1
         return taught
 
     def _by_verifier(self, query: str, found: list[Candidate], rule: MatchRule, vector: np.ndarray) -> Lookup:

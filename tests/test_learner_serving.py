@@ -317,3 +317,25 @@ async def test_the_learner_explores_and_labels_with_the_real_cpu_engine(make_set
     assert [r.id for r in records if not isinstance(r, DecisionRecord)] == [explored.id]  # compared: one label
     labels = rt.learner.entry_labels_of("default", "default", explored.store_key)
     assert len(labels) == 1 and answers[1].strip()
+
+
+async def test_labels_of_a_scenario_no_longer_configured_are_skipped_at_start_and_from_the_fleet(
+        make_settings: Any) -> None:
+    # A log written under a profile that had a scenario the operator has since removed (or a label from a fleet node
+    # whose profile has it): nothing to teach, and never a failed start or a dead label follower.
+    from edgecache.decision_log import DecisionLog
+
+    settings = make_settings(semantic__enabled=True, semantic__decision="learner")
+    log = DecisionLog(Path(settings.data_dir) / "decisions", max_bytes=1 << 20)
+    gone = log.decided("default", "retired", "q0", "refused", reason="learner:unsure", store_key="k0", similarity=0.9)
+    kept = log.decided("default", "default", "q1", "refused", reason="learner:unsure", store_key="k1", similarity=0.9)
+    log.labelled(gone, False, "equality")
+    log.labelled(kept, True, "equality")
+    log.close()
+    async with serve_in_process(create_app(settings, engine=ConstantEngine())) as c:
+        rt = c.app.state.runtime  # type: ignore[attr-defined]
+        assert rt.ready and (await c.get("/health")).status_code == 200
+        assert rt.learner.entry_labels_of("default", "default", "k1") == [(0.9, True)]
+        assert ("default", "retired") not in rt.learner.summary()
+        rt.semantic.learn_shared("default", "retired", "k2", 0.9, False, None)  # no KeyError out of the follower
+        assert ("default", "retired") not in rt.learner.summary()
