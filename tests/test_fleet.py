@@ -273,3 +273,31 @@ async def test_a_label_on_one_node_teaches_the_others(make_settings: Any, tmp_pa
         health = (await b.get("/health")).json()
         assert health["redis"]["labels"]["applied"] >= 1
         assert (await a.get("/health")).json()["redis"]["labels"]["published"] >= 1
+
+
+async def test_a_label_that_cannot_be_taught_does_not_stop_the_label_follower(redis_url: str) -> None:
+    from edgecache.fleet.labels import LabelFeed, SharedLabel
+    from edgecache.fleet.link import RedisLink
+
+    taught: list[str] = []
+
+    def on_label(label: SharedLabel) -> None:
+        if label.store_key == "bad":
+            raise RuntimeError("cannot teach this one")
+        taught.append(label.store_key)
+
+    link = RedisLink(redis_url, timeout_s=5.0)
+    await link.start()
+    sender, receiver = LabelFeed(link, "node-a", lambda label: None), LabelFeed(link, "node-b", on_label)
+    try:
+        receiver.start()
+        await until(lambda: receiver._cursor is not None)  # it reads from the stream's end: start it first
+        sender.start()
+        for key in ("bad", "good"):
+            sender.publish("t", "s", key, 0.9, False, None)
+        await until(lambda: taught == ["good"])
+        assert receiver.applied == 1 and sender.published == 2 and sender.applied == 0
+    finally:
+        await sender.close()
+        await receiver.close()
+        await link.close()

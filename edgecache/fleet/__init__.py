@@ -2,9 +2,9 @@
 
 :class:`Fleet` is this node's membership: the link (:mod:`edgecache.fleet.link`), the flush and model events
 (:mod:`edgecache.fleet.events`), the shared semantic vectors (:mod:`edgecache.fleet.vectors`) and the semantic
-learner's labels (:mod:`edgecache.fleet.labels`). The shared layers'
-backends live with their layers: :mod:`edgecache.stores.redis` and :mod:`edgecache.inflight.redis`. Built only when
-``store.backend = "redis"``; a single box never imports any of it (nor the redis client).
+learner's labels (:mod:`edgecache.fleet.labels`). The shared layers' backends live with their layers:
+:mod:`edgecache.stores.redis` and :mod:`edgecache.inflight.redis`. Built only when ``store.backend = "redis"``; a
+single box never imports any of it (nor the redis client).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Fleet:
         await self.events.start()
 
     def health(self) -> dict[str, Any]:
-        """The /health detail: this node, the fleet's epoch, the link's state."""
+        """The /health detail: this node, the fleet's epoch, the link's state, and the learner's labels shared."""
         labels = {"labels": self.labels.state()} if self.labels is not None else {}
         return {"node": self.node_id, "epoch": self.events.epoch, **self.link.state(), **labels}
 

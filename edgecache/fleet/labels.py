@@ -116,7 +116,11 @@ class LabelFeed:
             log.warning("ignored an unreadable fleet label")
             return
         if label.origin != self.node_id:
-            self._on_label(label)
+            try:
+                self._on_label(label)
+            except Exception:  # one label that cannot be taught must not stop the follower for all the others
+                log.exception("a fleet label could not be applied")
+                return
             self.applied += 1
 
     async def close(self) -> None:
