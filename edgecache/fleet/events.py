@@ -89,18 +89,12 @@ class FleetEvents:
 
     async def _follow(self) -> None:
         while not self._closing:
-            if not self._link.up or self._cursor is None:
+            if self._cursor is None:  # not reached Redis yet: _resync sets it
                 await asyncio.sleep(0.2)
                 continue
-            try:
-                batch = await self._link.run(self._link.client.xread({EVENTS: self._cursor}, count=100,
-                                                                     block=self._link.block_ms))
-            except LinkDown:
-                continue
-            for _, entries in batch or ():
-                for entry_id, fields in entries:
-                    self._cursor = entry_id
-                    await self._apply(fields)
+            for _, entry_id, fields in await self._link.read_after({EVENTS: self._cursor}, count=100):
+                self._cursor = entry_id
+                await self._apply(fields)
 
     async def _apply(self, fields: dict[bytes, bytes]) -> None:
         try:

@@ -91,23 +91,25 @@ class LabelFeed:
                 self.dropped += 1
 
     async def _follow(self) -> None:
-        client = self._link.client
         while not self._closing:
-            if not self._link.up:
-                await asyncio.sleep(0.2)
+            if self._cursor is None:
+                if not await self._start_at_the_end():
+                    await asyncio.sleep(0.2)
                 continue
-            try:
-                if self._cursor is None:
-                    last = await self._link.run(client.xrevrange(LABELS, count=1))
-                    self._cursor = last[0][0] if last else b"0-0"
-                batch = await self._link.run(client.xread({LABELS: self._cursor}, count=512,
-                                                          block=self._link.block_ms))
-            except LinkDown:
-                continue
-            for _, entries in batch or ():
-                for entry_id, fields in entries:
-                    self._cursor = entry_id
-                    self._apply(fields)
+            for _, entry_id, fields in await self._link.read_after({LABELS: self._cursor}, count=512):
+                self._cursor = entry_id
+                self._apply(fields)
+
+    async def _start_at_the_end(self) -> bool:
+        """Set the cursor after the newest label (what this node learned before comes from its own log)."""
+        if not self._link.up:
+            return False
+        try:
+            last = await self._link.run(self._link.client.xrevrange(LABELS, count=1))
+        except LinkDown:
+            return False
+        self._cursor = last[0][0] if last else b"0-0"
+        return True
 
     def _apply(self, fields: dict[bytes, bytes]) -> None:
         try:

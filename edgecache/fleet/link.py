@@ -87,6 +87,21 @@ class RedisLink:
             self.failed(exc)
             raise LinkDown(self.error or "redis unreachable") from exc
 
+    async def read_after(self, cursors: dict[str, bytes | str],
+                         count: int) -> list[tuple[str, Any, dict[bytes, bytes]]]:
+        """The followers' one read: entries of each stream after its cursor (the last id read), as ``(stream, id,
+        fields)``, waiting up to :attr:`block_ms` for the first. While Redis is away: a short pause, then nothing
+        (the caller's loop comes back, and reads on once the link is up)."""
+        if not self.up:
+            await asyncio.sleep(0.2)
+            return []
+        try:
+            batch = await self.run(self.client.xread(cursors, count=count, block=self.block_ms))
+        except LinkDown:
+            return []
+        return [(stream.decode() if isinstance(stream, bytes) else stream, entry_id, fields)
+                for stream, entries in batch or () for entry_id, fields in entries]
+
     def state(self) -> dict[str, Any]:
         """For /health: up or down, since when, and why."""
         out: dict[str, Any] = {"up": self.up, "url": redact(self.url), "disconnects": self.disconnects}

@@ -126,28 +126,25 @@ class VectorFeed:
                 continue
             try:
                 streams = sorted(s.decode() for s in await self._link.run(client.smembers(self._registry)))
-                if not streams:
-                    await asyncio.sleep(self._link.block_ms / 1000)
-                    continue
-                batch = await self._link.run(client.xread({s: self._cursors.get(s, "0-0") for s in streams},
-                                                          count=512, block=self._link.block_ms))
             except LinkDown:
                 continue
-            if batch:
-                await self._apply(batch)
+            if not streams:
+                await asyncio.sleep(self._link.block_ms / 1000)
+                continue
+            entries = await self._link.read_after({s: self._cursors.get(s, "0-0") for s in streams}, count=512)
+            if entries:
+                await self._apply(entries)
 
-    async def _apply(self, batch: list[Any]) -> None:
+    async def _apply(self, entries: list[tuple[str, Any, dict[bytes, bytes]]]) -> None:
         records: list[VectorRecord] = []
-        for stream, entries in batch:
-            name = stream.decode() if isinstance(stream, bytes) else stream
-            for entry_id, fields in entries:
-                self._cursors[name] = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-                try:
-                    record = self._decoder.decode(fields[b"r"])
-                except (KeyError, msgspec.DecodeError):
-                    continue
-                if record.origin != self.node_id:
-                    records.append(record)
+        for stream, entry_id, fields in entries:
+            self._cursors[stream] = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            try:
+                record = self._decoder.decode(fields[b"r"])
+            except (KeyError, msgspec.DecodeError):
+                continue
+            if record.origin != self.node_id:
+                records.append(record)
 
         def apply() -> None:
             for record in records:
