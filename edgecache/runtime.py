@@ -34,6 +34,7 @@ from edgecache.labeling import (AnswerEmbeddingLabeler, EqualityLabeler, FirstVe
 from edgecache.metrics import Metrics
 from edgecache.openai_api import IdSource
 from edgecache.pipeline import Call, RequestPipeline
+from edgecache.stores import ResultStores
 from edgecache.stores.disk import TenantStores
 from edgecache.semantic_cache import Lookup, MatchRule, SemanticCache
 from edgecache.semantic_learner import SemanticLearner
@@ -45,7 +46,6 @@ from edgecache.warmup import Prefilled
 if TYPE_CHECKING:
     from edgecache.fleet import Fleet
     from edgecache.fleet.labels import SharedLabel
-    from edgecache.stores.redis import RedisTenantStores
 
 log = logging.getLogger("edgecache")
 
@@ -72,7 +72,7 @@ class Runtime:
         self.ids = IdSource()
         self.parsed = ParsedRequests(settings)
         self.fleet: Fleet | None = None
-        self.stores: TenantStores | RedisTenantStores
+        self.stores: ResultStores
         if settings.store.backend == "redis":
             from edgecache.fleet import Fleet
             from edgecache.stores.redis import RedisTenantStores
@@ -292,12 +292,7 @@ class Runtime:
     async def flush(self, tenant: str | None, scenario: str | None) -> dict[str, int]:
         """Drop entries across every layer: the tenant's (or everyone's) result store, scenario-tagged entries
         only when a scenario is named, the semantic vectors, and the engine's prefix cache when flushing all."""
-        if tenant is not None:
-            stores = [tenant]
-        elif self.fleet is not None:
-            stores = await self.stores.known_tenants()  # type: ignore[union-attr]  # the fleet's, from Redis
-        else:
-            stores = self.stores.existing_tenants()
+        stores = [tenant] if tenant is not None else await self.stores.known_tenants()  # a fleet's: from Redis
         dropped = 0
         for name in stores:
             dropped += await self.stores(name).clear(tag=scenario)
@@ -321,7 +316,7 @@ class Runtime:
         """Another node flushed (the shared store is already cleared): drop what this node holds of it."""
         for name, store in self.stores.opened().items():
             if tenant in (None, name):
-                store.forget_memory()  # type: ignore[union-attr]  # the memory tier has no tags: all of it
+                store.forget_memory()  # the memory tier has no tags: all of it
         if self.semantic is not None:
             await self.semantic.drop(tenant=tenant, scenario=scenario)
         if tenant is None and scenario is None and self.ready:
