@@ -182,7 +182,7 @@ class Runtime:
                 self.semantic.index = await self.fleet.share_vectors(  # type: ignore[assignment]
                     self.semantic.index, embedder_version=self._embedder.version,
                     cursor_file=self.settings.data_path / "semantic" / "fleet-cursors.json",
-                    cap_for=self.vector_cap_for)
+                    cap_for=self.vector_cap_for, index_thread=self.semantic.in_index_thread)
             if self.semantic_error is not None:
                 log.info("the semantic layer is back")
             self.semantic_error = None

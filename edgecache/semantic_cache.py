@@ -219,7 +219,9 @@ class SemanticCache:
         """The index name within a tenant: the scenario, then the namespace (see :func:`probe_for`)."""
         return f"{scenario}~{namespace}"
 
-    async def _in_index_thread(self, fn: Callable[..., object], *args: object) -> object:
+    async def in_index_thread(self, fn: Callable[..., object], *args: object) -> object:
+        """Run ``fn`` on the index's one thread, in order with every lookup and addition (the fleet's vectors go
+        through here too)."""
         return await asyncio.get_running_loop().run_in_executor(self._index_executor, fn, *args)
 
     async def accepts(self, text: str) -> bool:
@@ -238,7 +240,7 @@ class SemanticCache:
         call degrades to ``fallback`` (a lookup: no candidate; a write: skipped) instead of failing the request.
         Without ``faults`` (a bare cache in a script) the error propagates."""
         try:
-            result = await self._in_index_thread(fn, *args)
+            result = await self.in_index_thread(fn, *args)
         except STORAGE_ERRORS as exc:
             if self._faults is None:
                 raise
@@ -445,7 +447,7 @@ class SemanticCache:
             with self._learner_lock:
                 self.learner.drop(tenant, scenario)
         try:
-            await self._in_index_thread(drop_matching)
+            await self.in_index_thread(drop_matching)
         except STORAGE_ERRORS as exc:
             if self._faults is not None:
                 self._faults.record("semantic", exc, action="flush failed", path=self.index.mapping_path)

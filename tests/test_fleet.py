@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -238,6 +239,48 @@ async def test_a_paraphrase_stored_on_one_node_is_a_semantic_hit_on_another(
             late_feed = c.app.state.runtime.fleet.vectors  # type: ignore[attr-defined]
             await until(lambda: late_feed.applied >= 1)
             assert served(await ask(c, "how do I reset my password?")) == "semantic"
+
+
+async def test_a_warmup_on_one_node_makes_a_paraphrase_a_semantic_hit_on_another(
+        make_settings: Any, tmp_path: Path, redis_url: str) -> None:
+    # A warmup indexes its vectors in batches (SemanticIndex.add_many): those must reach the fleet like a miss's
+    # single addition does. They once stayed on the warming node: SharedIndex shared only ``add``.
+    engines = [FakeEngine(), FakeEngine()]
+    async with fleet(make_settings, tmp_path, redis_url, engines, semantic__enabled=True) as (a, b):
+        lines = [{"line": 1, "request": {"messages": [{"role": "user", "content": "How do I reset my password?"}],
+                                         "max_tokens": 16, "answer": "Use the 'Forgot password' link."}},
+                 {"line": 2, "request": {"messages": [{"role": "user", "content": "Where is my parcel?"}],
+                                         "max_tokens": 16, "answer": "Track it under Orders."}}]
+        warm = await a.post("/admin/warmup", json={"lines": lines})
+        assert warm.status_code == 200, warm.text
+        assert [r["outcome"] for r in warm.json()["results"]] == ["written", "written"]
+        feed = b.app.state.runtime.fleet.vectors  # type: ignore[attr-defined]
+        await until(lambda: feed.applied >= 2)
+        para = await ask(b, "How can I reset my password?")
+        assert served(para) == "semantic"
+        assert text(para) == "Use the 'Forgot password' link."
+        assert sum(e.calls for e in engines) == 0
+
+
+async def test_the_fleets_vectors_are_written_on_the_index_thread(
+        make_settings: Any, tmp_path: Path, redis_url: str) -> None:
+    # Every index call runs on the semantic cache's one index thread (adds in order with the searches after
+    # them); the fleet's vectors once went through the loop's default executor instead.
+    engines = [FakeEngine(), FakeEngine()]
+    async with fleet(make_settings, tmp_path, redis_url, engines, semantic__enabled=True) as (a, b):
+        local = b.app.state.runtime.semantic.index.local  # type: ignore[attr-defined]
+        threads: list[str] = []
+        add = local.add
+
+        def add_noting_the_thread(*args: Any, **kwargs: Any) -> int:
+            threads.append(threading.current_thread().name)
+            return int(add(*args, **kwargs))
+
+        local.add = add_noting_the_thread
+        await ask(a, "How do I reset my password?")
+        feed = b.app.state.runtime.fleet.vectors  # type: ignore[attr-defined]
+        await until(lambda: feed.applied >= 1)
+        assert threads and all(name.startswith("semantic-index") for name in threads), threads
 
 
 async def test_a_label_on_one_node_teaches_the_others(make_settings: Any, tmp_path: Path, redis_url: str) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,12 +54,15 @@ class Fleet:
                                   "and engine, reconnecting")
 
     async def share_vectors(self, local_index: Any, *, embedder_version: str, cursor_file: Path,
-                            cap_for: Callable[[str], int | None]) -> SharedIndex:
-        """Wrap the node's semantic index so its additions reach the fleet, and start applying the fleet's."""
+                            cap_for: Callable[[str], int | None],
+                            index_thread: Callable[[Callable[[], None]], Awaitable[object]]) -> SharedIndex:
+        """Wrap the node's semantic index so its additions reach the fleet, and start applying the fleet's (on
+        ``index_thread``, the semantic cache's own index thread)."""
         if self.vectors is not None:
             await self.vectors.close()
         self.vectors = VectorFeed(self.link, self.node_id, embedder_version=embedder_version,
-                                  local_index=local_index, cursor_file=cursor_file, cap_for=cap_for)
+                                  local_index=local_index, cursor_file=cursor_file, cap_for=cap_for,
+                                  index_thread=index_thread)
         self.vectors.start()
         return SharedIndex(local_index, self.vectors)
 

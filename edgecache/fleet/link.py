@@ -17,11 +17,18 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
 
 log = logging.getLogger("edgecache.fleet")
+
+
+def tenant_part(tenant: str) -> str:
+    """A tenant's name as one Redis key segment: ``:`` and other separators quoted, so no name reaches another's
+    keys. Every backend that names keys by tenant (the store, the vector streams) uses this one spelling."""
+    return quote(tenant, safe="-_.")
 
 
 class RedisLink:

@@ -20,19 +20,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import numpy as np
 
-from edgecache.fleet.link import LinkDown, RedisLink
-from edgecache.stores.redis import tenant_part
+from edgecache.fleet.link import LinkDown, RedisLink, tenant_part
 
 log = logging.getLogger("edgecache.fleet")
 
 STREAM_KEPT = 200_000  # records per tenant stream, roughly: a node away for longer rebuilds from new traffic
 QUEUE_MAX = 10_000
+BULK_PIPELINE = 1_000  # records per Redis round trip when a warmup's batch is published
+BULK_WAIT_S = 60.0     # longest a warmup batch waits for Redis (each round trip is bounded by the link's timeout)
 
 
 class VectorRecord(msgspec.Struct, frozen=True, array_like=True):
@@ -47,8 +49,9 @@ class VectorRecord(msgspec.Struct, frozen=True, array_like=True):
 class SharedIndex:
     """A :class:`~edgecache.semantic_index.SemanticIndex` whose additions also go to the fleet's streams.
 
-    Everything but ``add`` is the local index's own (reads, removals, drops, saves): :meth:`__getattr__` passes
-    them through, so the semantic cache cannot tell the two apart.
+    Everything but the additions (``add``, and ``add_many``, a warmup's) is the local index's own (reads,
+    removals, drops, saves): :meth:`__getattr__` passes them through, so the semantic cache cannot tell the two
+    apart. An addition left to :meth:`__getattr__` would silently stay on this node, as a warmup's once did.
     """
 
     def __init__(self, local: Any, feed: VectorFeed) -> None:
@@ -63,6 +66,16 @@ class SharedIndex:
             vector=np.asarray(vector, dtype=np.float16).tobytes()))
         return key
 
+    def add_many(self, tenant: str, scenario: str, vectors: np.ndarray, store_keys: Sequence[str],
+                 texts: Sequence[str], max_vectors: int | None = None, threads: int = 0) -> list[int]:
+        keys = self.local.add_many(tenant, scenario, vectors, store_keys, texts, max_vectors, threads)
+        halves = np.asarray(vectors, dtype=np.float16).reshape(len(store_keys), -1)
+        self._feed.published_many_from_thread([
+            VectorRecord(origin=self._feed.node_id, tenant=tenant, index=scenario, store_key=store_key, text=text,
+                         vector=vector.tobytes())
+            for store_key, text, vector in zip(store_keys, texts, halves)])
+        return list(keys)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.local, name)
 
@@ -71,13 +84,16 @@ class VectorFeed:
     """Publishes this node's additions and applies everyone else's to the local index."""
 
     def __init__(self, link: RedisLink, node_id: str, *, embedder_version: str, local_index: Any,
-                 cursor_file: Path, cap_for: Any) -> None:
+                 cursor_file: Path, cap_for: Any,
+                 index_thread: Callable[[Callable[[], None]], Awaitable[object]]) -> None:
         self._link = link
         self.node_id = node_id
         self._prefix = f"ec:v:{embedder_version}:"
         self._registry = self._prefix + "tenants"
         self._index = local_index
         self._cap_for = cap_for
+        # The semantic cache's own index thread: every index call runs there, in order with lookups and adds.
+        self._index_thread = index_thread
         self._cursor_file = cursor_file
         self._cursors: dict[str, str] = self._load_cursors()
         self._queue: asyncio.Queue[VectorRecord] = asyncio.Queue(QUEUE_MAX)
@@ -96,6 +112,33 @@ class VectorFeed:
     def published_from_thread(self, record: VectorRecord) -> None:
         """Called on the index thread: hand the record to the event loop."""
         self._loop.call_soon_threadsafe(self._enqueue, record)
+
+    def published_many_from_thread(self, records: list[VectorRecord]) -> None:
+        """Called on the index thread with a warmup's batch: published before the call returns, so a warmup of
+        100k lines is neither held in memory nor dropped by the single additions' queue. Waiting here holds the
+        index thread the way the batch's own insert did; Redis away drops the batch (the others compute)."""
+        future = asyncio.run_coroutine_threadsafe(self._publish_many(records), self._loop)
+        try:
+            future.result(timeout=BULK_WAIT_S)
+        except TimeoutError:
+            future.cancel()
+            self.dropped += len(records)
+
+    async def _publish_many(self, records: list[VectorRecord]) -> None:
+        for start in range(0, len(records), BULK_PIPELINE):
+            part = records[start:start + BULK_PIPELINE]
+            if not self._link.up:
+                self.dropped += len(part)
+                continue
+            pipe = self._link.client.pipeline(transaction=False)
+            for record in part:
+                pipe.xadd(self._prefix + tenant_part(record.tenant), {"r": self._encoder.encode(record)},
+                          maxlen=STREAM_KEPT, approximate=True)
+            pipe.sadd(self._registry, *{self._prefix + tenant_part(record.tenant) for record in part})
+            try:
+                await self._link.run(pipe.execute())
+            except LinkDown:
+                self.dropped += len(part)
 
     def _enqueue(self, record: VectorRecord) -> None:
         try:
@@ -156,7 +199,7 @@ class VectorFeed:
                                 self._cap_for(record.tenant))
             self._save_cursors()
 
-        await self._loop.run_in_executor(None, apply)
+        await self._index_thread(apply)
         self.applied += len(records)
 
     def _load_cursors(self) -> dict[str, str]:

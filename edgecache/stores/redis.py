@@ -19,12 +19,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from urllib.parse import quote, unquote
+from urllib.parse import unquote
 
 import msgspec
 
 from edgecache.errors import NotReady
-from edgecache.fleet.link import LinkDown, RedisLink
+from edgecache.fleet.link import LinkDown, RedisLink, tenant_part
 from edgecache.stores import CachedAnswer
 from edgecache.stores.memory import MemoryLRU
 
@@ -111,11 +111,6 @@ for _, member in ipairs(redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1))
 end
 return pruned
 """
-
-
-def tenant_part(tenant: str) -> str:
-    """A tenant's name as one key segment: ``:`` and other separators quoted, so no name reaches another's keys."""
-    return quote(tenant, safe="-_.")
 
 
 class RedisScripts:
