@@ -70,6 +70,7 @@ def serve(
     import uvicorn
 
     from edgecache.app import create_app
+    from edgecache.canary import CanaryFailed, settle
     from edgecache.data_dir import ensure_free
     from edgecache.engines import engine_from_settings
     from edgecache.errors import EdgeCacheError
@@ -95,14 +96,25 @@ def serve(
     except OSError as exc:
         raise refuse(f"cannot listen on {settings.server.host}:{settings.server.port}: {exc.strerror or exc} "
                      "(another server on that port? give --port another)") from exc
+    logging.basicConfig(level=settings.server.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        application = create_app(settings, engine=engine_from_settings(settings))
+        engine = engine_from_settings(settings)  # a model that is not there is refused here, before the canary
+        report = None
+        if settings.canary.enabled:
+            # A native fault of the engine or the embedder shows here, in a child, not on a user's first request.
+            settled, report = settle(settings)
+            if settled is not settings:
+                settings, engine = settled, engine_from_settings(settled)
+        application = create_app(settings, engine=engine, canary=report)
     except (SettingsError, EdgeCacheError) as exc:  # a bad tenants file, a model that is not there
         listening.close()
         raise refuse(str(exc)) from exc
+    except CanaryFailed as exc:
+        listening.close()
+        typer.secho(f"error: {exc}", fg="red", err=True)
+        raise typer.Exit(1) from exc
 
-    logging.basicConfig(level=settings.server.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = settings.engine.upstream_url if settings.engine.kind == "openai" else settings.engine.model
     typer.echo(f"edgecache: profile {settings.profile}, engine {settings.engine.kind} ({engine}), "
                f"data in {settings.data_dir}, serving on http://{settings.server.host}:{settings.server.port}/v1",
@@ -290,8 +302,16 @@ def warmup(
         except httpx.HTTPError as exc:
             raise _fail_http(url, exc) from exc
     else:
+        from edgecache.canary import CanaryFailed, settle
+
         settings = _settings(profile, {"data_dir": data_dir, "tenants_file": tenants})
         logging.basicConfig(level="WARNING")
+        if settings.canary.enabled:
+            try:
+                settings, _ = settle(settings)
+            except CanaryFailed as exc:
+                typer.secho(f"error: {exc}", fg="red", err=True)
+                raise typer.Exit(1) from exc
         summary = warm_offline(path, settings, tenant, console)
     typer.echo(f"warmup: {summary.written} written, {summary.skipped} skipped, {summary.failed} failed "
                f"in {summary.seconds:.1f} s")
@@ -384,6 +404,42 @@ def tune(
         own = sum(1 for c in cuts if c.tenant != ALL and c.cut is not None)
         typer.echo(f"wrote {pooled} scenario thresholds and {own} tenant thresholds to {write} "
                    f"(load with: edgecache serve --overlay {write})")
+
+
+@app.command()
+def doctor(
+    profile: ProfileOpt = None,
+    data_dir: Annotated[Optional[str], typer.Option(help="The data dir serve would use (data_dir).")] = None,
+    redis: Annotated[Optional[str], typer.Option(metavar="URL", help="Check that this Redis answers (a fleet's "
+                                                 "store.redis_url).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print every check as JSON, for scripts.")] = False,
+    overlay: OverlayOpt = None,
+) -> None:
+    """Check this box before serving: Python and packages, the CPU and llama.cpp, the GPU, RAM, the data dir, Redis,
+    the profile serve would pick, and the start-up canary. One line per check; exits 1 when any check fails."""
+    import json
+
+    from edgecache.doctor import run_checks
+
+    settings = _settings(profile, {"data_dir": data_dir}, overlay)
+    logging.basicConfig(level="ERROR", format="%(levelname)s %(name)s: %(message)s")
+    colours = {"ok": "green", "warn": "yellow", "fail": "red"}
+
+    def show(check) -> None:  # type: ignore[no-untyped-def]
+        if not as_json:
+            typer.secho(f"{check.status:<5}", fg=colours[check.status], nl=False)
+            typer.echo(f"{check.name:<10} {check.detail}")
+
+    redis_url = redis or (settings.store.redis_url if settings.store.backend == "redis" else None)
+    checks = run_checks(settings, profile_given=profile, redis_url=redis_url, on_check=show)
+    failed = [c.name for c in checks if c.status == "fail"]
+    if as_json:
+        typer.echo(json.dumps({"ok": not failed, "checks": [
+            {"name": c.name, "status": c.status, "detail": c.detail} for c in checks]}, indent=2))
+    elif failed:
+        typer.secho(f"{len(failed)} failed: {', '.join(failed)}", fg="red", err=True)
+    if failed:
+        raise typer.Exit(1)
 
 
 @profiles_app.command("list")

@@ -34,6 +34,7 @@ from litestar.types import ASGIApp
 
 from edgecache.access_log import TENANT_SCOPE_KEY, AccessLog, AccessLogMiddleware
 from edgecache.calls import Parsed, apply_headers, read_headers
+from edgecache.canary import CanaryReport
 from edgecache.data_dir import DataDirLock
 from edgecache.engines.base import Chunk, Engine
 from edgecache.errors import (
@@ -305,6 +306,8 @@ async def health(state: State) -> Response[Any]:
         body["reason"] = overall.reason
     if rt.load_error:
         body["error"] = rt.load_error
+    if rt.canary is not None:
+        body["canary"] = msgspec.to_builtins(rt.canary)
     if rt.fleet is not None:
         # Redis down is a detail, not a failure: the node serves from its memory tier and its engine.
         body["redis"] = rt.fleet.health()
@@ -414,9 +417,11 @@ def _package_version() -> str:
 
 
 def create_app(settings: Settings, engine: Engine | None = None,
-               engine_factory: Callable[[Settings], Engine] | None = None) -> Litestar:
+               engine_factory: Callable[[Settings], Engine] | None = None,
+               canary: CanaryReport | None = None) -> Litestar:
     """Build the app. ``engine`` injects a ready-made engine (tests pass a fake); otherwise the engine named by
-    ``settings.engine.kind`` is built. The tenants file is read here, so a bad one fails before serving."""
+    ``settings.engine.kind`` is built. The tenants file is read here, so a bad one fails before serving.
+    ``canary`` is what the start-up self-test settled on (:mod:`edgecache.canary`), shown on /health."""
     tenants = (TenantDirectory.from_file(settings.tenants_file) if settings.tenants_file
                else TenantDirectory.open_directory())
 
@@ -431,6 +436,7 @@ def create_app(settings: Settings, engine: Engine | None = None,
         lock = DataDirLock(settings.data_path).acquire()
         try:
             rt = Runtime(settings, chosen, tenants)
+            rt.canary = canary
             app.state.runtime = rt
             loading = asyncio.create_task(rt.load(), name="load")
             try:

@@ -17,14 +17,18 @@ Embedding is synchronous and CPU/GPU bound: callers run it off the event loop.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
 from edgecache.errors import EdgeCacheError
+
+if TYPE_CHECKING:
+    from edgecache.settings import Settings
 
 Pooling = Literal["cls", "mean"]
 Device = Literal["cpu", "cuda"]
@@ -396,12 +400,25 @@ def load_embedder(
     the hub.
     """
     name = name or DEFAULT_EMBEDDER
-    try:
-        loader = EMBEDDERS[name]
-    except KeyError:
-        raise EmbedderUnavailable(f"unknown embedder {name!r}; known: {', '.join(sorted(EMBEDDERS))}") from None
+    loader = EMBEDDERS.get(name)
+    if loader is None and ":" in name:  # "package.module:function", a loader of one's own
+        module_name, _, attribute = name.partition(":")
+        try:
+            loader = getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as exc:
+            raise EmbedderUnavailable(f"cannot import the embedder loader {name!r}: {exc}") from None
+    if loader is None:
+        raise EmbedderUnavailable(f"unknown embedder {name!r}; known: {', '.join(sorted(EMBEDDERS))}, or "
+                                  "module:function") from None
     return loader(EmbedderOptions(model_dir=model_dir, device=device, threads=threads, max_length=max_length,
                                   gpu_mem_limit=gpu_mem_limit))
+
+
+def load_semantic_embedder(settings: Settings) -> Embedder:
+    """The profile's embedder (blocking: model load)."""
+    sem = settings.semantic
+    return load_embedder(sem.embedder, model_dir=sem.model_dir, device=sem.device, threads=sem.threads,
+                         gpu_mem_limit=sem.gpu_mem_limit)
 
 
 # ---- calibrated thresholds: data, per embedder version (scenario profiles may override) ----

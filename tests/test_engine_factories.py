@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-import typing
 from collections.abc import Iterator
 from importlib.abc import MetaPathFinder
 from pathlib import Path
@@ -17,7 +16,7 @@ from edgecache.engines.llamacpp import LlamaCppEngine
 from edgecache.engines.openai_upstream import OpenAIUpstreamEngine
 from edgecache.engines.sglang import SGLangEngine
 from edgecache.errors import EngineError
-from edgecache.settings import EngineSettings, Settings, SettingsError, resolve_settings
+from edgecache.settings import ENGINE_KINDS, Settings, SettingsError, resolve_settings
 
 
 def settings(tmp_path: Path, profile: str = "cpu", **overrides: Any) -> Settings:
@@ -50,13 +49,28 @@ def no_sglang(monkeypatch: pytest.MonkeyPatch) -> Iterator[_RefuseSglang]:
 
 
 def test_every_engine_kind_has_a_factory() -> None:
-    annotated = typing.get_type_hints(EngineSettings, include_extras=True)["kind"]  # Annotated[Literal[...], Meta]
-    kinds = set(typing.get_args(typing.get_args(annotated)[0]))
+    kinds = set(ENGINE_KINDS)
     assert kinds == {"llamacpp", "sglang", "openai"}
     assert set(ENGINE_FACTORIES) == kinds
     for target in ENGINE_FACTORIES.values():
         module_name, _, attribute = target.partition(":")
         assert callable(getattr(importlib.import_module(module_name), attribute))
+
+
+@pytest.mark.parametrize("kind", ["llamacpp", "openai", "tests.fakes:FakeEngine", "pkg.mod:make_engine"])
+def test_engine_kind_takes_a_known_name_or_an_import_path(kind: str, tmp_path: Path) -> None:
+    assert settings(tmp_path, engine__kind=kind).engine.kind == kind
+
+
+@pytest.mark.parametrize("kind", ["llama", "vllm", "pkg.mod", ":factory", "pkg mod:f", "pkg.mod:f()"])
+def test_engine_kind_refuses_anything_else(kind: str, tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="engine.kind"):
+        settings(tmp_path, engine__kind=kind)
+
+
+def test_an_engine_factory_that_does_not_import_is_one_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(EngineError, match="cannot import the engine factory 'no_such_pkg.engines:make'"):
+        engine_from_settings(settings(tmp_path, engine__kind="no_such_pkg.engines:make"))
 
 
 def test_llamacpp_kind_builds_the_cpu_engine(tmp_path: Path) -> None:

@@ -26,11 +26,16 @@ ENGINE_FACTORIES: dict[str, str] = {
 
 
 def engine_from_settings(settings: Settings) -> Engine:
-    target = ENGINE_FACTORIES.get(settings.engine.kind)
+    kind = settings.engine.kind
+    # "package.module:function": a factory of one's own (settings.py's engine.kind pattern admits it)
+    target = ENGINE_FACTORIES.get(kind) or (kind if ":" in kind else None)
     if target is None:
         raise EngineError(f"engine {settings.engine.kind!r} is not available; known: {', '.join(ENGINE_FACTORIES)}")
     module_name, _, attribute = target.partition(":")
-    factory = getattr(importlib.import_module(module_name), attribute)
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise EngineError(f"cannot import the engine factory {target!r}: {exc}") from exc
     return factory(settings)
 
 

@@ -193,7 +193,7 @@ class LlamaCppEngine:
 
     def __init__(self, *, model: str, model_id: str | None = None, context_tokens: int = 4096, threads: int = 0,
                  batch_tokens: int = 512, prefix_cache_bytes: int = 256 << 20,
-                 prefix_cache_min_tokens: int = 64) -> None:
+                 prefix_cache_min_tokens: int = 64, extra_buffer_types: bool = True) -> None:
         self._model_path, default_id = resolve_model_path(model)
         self.model_id = model_id or default_id
         self.version = f"{self.model_id}@{weights_fingerprint(self._model_path)}"
@@ -203,6 +203,7 @@ class LlamaCppEngine:
         # event loop or the embedder takes a core, and misses got several times slower.
         self._threads = threads or max(1, (os.cpu_count() or 1) - 1)
         self._batch_tokens = batch_tokens
+        self.extra_buffer_types = extra_buffer_types
         self._min_prefix = prefix_cache_min_tokens
         self.prefix_cache = PrefixStateCache(prefix_cache_bytes)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp")
@@ -224,8 +225,9 @@ class LlamaCppEngine:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         self._llama_cpp = llama_cpp
-        llm = llama_cpp.Llama(str(self._model_path), n_ctx=self._context_tokens, n_batch=self._batch_tokens,
-                              n_threads=self._threads, n_threads_batch=self._threads, verbose=False)
+        llm = _llama_class(llama_cpp)(
+            str(self._model_path), use_extra_bufts=self.extra_buffer_types, n_ctx=self._context_tokens,
+            n_batch=self._batch_tokens, n_threads=self._threads, n_threads_batch=self._threads, verbose=False)
         eos = llm.detokenize([llm.token_eos()], special=True).decode("utf-8", "replace")
         bos = llm.detokenize([llm.token_bos()], special=True).decode("utf-8", "replace")
         template = llm.metadata.get("tokenizer.chat_template")
@@ -236,6 +238,10 @@ class LlamaCppEngine:
         self._vocab = llama_cpp.llama_model_get_vocab(llm.model)
         self._chat_prompt = llama_chat_prompt_encoder(llm, control_spellings(llama_cpp, self._vocab))
         self._llm = llm
+
+    @property
+    def threads(self) -> int:
+        return self._threads
 
     async def close(self) -> None:
         if self._closed:
@@ -529,6 +535,27 @@ class LlamaCppEngine:
 
         piece = self._llm.detokenize([token])
         return TopLogprob(token=piece.decode("utf-8", "replace"), logprob=logprob, bytes=tuple(piece))
+
+
+def _llama_class(llama_cpp: Any) -> type:
+    """``llama_cpp.Llama`` taking ``use_extra_bufts``, a field of llama.cpp's model parameters that
+    llama-cpp-python 0.3.x fills with llama.cpp's default (on) and offers no argument for.
+
+    ``Llama.__init__`` builds ``self.model_params`` and loads the model with it in one go, so the field is set as that
+    attribute is assigned, before the load; nothing outside this instance changes.
+    """
+
+    class Llama(llama_cpp.Llama):  # type: ignore[misc,name-defined]
+        def __init__(self, *args: Any, use_extra_bufts: bool, **kwargs: Any) -> None:
+            self._use_extra_bufts = use_extra_bufts
+            super().__init__(*args, **kwargs)
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name == "model_params":
+                value.use_extra_bufts = self._use_extra_bufts
+            super().__setattr__(name, value)
+
+    return Llama
 
 
 def _first_stop(text: str, stops: tuple[str, ...], sent: int) -> int | None:

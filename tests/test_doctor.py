@@ -1,0 +1,63 @@
+"""`edgecache doctor`: one line per check, every check in --json, and a failing exit status when a check fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from edgecache.doctor import CHECK_NAMES
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def doctor(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGECACHE_")}
+    env["EDGECACHE_SEMANTIC__ENABLED"] = "false"  # the canary's embedder is tested in test_canary.py
+    return subprocess.run([sys.executable, "-m", "edgecache.cli.main", "doctor", "--profile", "cpu", *args],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT)
+
+
+def test_doctor_json_has_every_check_and_fails_when_the_data_dir_is_not_writable(tmp_path: Path) -> None:
+    good = doctor("--json", "--data-dir", str(tmp_path / "data"))
+    report = json.loads(good.stdout)
+    assert [c["name"] for c in report["checks"]] == list(CHECK_NAMES)
+    by_name = {c["name"]: c for c in report["checks"]}
+    assert by_name["data_dir"]["status"] == "ok" and "writable" in by_name["data_dir"]["detail"]
+    assert by_name["canary"]["status"] in ("ok", "warn"), by_name["canary"]
+    assert good.returncode == (0 if report["ok"] else 1)
+
+    # A data dir under a regular file cannot be created, whoever runs the test (root ignores permission bits).
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    bad = doctor("--json", "--data-dir", str(blocker / "data"))
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    failed = json.loads(bad.stdout)
+    assert failed["ok"] is False
+    statuses = {c["name"]: c["status"] for c in failed["checks"]}
+    assert statuses["data_dir"] == "fail"
+    assert [c["name"] for c in failed["checks"]] == list(CHECK_NAMES)
+    # the data dir is what failed: the other checks read as they did on the good dir
+    assert {n: s for n, s in statuses.items() if n != "data_dir"} == \
+        {c["name"]: c["status"] for c in report["checks"] if c["name"] != "data_dir"}
+
+
+def test_doctor_prints_one_line_per_check(tmp_path: Path) -> None:
+    result = doctor("--data-dir", str(tmp_path / "data"))
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert [line.split()[1] for line in lines] == list(CHECK_NAMES), result.stdout
+    assert all(line.split()[0] in ("ok", "warn", "fail") for line in lines)
+
+
+def test_doctor_fails_when_redis_is_not_reachable(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = doctor("--json", "--data-dir", str(tmp_path / "data"), "--redis", f"redis://127.0.0.1:{port}/0")
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert checks["redis"]["status"] == "fail" and "not reachable" in checks["redis"]["detail"]
+    assert result.returncode == 1
