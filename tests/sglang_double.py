@@ -16,8 +16,17 @@ the adapter depends on, as read in SGLang's source (``python/sglang/srt/entrypoi
 - ``tokenizer_manager.abort_request(rid)`` is synchronous, ignores unknown rids and makes a running request end
   with an abort finish reason.
 - ``flush_cache()`` / ``get_server_info()`` call ``self.loop.run_until_complete`` and so raise ``RuntimeError``
-  inside a running loop; ``tokenizer_manager.flush_cache()`` (``success`` is false while requests run) and
-  ``tokenizer_manager.get_internal_state()`` (one dict per DP rank) are their async bodies.
+  inside a running loop; ``tokenizer_manager.flush_cache()`` (``success`` is false, with an empty message, while
+  requests run) and ``tokenizer_manager.get_internal_state()`` (one dict per DP rank) are their async bodies.
+- Launching runs ``logging.basicConfig(force=True, level=log_level)`` (``configure_logger``), replacing the root
+  handlers. The tokenizer manager's first request, flush or state call (``auto_create_handle_loop``) adds SIGTERM
+  and SIGQUIT handlers to the running loop when on the main thread; SGLang's SIGTERM handler drains, kills the
+  process's children and exits, the double's records that it ran.
+- A request SGLang refuses: sampling parameters out of range (``SamplingParams.verify``) and a prompt of
+  ``context_length`` tokens or more raise ``ValueError`` from the stream before any output; a JSON schema the grammar
+  backend cannot compile ends the stream with an abort of status 400.
+
+The key sets below are SGLang's own; tests/test_sglang_contract.py checks each against the pinned wheel's source.
 
 Tests script what the "model" writes with :class:`Script`.
 """
@@ -26,6 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import logging
+import signal
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -46,7 +59,24 @@ SERVER_ARG_FIELDS = frozenset(
         "incremental_streaming_output",
     }
 )
-RADIX_EVICTION_POLICY_CHOICES = ("lru", "lfu", "slru", "priority")
+RADIX_EVICTION_POLICY_CHOICES = ("lru", "lfu", "slru", "priority", "tlru")
+# The keys of each finish reason's ``to_json()`` (``managers/schedule_batch.py``).
+FINISH_REASON_KEYS = {
+    "stop": frozenset({"type", "matched"}),
+    "length": frozenset({"type", "length"}),
+    "abort": frozenset({"type", "message", "status_code", "err_type"}),
+}
+# The ``meta_info`` keys of a generation's every output (``_handle_batch_output`` in ``tokenizer_manager.py``; with
+# metrics, logprobs or multimodal input it adds more).
+META_INFO_KEYS = frozenset({"id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions",
+                            "reasoning_tokens", "completion_tokens", "cached_tokens"})
+# ``get_internal_state()``: the figures beside the server arguments, and the keys of its ``memory_usage``.
+INTERNAL_STATE_FIGURES = frozenset({"world_size", "startup_time", "effective_max_running_requests_per_dp",
+                                    "last_gen_throughput", "memory_usage"})
+MEMORY_USAGE_KEYS = frozenset({"weight", "kvcache", "startup_available", "token_capacity", "token_capacity_swa",
+                               "graph"})
+FLUSH_OUTPUT_FIELDS = frozenset({"success", "message"})
+DEFAULT_CONTEXT_LENGTH = 4096
 
 BOS_ID = 1
 EOS_ID = 2
@@ -75,6 +105,8 @@ class Script:
 class FakeTokenizer:
     """A byte-level tokenizer with a ChatML template; ``encode`` adds a BOS unless told not to."""
 
+    chat_template = _DEFAULT_TEMPLATE
+
     def apply_chat_template(
         self,
         conversation: list[dict[str, str]],
@@ -83,6 +115,7 @@ class FakeTokenizer:
         add_generation_prompt: bool = False,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        return_dict: bool = False,
         **template_kwargs: Any,
     ) -> str | list[int]:
         # Like transformers: tools and any extra keyword become template variables.
@@ -93,6 +126,10 @@ class FakeTokenizer:
 
     # Like a HF tokenizer, the ChatML markers in text become one special id each, unless split_special_tokens.
     SPECIALS = {"<|im_start|>": 0, "<|im_end|>": 3}
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        return list(self.SPECIALS)
 
     def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
         ids: list[int] = []
@@ -126,13 +163,62 @@ class FakeTokenizerManager:
         self.aborted: list[str] = []
         self.closed_streams: list[str] = []
         self.flush_calls = 0
+        self.context_len = int(server_args.get("context_length") or DEFAULT_CONTEXT_LENGTH)
+        self.event_loop: asyncio.AbstractEventLoop | None = None
+        self.sigterm_received = 0
+
+    def auto_create_handle_loop(self) -> None:
+        if self.event_loop is not None:
+            return
+        loop = asyncio.get_event_loop()
+        self.event_loop = loop
+        if threading.current_thread() is threading.main_thread():
+            loop.add_signal_handler(signal.SIGTERM, self._sigterm_handler)
+            loop.add_signal_handler(signal.SIGQUIT, lambda: None)
+
+    def _sigterm_handler(self) -> None:
+        self.sigterm_received += 1  # SGLang's drains its requests, kills this process's children and exits
+
+    @staticmethod
+    def verify(sampling_params: dict[str, Any]) -> None:
+        """``SamplingParams.verify`` for the parameters the adapter sends (its defaults where absent)."""
+        p = {"temperature": 1.0, "top_p": 1.0, "min_p": 0.0, "top_k": -1, "frequency_penalty": 0.0,
+             "presence_penalty": 0.0, "repetition_penalty": 1.0, "max_new_tokens": 128, **sampling_params}
+        if p["temperature"] < 0.0:
+            raise ValueError(f"temperature must be a non-negative finite number, got {p['temperature']}.")
+        if not 0.0 < p["top_p"] <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {p['top_p']}.")
+        if not 0.0 <= p["min_p"] <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {p['min_p']}.")
+        if p["top_k"] < 1 and p["top_k"] != -1:
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {p['top_k']}.")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= p[name] <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {p[name]}.")
+        if not 0.0 < p["repetition_penalty"] <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {p['repetition_penalty']}.")
+        if p["max_new_tokens"] < 0:
+            raise ValueError(f"max_new_tokens must be at least 0, got {p['max_new_tokens']}.")
 
     async def generate_request(
         self, rid: str, input_ids: list[int], sampling_params: dict[str, Any], stream: bool, cache_salt: str | None
     ) -> AsyncIterator[dict[str, Any]]:
+        self.auto_create_handle_loop()
+        self.verify(sampling_params)
+        if len(input_ids) >= self.context_len:
+            raise ValueError(f"The input ({len(input_ids)} tokens) is longer than the model's context length "
+                             f"({self.context_len} tokens).")
         script = self.script
         state: dict[str, Any] = {"aborted": False}
         self.rid_to_state[rid] = state
+        schema = sampling_params.get("json_schema")
+        if schema is not None and '"format": "int32"' in json.dumps(json.loads(schema)):
+            # xgrammar refuses formats it does not know; the scheduler aborts the request with status 400.
+            self.rid_to_state.pop(rid)
+            reason = {"type": "abort", "status_code": 400, "err_type": "BadRequestError",
+                      "message": "Failed to compile json_schema grammar: unsupported format int32"}
+            yield {"text": "", "output_ids": [], "meta_info": self._meta(rid, reason, len(input_ids), 0, 0)}
+            return
         cached = self._match_prefix(cache_salt, input_ids)
         max_new = int(sampling_params.get("max_new_tokens", 128))
         pieces = script.pieces[:max_new]
@@ -154,13 +240,8 @@ class FakeTokenizerManager:
                     else:
                         finish = {"type": "stop", "matched": EOS_ID}
                 text += piece
-                meta = {
-                    "id": rid,
-                    "finish_reason": finish,
-                    "prompt_tokens": len(input_ids),
-                    "completion_tokens": i + (0 if finish and finish["type"] == "abort" else 1),
-                    "cached_tokens": cached,
-                }
+                meta = self._meta(rid, finish, len(input_ids),
+                                  i + (0 if finish and finish["type"] == "abort" else 1), cached)
                 out_text = piece if (stream and self.incremental_streaming_output) else text
                 if finish is not None or stream:
                     yield {"text": out_text, "output_ids": [], "meta_info": meta}
@@ -171,6 +252,13 @@ class FakeTokenizerManager:
             if rid in self.rid_to_state:
                 self.rid_to_state.pop(rid)
                 self.closed_streams.append(rid)
+
+    @staticmethod
+    def _meta(rid: str, finish: dict[str, Any] | None, prompt: int, completion: int, cached: int) -> dict[str, Any]:
+        meta = {"id": rid, "finish_reason": finish, "prompt_tokens": prompt, "weight_version": "default",
+                "num_retractions": 0, "reasoning_tokens": 0, "completion_tokens": completion, "cached_tokens": cached}
+        assert set(meta) == META_INFO_KEYS
+        return meta
 
     def _match_prefix(self, salt: str | None, ids: list[int]) -> int:
         """Longest cached prefix among earlier prompts with the same salt; the last token is always recomputed."""
@@ -193,21 +281,24 @@ class FakeTokenizerManager:
         self.rid_to_state[rid]["aborted"] = True
 
     async def flush_cache(self, timeout_s: float | None = None) -> FlushCacheReqOutput:
+        self.auto_create_handle_loop()
         self.flush_calls += 1
         if self.rid_to_state:
-            return FlushCacheReqOutput(success=False, message="Cache not flushed because there are pending requests.")
+            return FlushCacheReqOutput(success=False)  # the scheduler only logs why
         self.radix.clear()
         return FlushCacheReqOutput(success=True)
 
     async def get_internal_state(self) -> list[dict[str, Any]]:
+        self.auto_create_handle_loop()
         return [
             {
                 **self.server_args,
+                "world_size": 1,
+                "startup_time": 12.5,
+                "effective_max_running_requests_per_dp": 48,
                 "last_gen_throughput": 42.5,
-                "memory_usage": {"kvcache": 1.25, "token_capacity": 4096},
-                "waiting_queue_size": 0,
-                "running_batch_size": len(self.rid_to_state),
-                "engine_paused": False,
+                "memory_usage": {"weight": 0.3, "kvcache": 1.25, "startup_available": 20.0, "token_capacity": 4096,
+                                 "token_capacity_swa": None, "graph": {"target": 0.1, "draft": None}},
             }
         ]
 
@@ -224,6 +315,8 @@ class FakeSGLangEngine:
         policy = kwargs.get("radix_eviction_policy", "lru")
         if policy not in RADIX_EVICTION_POLICY_CHOICES:
             raise ValueError(f"invalid radix_eviction_policy {policy!r}")
+        logging.basicConfig(level=str(kwargs.get("log_level", "info")).upper(), format="[%(asctime)s] %(message)s",
+                            force=True)
         self.server_args = kwargs
         self.tokenizer_manager = FakeTokenizerManager(kwargs)
         self.calls: list[dict[str, Any]] = []
@@ -305,3 +398,61 @@ class OldFakeSGLangEngine(FakeSGLangEngine):
         return await super().async_generate(
             prompt=prompt, sampling_params=sampling_params, input_ids=input_ids, stream=stream, rid=rid
         )
+
+
+class TiktokenTokenizerDouble:
+    """SGLang's ``TiktokenTokenizer`` (``python/sglang/srt/tokenizer/tiktoken_tokenizer.py``) over an in-memory
+    ``tiktoken.Encoding`` (one token per byte, no file): ``encode(x, add_special_tokens=False)`` always parses the
+    special tokens and takes no other keyword; ``tokenizer`` is the Encoding; the chat template ``strip()``s text."""
+
+    SPECIALS = ("<|separator|>", "<|eos|>")
+
+    def __init__(self) -> None:
+        import tiktoken
+
+        self.tokenizer = tiktoken.Encoding(
+            name="double", pat_str=r"\S+|\s+", mergeable_ranks={bytes([b]): b for b in range(256)},
+            special_tokens={s: 256 + i for i, s in enumerate(self.SPECIALS)})
+        self.chat_template = (
+            "{% for message in messages %}{% if message['role'] == 'user' %}{{ 'Human: ' + message['content'].strip()"
+            " + '<|separator|>\n\n' }}{% elif message['role'] == 'system' %}{{ 'System: ' + "
+            "message['content'].strip() + '<|separator|>\n\n' }}{% elif message['role'] == 'assistant' %}{{ "
+            "'Assistant: '  + message['content'] + '<|separator|>\n\n' }}{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+        self._template = jinja2.Template(self.chat_template)
+
+    def encode(self, x: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self.tokenizer.encode(x, allowed_special="all"))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], tokenize: bool, add_generation_prompt: bool,
+                            tools: Any = None, reasoning_effort: Any = None, **kwargs: Any) -> str | list[int]:
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text) if tokenize else text
+
+
+class MistralCommonTokenizer:
+    """transformers' mistral-common tokenizer as SGLang loads it for a bare tekken checkpoint: the chat goes
+    straight to ids (control tokens have no text form), each message's text encoded as text, and ``encode`` refuses
+    ``split_special_tokens``."""
+
+    BOS, INST, END_INST, EOS = 1, 3, 4, 2
+
+    def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
+        if split_special_tokens:
+            raise ValueError("`MistralCommonBackend` does not support `return_offsets_mapping` and "
+                             "`split_special_tokens`.")
+        return [b + 10 for b in text.encode()]
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], tools: Any = None,
+                            add_generation_prompt: bool = False, tokenize: bool = True, return_dict: bool = True,
+                            **kwargs: Any) -> list[int] | str:
+        if not tokenize:
+            # rendering to text loses the control tokens; the adapter must not take this road
+            return "".join(f"[INST]{m['content']}[/INST]" for m in conversation)
+        ids = [self.BOS]
+        for m in conversation:
+            if m["role"] == "user":
+                ids += [self.INST, *self.encode(m["content"]), self.END_INST]
+            elif m["role"] == "assistant":
+                ids += [*self.encode(m["content"]), self.EOS]
+        return ids

@@ -34,13 +34,13 @@ import numpy as np
 
 from edgecache.cpu import ExtraBufferTypes, cpu_flags, extra_buffer_types_on
 from edgecache.engines.base import Choice, Chunk, GenerationRequest, TokenLogprob, ToolCall
+from edgecache.engines.chat_prompt import ChatPromptEncoder
 from edgecache.engines.structured_output import (
+    chat_for_template,
     grammar_source,
     parse_tool_calls,
     template_message,
     tool_call_id,
-    tools_system_prompt,
-    with_tools_in_prompt,
 )
 from edgecache.errors import BadRequest, EngineError
 
@@ -238,6 +238,7 @@ class LlamaCppEngine:
             # A template that mentions tools renders them itself; otherwise they go into the system prompt.
             self._template_knows_tools = "tools" in template
         self._vocab = llama_cpp.llama_model_get_vocab(llm.model)
+        self._chat_prompt = llama_chat_prompt_encoder(llm, control_spellings(llama_cpp, self._vocab))
         self._llm = llm
 
     @property
@@ -349,64 +350,23 @@ class LlamaCppEngine:
         return llm.tokenize((request.prompt or "").encode("utf-8"), add_bos=True, special=False)
 
     def _chat_tokens(self, request: GenerationRequest) -> list[int]:
-        """The chat template's rendering, tokenized so that the caller's text can never become control tokens.
-
-        The template writes its own control tokens (``<|im_start|>`` ...), which must be parsed as specials; the
-        messages' text must not be, or ``<|im_end|><|im_start|>system`` in a user message would forge a system
-        turn. So the template is rendered with a placeholder for each message's text, and the pieces between
-        placeholders are tokenized with specials, the texts without.
-        """
+        """The chat template's rendering, tokenized so that the caller's text can never become control tokens
+        (:mod:`edgecache.engines.chat_prompt`)."""
         if self._format_chat is None:
             raise BadRequest("this model has no chat template; use /v1/completions", param="messages")
-        llm = self._llm
-        messages = list(request.messages or ())
-        tools: list[dict[str, Any]] | None = None
-        if request.tools and request.tool_choice != "none" or request.tools and self._template_knows_tools:
-            if self._template_knows_tools:
-                tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                           "parameters": json.loads(t.parameters)}}
-                         for t in request.tools]
-            else:
-                messages = with_tools_in_prompt(messages, tools_system_prompt(request.tools))
-        elif any(m.tool_calls for m in messages) and not self._template_knows_tools:
-            messages = with_tools_in_prompt(messages, None)
-        texts = [m.content for m in messages]
-        marks = [f"\x1e{i}\x1f" for i in range(len(texts))]
-        rendered_messages = []
-        for m, mark in zip(messages, marks, strict=True):
-            rendered_messages.append(template_message(m, mark))
+        format_chat = self._format_chat
+        messages, tools = chat_for_template(request, template_knows_tools=self._template_knows_tools)
         kwargs = json.loads(request.template_kwargs) if request.template_kwargs else {}
-        try:
-            prompt = self._format_chat(messages=rendered_messages, tools=tools, **kwargs).prompt
-        except Exception as exc:  # jinja2's errors, the template's raise_exception
-            raise BadRequest(f"the chat template refused these messages: {exc}", param="messages") from exc
-        tokens: list[int] = []
-        rest = prompt
-        for mark, text in zip(marks, texts, strict=True):
-            head, found, tail = rest.partition(mark)
-            if not found:
-                # The template dropped or rewrote this message's text: fall back to rendering the real text, but
-                # only when no text holds control-token spellings (tokenizing it with specials changes nothing).
-                return self._chat_tokens_whole(request, messages, tools, kwargs, texts)
-            tokens += llm.tokenize(head.encode("utf-8"), add_bos=False, special=True)
-            tokens += llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
-            rest = tail
-        tokens += llm.tokenize(rest.encode("utf-8"), add_bos=False, special=True)
-        return tokens
 
-    def _chat_tokens_whole(self, request: GenerationRequest, messages: list[Any], tools: Any,
-                           kwargs: dict[str, Any], texts: list[str]) -> list[int]:
-        llm = self._llm
-        for i, text in enumerate(texts):
-            data = text.encode("utf-8")
-            if llm.tokenize(data, add_bos=False, special=True) != llm.tokenize(data, add_bos=False, special=False):
-                raise BadRequest("this message contains the model's control-token text, which this model's chat "
-                                 "template does not let the server keep apart from real control tokens",
-                                 param=f"messages[{i}].content")
-        assert self._format_chat is not None
-        prompt = self._format_chat(messages=[{"role": m.role, "content": m.content} for m in messages], tools=tools,
-                                   **kwargs).prompt
-        return llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
+        def render(texts: list[str]) -> str:
+            rendered = [template_message(m, text) for m, text in zip(messages, texts, strict=True)]
+            try:
+                prompt: str = format_chat(messages=rendered, tools=tools, **kwargs).prompt
+            except Exception as exc:  # jinja2's errors, the template's raise_exception
+                raise BadRequest(f"the chat template refused these messages: {exc}", param="messages") from exc
+            return prompt
+
+        return self._chat_prompt.ids(render, [m.content for m in messages])
 
     def _restore_best_prefix(self, salt: str, tokens: list[int]) -> int:
         """Load the saved state that shares most of the prompt, if it beats the context. Returns cached tokens."""
@@ -618,3 +578,24 @@ def _held_back(text: str, stops: tuple[str, ...]) -> int:
                 longest = n
                 break
     return longest
+
+
+def control_spellings(llama_cpp: Any, vocab: Any) -> list[str]:
+    """The texts of the vocabulary's control (and unknown) tokens: the ones llama.cpp's tokenizer turns into
+    tokens only when asked to parse specials (user-defined tokens it matches either way, as the model does)."""
+    wanted = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_UNKNOWN
+    spellings = []
+    for token in range(llama_cpp.llama_vocab_n_tokens(vocab)):
+        if llama_cpp.llama_vocab_get_attr(vocab, token) & wanted:
+            text = llama_cpp.llama_vocab_get_text(vocab, token)
+            if text:
+                spellings.append(text.decode("utf-8", "replace"))
+    return spellings
+
+
+def llama_chat_prompt_encoder(llm: Any, spellings: list[str]) -> ChatPromptEncoder:
+    """Chat prompts in ``llm``'s tokens: the template's control spellings parsed, the callers' text never."""
+    return ChatPromptEncoder(
+        encode_prompt=lambda text: llm.tokenize(text.encode("utf-8"), add_bos=False, special=True),
+        encode_text=lambda text: llm.tokenize(text.encode("utf-8"), add_bos=False, special=False),
+        control_spellings=spellings)

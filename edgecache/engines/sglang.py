@@ -18,6 +18,14 @@ What this adapter relies on in SGLang (``python/sglang/srt/entrypoints/engine.py
 - ``engine.tokenizer_manager.abort_request(rid)`` stops a request; closing the output generator alone does not
   tell the scheduler, so the adapter calls it when a consumer stops reading early.
 - ``engine.shutdown()`` kills the engine's child processes (scheduler, detokenizer).
+- Launching replaces the root logging handlers and the tokenizer manager's first use adds a SIGTERM handler to the
+  running loop; the adapter puts both back (:func:`_logging_kept`, :func:`_keep_sigterm`), so EdgeCache's logs keep
+  going and a SIGTERM is EdgeCache's graceful stop.
+- ``tokenizer_manager.tokenizer`` is an HF tokenizer, SGLang's ``TiktokenTokenizer`` or a mistral-common one
+  (:func:`sglang_chat_prompt_encoder`).
+
+Every name, keyword and key listed here is checked against the source of the pinned release
+(:data:`SGLANG_REQUIREMENT`) by tests/test_sglang_contract.py, in CI, without CUDA.
 - Structured output: ``sampling_params["json_schema"]`` (a JSON schema as text) constrains decoding
   (``python/sglang/srt/sampling/sampling_params.py``); SGLang's own OpenAI route uses the same parameter to force a
   tool call when ``tool_choice`` is ``required`` or names a function (``get_json_schema_constraint`` in
@@ -25,7 +33,8 @@ What this adapter relies on in SGLang (``python/sglang/srt/entrypoints/engine.py
   ``python/sglang/srt/function_call/function_call_parser.py``). ``top_k``, ``min_p`` and ``repetition_penalty`` are
   sampling parameters of the same names.
 
-Tools are rendered by the model's chat template (``apply_chat_template(..., tools=...)``, as HF templates do), a
+Tools are rendered by the model's chat template (``apply_chat_template(..., tools=...)``, as HF templates do) when
+it mentions tools, else described in the system prompt (as on the llama.cpp engine); a
 forced call is constrained by the JSON schema of ``{"name", "arguments"}`` (:mod:`edgecache.engines.structured_output`)
 and the output parsed as such an object (optionally in ``<tool_call>`` tags: the hermes/qwen25 format). SGLang's
 per-model ``FunctionCallParser`` detectors (other native tool-call formats) are not wired in. ``n``, logprobs,
@@ -35,11 +44,17 @@ per-model ``FunctionCallParser`` detectors (other native tool-call formats) are 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import importlib.metadata
 import inspect
 import json
+import logging
+import re
+import signal
+import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -53,10 +68,30 @@ from edgecache.engines.base import (
     SamplingParams,
     ToolCall,
 )
-from edgecache.engines.structured_output import output_schema, parse_tool_calls, template_message, tool_call_id
+from edgecache.engines.chat_prompt import ChatPromptEncoder
+from edgecache.engines.structured_output import (
+    chat_for_template,
+    output_schema,
+    parse_tool_calls,
+    template_message,
+    tool_call_id,
+)
 from edgecache.errors import BadRequest, EngineError, NotReady
 
-INSTALL_HINT = 'pip install "edgecache[gpu]" (sglang + onnxruntime-gpu), on a machine with a CUDA GPU'
+SGLANG_REQUIREMENT = "sglang>=0.5.23,<0.5.24"
+"""The SGLang releases this adapter is checked against (tests/test_sglang_contract.py reads their source in CI);
+pyproject's ``gpu`` extra pins the same range."""
+INSTALL_HINT = f'pip install "edgecache[gpu]" ({SGLANG_REQUIREMENT} + onnxruntime-gpu), on a machine with a CUDA GPU'
+
+STATE_FIGURES = ("last_gen_throughput", "effective_max_running_requests_per_dp", "avg_spec_accept_length")
+"""The figures of ``get_internal_state()`` (``managers/scheduler_components/internal_state.py``) that /stats
+reports as ``sglang_<key>``, beside every number in its ``memory_usage`` as ``sglang_memory_<key>``. The rest of the
+state repeats the server arguments."""
+
+# SGLang's sampling parameter names -> the request field a client set (for the 400 naming it).
+_REQUEST_FIELD = {"max_new_tokens": "max_tokens", "min_new_tokens": "max_tokens", "sampling_seed": "seed",
+                  "json_schema": "response_format"}
+_REFUSED_FIELD = re.compile(r"^(\w+) must ")
 
 # Files whose change changes what the model writes: the weights, the architecture, the tokenizer and its chat
 # template. Their names, sizes and modification times (not their bytes: weights are gigabytes) feed the version.
@@ -142,18 +177,65 @@ EngineFactory = Callable[..., SGLangRuntime]
 
 
 def load_sglang_engine(**server_args: object) -> SGLangRuntime:
-    """The default factory: ``sglang.Engine(**server_args)``, importing sglang only now."""
+    """The default factory: ``sglang.Engine(**server_args)``, importing sglang only now.
+
+    ``import sglang`` imports nothing heavy (``sglang.Engine`` is a lazy import), so the engine's module is imported
+    here by name: a missing torch or CUDA library then shows as a broken install, not as a failed start.
+    """
     try:
         import sglang
     except ImportError as exc:
         if exc.name is not None and exc.name != "sglang" and not exc.name.startswith("sglang."):
-            # sglang is there but one of its own dependencies (torch, CUDA libraries, ...) is not.
             raise EngineError(
                 f"sglang is installed but failed to import ({exc}); reinstall with {INSTALL_HINT}"
             ) from exc
         raise EngineError(f"the sglang engine needs SGLang, which is not installed: {INSTALL_HINT}") from exc
-    engine: SGLangRuntime = sglang.Engine(**server_args)
+    version = getattr(sglang, "__version__", "") or importlib.metadata.version("sglang")
+    if not sglang_version_supported(version):
+        raise EngineError(f"sglang {version} is installed, but this EdgeCache is checked against "
+                          f"{SGLANG_REQUIREMENT} only: pip install '{SGLANG_REQUIREMENT}'")
+    try:
+        from sglang.srt.entrypoints.engine import Engine
+    except ImportError as exc:
+        # sglang is there but one of its own dependencies (torch, CUDA libraries, ...) is not.
+        raise EngineError(f"sglang is installed but failed to import ({exc}); reinstall with {INSTALL_HINT}") from exc
+    engine: SGLangRuntime = Engine(**server_args)
     return engine
+
+
+def sglang_version_supported(version: str) -> bool:
+    """Whether an SGLang release (``0.5.23``, ``0.5.23.post1``) lies in :data:`SGLANG_REQUIREMENT`."""
+    def release(text: str) -> tuple[int, ...]:
+        match = re.match(r"\d+(?:\.\d+)*", text)
+        return tuple(int(part) for part in match.group().split(".")) if match else ()
+
+    bounds = dict(re.findall(r"(>=|<)([\d.]+)", SGLANG_REQUIREMENT))
+    return release(bounds[">="]) <= release(version) < release(bounds["<"])
+
+
+def sglang_chat_prompt_encoder(tokenizer: Any) -> ChatPromptEncoder | None:
+    """How chats become ids on the tokenizer SGLang loaded (``get_tokenizer`` in
+    ``python/sglang/srt/utils/hf_transformers/tokenizer.py``); None for mistral-common, which encodes chats to
+    ids itself.
+
+    - an HF tokenizer: ``encode(..., split_special_tokens=True)`` keeps control spellings as text;
+    - SGLang's ``TiktokenTokenizer``: its ``encode`` always parses the special tokens and takes no such keyword,
+      so text goes through tiktoken's own ``encode_ordinary``;
+    - ``MistralCommonTokenizer`` / ``MistralCommonBackend``: refuses ``split_special_tokens``, and rendering to
+      text and encoding again loses its control tokens, so the chat is encoded straight to ids.
+    """
+    if tokenizer is None or type(tokenizer).__name__.startswith("MistralCommon"):
+        return None
+    tiktoken = getattr(tokenizer, "tokenizer", None)
+    if tiktoken is not None and hasattr(tiktoken, "encode_ordinary"):
+        return ChatPromptEncoder(encode_prompt=tokenizer.encode, encode_text=tiktoken.encode_ordinary,
+                                 control_spellings=tiktoken.special_tokens_set)
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return ChatPromptEncoder(
+        encode_prompt=lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
+        encode_text=lambda text: list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)),
+        control_spellings=[*getattr(tokenizer, "all_special_tokens", ()),
+                           *(t.content for t in added.values() if getattr(t, "special", False))])
 
 
 def model_fingerprint(model_dir: Path, *, extra: str = "") -> str:
@@ -214,8 +296,9 @@ def _constraint(request: GenerationRequest) -> dict[str, object]:
     return {"json_schema": json.dumps(schema)} if schema is not None else {}
 
 
-def _finish_reason(meta_info: Mapping[str, Any]) -> FinishReason | None:
-    """Map SGLang's finish reason; an abort (or anything we do not know) is an error, never a quiet end."""
+def _finish_reason(meta_info: Mapping[str, Any], request: GenerationRequest) -> FinishReason | None:
+    """Map SGLang's finish reason; an abort (or anything we do not know) is an error, never a quiet end. An abort
+    with status 400 is SGLang refusing the request (e.g. a JSON schema its grammar backend cannot compile)."""
     reason = meta_info.get("finish_reason")
     if reason is None:
         return None
@@ -226,8 +309,25 @@ def _finish_reason(meta_info: Mapping[str, Any]) -> FinishReason | None:
         return "length"
     if kind == "abort":
         message = reason.get("message") if isinstance(reason, Mapping) else None
+        if isinstance(reason, Mapping) and reason.get("status_code") == 400:
+            raise refusal(str(message or "no reason given"), request)
         raise EngineError(f"SGLang aborted the generation: {message or 'no reason given'}")
     raise EngineError(f"SGLang finished with an unknown reason: {reason!r}")
+
+
+def refusal(message: str, request: GenerationRequest) -> BadRequest:
+    """SGLang's refusal of a request (a ``ValueError`` before any output, as its own HTTP server turns into a 400,
+    or an abort with status 400) as the 400 naming the request field it is about."""
+    text = f"SGLang refused the request: {message}"
+    if "context length" in message:
+        field = "max_tokens" if message.startswith("Requested token count") else (
+            "messages" if request.messages is not None else "prompt")
+        return BadRequest(text, param=field, code="context_length_exceeded")
+    if message.startswith("Failed to compile"):  # the grammar of json_schema (a forced tool call or a schema)
+        return BadRequest(text, param="tools" if output_schema(request) is not None and request.tools
+                          else "response_format")
+    named = _REFUSED_FIELD.match(message)
+    return BadRequest(text, param=_REQUEST_FIELD.get(named.group(1), named.group(1)) if named else None)
 
 
 class _TextDeltas:
@@ -251,6 +351,47 @@ class _TextDeltas:
         return piece
 
 
+@contextlib.contextmanager
+def _logging_kept() -> Iterator[None]:
+    """Puts the process's logging back as it was once SGLang has launched: its launch runs
+    ``logging.basicConfig(force=True, level=<log_level>)`` (``configure_logger`` in ``utils/common.py``), which
+    removes the root handlers ``edgecache serve`` set (access and error logs would go quiet), or
+    ``logging.config.dictConfig`` with ``SGLANG_LOGGING_CONFIG_PATH``, which disables the loggers that exist."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    enabled = [logger for logger in logging.root.manager.loggerDict.values()
+               if isinstance(logger, logging.Logger) and not logger.disabled]
+    try:
+        yield
+    finally:
+        for handler in list(root.handlers):
+            if handler not in handlers:
+                root.removeHandler(handler)
+        for handler in handlers:
+            if handler not in root.handlers:
+                root.addHandler(handler)
+        root.setLevel(level)
+        for logger in enabled:
+            logger.disabled = False
+
+
+def _keep_sigterm(engine: SGLangRuntime, on_sigterm: Any) -> None:
+    """Keep SIGTERM EdgeCache's.
+
+    On its first request, flush or state call SGLang's tokenizer manager (``auto_create_handle_loop`` in
+    ``managers/tokenizer_manager.py``) adds a SIGTERM handler to the running loop that drains SGLang's requests, kills
+    this process's children and calls ``sys.exit(0)``: the server's graceful stop and the lifespan (store flush,
+    index save, engine close) would never run. So the adapter makes that first call itself, now, and puts back the
+    handler that was there (uvicorn's graceful stop). SGLang's SIGQUIT handler (a child process died) stays.
+    SGLang adds handlers only on the main thread; elsewhere there is nothing to take back.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    engine.tokenizer_manager.auto_create_handle_loop()
+    asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, on_sigterm if on_sigterm is not None else signal.SIG_DFL)
+
+
 class SGLangEngine:
     """The :class:`~edgecache.engines.base.Engine` backed by an in-process ``sglang.Engine``."""
 
@@ -264,8 +405,11 @@ class SGLangEngine:
         self.version = ""  # known once start() has found the weights
         self._factory = engine_factory
         self._engine: SGLangRuntime | None = None
+        self._chat_prompt: ChatPromptEncoder | None = None
+        self._template_knows_tools = True
         self._closed = False
         self._requests = 0
+        self._running_requests = 0
         self._prompt_tokens = 0
         self._cached_tokens = 0
         self._completion_tokens = 0
@@ -281,8 +425,10 @@ class SGLangEngine:
             return
         if self._closed:
             raise EngineError("the sglang engine was closed and cannot be started again")
+        on_sigterm = signal.getsignal(signal.SIGTERM)
         try:
-            engine = self._factory(**self.options.server_args())
+            with _logging_kept():
+                engine = self._factory(**self.options.server_args())
         except EngineError:
             raise
         except Exception as exc:  # the boundary: SGLang's launch errors become one clean error
@@ -293,7 +439,14 @@ class SGLangEngine:
             raise EngineError(
                 f"this SGLang has no per-request cache_salt, which tenant isolation needs: {INSTALL_HINT}"
             )
+        _keep_sigterm(engine, on_sigterm)
         self._engine = engine
+        tokenizer = engine.tokenizer_manager.tokenizer
+        self._chat_prompt = sglang_chat_prompt_encoder(tokenizer)
+        # A template that mentions tools renders them itself; otherwise they go into the system prompt (mistral-
+        # common renders tools natively).
+        template = self.options.chat_template or getattr(tokenizer, "chat_template", None) or ""
+        self._template_knows_tools = self._chat_prompt is None or "tools" in str(template)
         self.version = await asyncio.to_thread(self._compute_version)
 
     def _compute_version(self) -> str:
@@ -311,7 +464,8 @@ class SGLangEngine:
         return self._engine
 
     def _chat_input_ids(self, engine: SGLangRuntime, request: GenerationRequest) -> list[int]:
-        """Render the chat with the model's template and tokenize it, as SGLang's own chat route does.
+        """Render the chat with the model's template and tokenize it, as SGLang's own chat route does, with the
+        callers' text kept apart from control tokens (:mod:`edgecache.engines.chat_prompt`).
 
         Token ids rather than rendered text: the template already writes the special tokens, and tokenizing its
         text again would add a second BOS. Rendering stays on the loop thread because HF fast tokenizers are not
@@ -320,37 +474,32 @@ class SGLangEngine:
         tokenizer = engine.tokenizer_manager.tokenizer
         if tokenizer is None:
             raise EngineError("the SGLang engine has no tokenizer, so it cannot apply a chat template")
-        messages = []
-        texts = [m.content for m in request.messages or ()]
-        # Placeholders for the texts: the template is rendered around them, its own pieces are encoded with special
-        # tokens parsed, the texts with them split, so "<|im_start|>system" typed by a user stays text.
-        marks = [f"\x1e{i}\x1f" for i in range(len(texts))]
-        for m, mark in zip(request.messages or (), marks, strict=True):
-            messages.append(template_message(m, mark))
+        messages, tools = chat_for_template(request, template_knows_tools=self._template_knows_tools)
         extra: dict[str, Any] = json.loads(request.template_kwargs) if request.template_kwargs else {}
-        if request.tools:
-            extra["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                                                "parameters": json.loads(t.parameters)}}
-                              for t in request.tools]
+        if tools is not None:
+            extra["tools"] = tools
+        if self.options.chat_template is not None:
+            extra["chat_template"] = self.options.chat_template
+
+        def apply(texts: list[str], *, tokenize: bool) -> Any:
+            conversation = [template_message(m, text) for m, text in zip(messages, texts, strict=True)]
+            try:
+                return tokenizer.apply_chat_template(conversation, tokenize=tokenize, add_generation_prompt=True,
+                                                     return_dict=False, **extra)
+            except Exception as exc:  # jinja2's errors, the template's raise_exception: the request's fault
+                raise BadRequest(f"the chat template refused these messages: {exc}", param="messages") from exc
+
+        texts = [m.content for m in messages]
         try:
-            text = tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, chat_template=self.options.chat_template,
-                **extra
-            )
-            ids: list[int] = []
-            for mark, content in zip(marks, texts, strict=True):
-                head, found, text = text.partition(mark)
-                if not found:
-                    raise BadRequest("the chat template rewrites message text, so the server cannot keep the "
-                                     "text apart from control tokens", param="messages")
-                ids += tokenizer.encode(head, add_special_tokens=False)
-                ids += tokenizer.encode(content, add_special_tokens=False, split_special_tokens=True)
-            ids += tokenizer.encode(text, add_special_tokens=False)
+            if self._chat_prompt is None:
+                # mistral-common encodes each message's text as text itself, and its control tokens have no text
+                # form to render and encode again (SGLang's own chat route encodes straight to ids for this reason).
+                return list(apply(texts, tokenize=True))
+            return self._chat_prompt.ids(lambda marked: str(apply(marked, tokenize=False)), texts)
         except BadRequest:
             raise
-        except Exception as exc:  # template errors (e.g. a role the template refuses) are the request's failure
-            raise EngineError(f"the chat template failed: {exc}") from exc
-        return ids
+        except Exception as exc:  # the boundary: the tokenizer's own failures
+            raise EngineError(f"the tokenizer failed on this chat: {exc}") from exc
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         """Stream one generation as deltas; the last chunk carries counts and the finish reason."""
@@ -364,8 +513,9 @@ class SGLangEngine:
         deltas = _TextDeltas(incremental=self.options.incremental_streaming_output)
         calls_tools = bool(request.tools) and request.tool_choice != "none"
         whole: list[str] = []  # a tool-using answer is parsed once complete, so it is collected, not streamed
-        finished = False
+        finished = started = False
         stream: Any = None
+        self._running_requests += 1
         try:
             try:
                 stream = await engine.async_generate(
@@ -377,7 +527,8 @@ class SGLangEngine:
                 )
                 async for out in stream:
                     meta = out.get("meta_info") or {}
-                    reason = _finish_reason(meta)
+                    reason = _finish_reason(meta, request)
+                    started = True
                     piece = deltas.delta(out.get("text"), final=reason is not None)
                     if reason is None:
                         if piece and calls_tools:
@@ -398,12 +549,17 @@ class SGLangEngine:
                     self._count(chunk)
                     yield chunk
                     return
-            except EngineError:
+            except (EngineError, BadRequest):
                 raise
+            except ValueError as exc:
+                if started:
+                    raise EngineError(f"SGLang failed during generation: {exc}") from exc
+                raise refusal(str(exc), request) from exc  # its validation of the request, before any output
             except Exception as exc:  # the boundary: whatever SGLang raises mid-request becomes an EngineError
                 raise EngineError(f"SGLang failed during generation: {exc}") from exc
             raise EngineError("SGLang ended the stream without a finish reason")
         finally:
+            self._running_requests -= 1
             if not finished:
                 # The consumer stopped early, or the request failed: free the scheduler slot and KV now instead of
                 # letting the request decode to max_tokens for nobody. Abort before closing the stream: closing it
@@ -443,7 +599,8 @@ class SGLangEngine:
         except Exception as exc:  # the boundary
             raise EngineError(f"SGLang failed to flush its cache: {exc}") from exc
         if not getattr(result, "success", False):
-            reason = getattr(result, "message", "") or "it refuses while requests are running"
+            # SGLang's scheduler refuses unless idle and says why only in its own log (the message is empty).
+            reason = getattr(result, "message", "") or "requests are running (it flushes only when idle; try again)"
             raise EngineError(f"SGLang did not flush its prefix cache: {reason}")
 
     async def stats(self) -> dict[str, float | int | str]:
@@ -458,6 +615,7 @@ class SGLangEngine:
             "model": self.model_id,
             "version": self.version,
             "requests": self._requests,
+            "running_requests": self._running_requests,
             "prompt_tokens": self._prompt_tokens,
             "cached_tokens": self._cached_tokens,
             "completion_tokens": self._completion_tokens,
@@ -465,7 +623,7 @@ class SGLangEngine:
         }
         state: Mapping[str, Any] = states[0] if states else {}
         # internal_state also repeats every server argument; only these figures describe the running engine.
-        for key in ("last_gen_throughput", "waiting_queue_size", "running_batch_size", "avg_spec_accept_length"):
+        for key in STATE_FIGURES:
             value = state.get(key)
             if isinstance(value, int | float) and not isinstance(value, bool):
                 out[f"sglang_{key}"] = value

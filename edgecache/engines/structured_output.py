@@ -51,6 +51,27 @@ def template_message(message: Message, content: str) -> dict[str, Any]:
     return entry
 
 
+def template_tools(tools: Iterable[ToolSpec]) -> list[dict[str, Any]]:
+    """Tools as chat templates read them (OpenAI's ``{"type": "function", "function": {...}}``)."""
+    return [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                              "parameters": json.loads(t.parameters)}} for t in tools]
+
+
+def chat_for_template(request: GenerationRequest, *,
+                      template_knows_tools: bool) -> tuple[list[Message], list[dict[str, Any]] | None]:
+    """The messages and the tools to render for ``request``. A template that knows tools renders them and a
+    tool-using history itself; for one that does not, the tools' description joins the system prompt and the
+    history is written out as text (:func:`with_tools_in_prompt`)."""
+    messages = list(request.messages or ())
+    if template_knows_tools:
+        return messages, template_tools(request.tools) if request.tools else None
+    if request.tools and request.tool_choice != "none":
+        return with_tools_in_prompt(messages, tools_system_prompt(request.tools)), None
+    if any(m.tool_calls for m in messages):
+        return with_tools_in_prompt(messages, None), None
+    return messages, None
+
+
 def call_schema(tool: ToolSpec) -> dict[str, Any]:
     """The JSON schema of one call of ``tool``."""
     return {"type": "object", "properties": {"name": {"const": tool.name},
