@@ -33,10 +33,12 @@ from edgecache.labeling import (AnswerEmbeddingLabeler, EqualityLabeler, FirstVe
                                 ModelJudgeLabeler)
 from edgecache.metrics import Metrics
 from edgecache.openai_api import IdSource
-from edgecache.pipeline import Call, RequestPipeline
+from edgecache.call import Call
+from edgecache.pipeline import RequestPipeline
 from edgecache.stores import ResultStores
 from edgecache.stores.disk import TenantStores
-from edgecache.semantic_cache import Lookup, MatchRule, SemanticCache
+from edgecache.lookup import Lookup, MatchRule
+from edgecache.semantic_cache import SemanticCache
 from edgecache.semantic_learner import SemanticLearner
 from edgecache.settings import Settings
 from edgecache.tenants import TenantDirectory
@@ -148,7 +150,7 @@ class Runtime:
             self.fleet.share_labels(self._apply_shared_label)
         if self.decisions is not None or self.learner is not None:
             self.labels = MissLabels(stores=self.stores, labeler=self._labeler(), decisions=self.decisions,
-                                     observe=self._observe_label, busy=lambda: self.admission.queued > 0)
+                                     observe=self._observe_label, busy=lambda: not self.admission.is_free())
         self.pipeline = RequestPipeline(engine=self.engine, stores=self.stores, inflight=self.inflight,
                                         metrics=self.metrics, ttl_for=self.ttl_for, admission=self.admission,
                                         semantic=self.semantic, decisions=self.decisions, labels=self.labels)
@@ -169,7 +171,7 @@ class Runtime:
                 self._embedder = await loop.run_in_executor(None, load_semantic_embedder, self.settings)
             self.semantic = await loop.run_in_executor(
                 None, build_semantic_cache, self.settings, self.metrics, self._embedder, self.vector_cap_for,
-                self.storage_faults, self.damaged_dir, self.learner, self._may_explore)
+                self.storage_faults, self.damaged_dir, self.learner, self.admission.is_free)
         except EdgeCacheError as exc:
             self._semantic_failed(exc.message)
         except STORAGE_ERRORS as exc:
@@ -227,10 +229,6 @@ class Runtime:
             self.semantic.learn_shared(label.tenant, label.scenario, label.store_key, label.similarity, label.good,
                                        label.answer_key)
 
-    def _may_explore(self) -> bool:
-        """Exploring costs an engine call: only while the engine has a free slot and nothing waits for one."""
-        return self.admission.queued == 0 and self.admission.running < self.admission.max_running
-
     def _labeler(self) -> Labeler:
         """Equality for greedy answers, then (``label_judge``) the served model's judgement, then the answers'
         embeddings under the semantic layer's embedder."""
@@ -240,7 +238,7 @@ class Runtime:
             return await self.semantic.embed_many(texts)
 
         sem = self.settings.semantic
-        judge = [ModelJudgeLabeler(self._judge_call, may_run=self._may_explore)] if sem.label_judge else []
+        judge = [ModelJudgeLabeler(self._judge_call, may_run=self.admission.is_free)] if sem.label_judge else []
         return FirstVerdict(EqualityLabeler(), *judge,
                             AnswerEmbeddingLabeler(embed, sem.label_answer_bar, sem.label_answer_floor))
 

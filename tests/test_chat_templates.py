@@ -289,3 +289,8 @@ def test_a_template_that_escapes_text_holding_a_control_spelling_is_a_400_naming
         encoder.ids(lambda ts: json.dumps(ts), ["fine", "bad <|x|>"])
     assert info.value.param == "messages[1].content"
     assert encoder.ids(lambda ts: json.dumps(ts), ["fine", "also fine"]) == [1]
+
+
+def test_the_longest_control_spelling_wins() -> None:
+    encoder = ChatPromptEncoder(encode_prompt=list, encode_text=list, control_spellings=["<|a|>", "<|a|>b", "<s>"])
+    assert encoder.control_spellings_in("<|a|>b <|a|>c <s <s>") == ["<|a|>b", "<|a|>", "<s>"]

@@ -47,8 +47,8 @@ class ChatPromptEncoder:
     def __init__(self, *, encode_prompt: Encode, encode_text: Encode, control_spellings: Iterable[str]) -> None:
         self._encode_prompt = encode_prompt
         self._encode_text = encode_text
-        spellings = sorted({s for s in control_spellings if s}, key=len, reverse=True)  # longest match first
-        self._spellings = re.compile("|".join(map(re.escape, spellings))) if spellings else None
+        spellings = {s for s in control_spellings if s}
+        self._spellings = re.compile(_trie_pattern(spellings)) if spellings else None
 
     def control_spellings_in(self, text: str) -> list[str]:
         """The control-token spellings ``text`` holds, in order (empty for nearly every text)."""
@@ -79,3 +79,24 @@ class ChatPromptEncoder:
             elif part:
                 ids += self._encode_prompt(part)
         return ids
+
+
+def _trie_pattern(words: Iterable[str]) -> str:
+    """A regex matching any of ``words``, longest first, as a trie (``<|(?:eot_id|eom_id)\\|>``): a flat
+    alternation of a vocabulary's 256 specials tried every branch at every ``<`` (0.7 s on a 1 MB text of ``<|``);
+    the trie reads each character once or twice."""
+    trie: dict[str, dict] = {}  # type: ignore[type-arg]
+    for word in words:
+        node = trie
+        for char in word:
+            node = node.setdefault(char, {})
+        node[""] = {}  # a word ends here
+
+    def build(node: dict) -> str:  # type: ignore[type-arg]
+        branches = [re.escape(char) + build(child) for char, child in sorted(node.items()) if char]
+        if not branches:
+            return ""
+        group = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+        return f"(?:{group})?" if "" in node else group  # greedy: the longer word first, then this one
+
+    return build(trie)
