@@ -69,13 +69,13 @@ def serve(
         raise typer.Exit(2)
     import uvicorn
 
-    from edgecache.app import create_app
+    from edgecache.http.app import create_app
     from edgecache.canary import CanaryFailed, settle
     from edgecache.data_dir import ensure_free
     from edgecache.engines import engine_from_settings
     from edgecache.errors import EdgeCacheError
     from edgecache.hardware import validate_memory
-    from edgecache.http_server import uvicorn_config
+    from edgecache.http.server import uvicorn_config
 
     def refuse(message: str) -> typer.Exit:
         typer.secho(f"error: {message}", fg="red", err=True)
@@ -343,9 +343,9 @@ def tune(
     at or above a cut are shown as unlabelled."""
     from pathlib import Path
 
-    from edgecache.decision_log import log_files, read_records
-    from edgecache.tuning import ALL, overlay_toml
-    from edgecache.tuning import tune as tune_cuts
+    from edgecache.semantic.decision_log import log_files, read_records
+    from edgecache.semantic.tuning import ALL, overlay_toml
+    from edgecache.semantic.tuning import tune as tune_cuts
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
     from rich.table import Table

@@ -17,7 +17,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from edgecache.settings import Settings
-from edgecache.warmup import LineResult, NumberedLine, Prefilled, WarmupBatch, read_lines, warm_lines
+from edgecache.http.warmup_lines import NumberedLine, WarmupBatch, read_lines, warm_lines
+from edgecache.warmup import LineResult, Prefilled
 
 # One send carries up to ANSWERED lines with an answer (stored in one batch: the fast road) but only UNANSWERED
 # lines without one (each is an engine call, so a send that held many would run for minutes), and stays well
@@ -98,7 +99,7 @@ def warm_over_http(path: Path, url: str, key: str | None, tenant: str | None, co
 
 def warm_offline(path: Path, settings: Settings, tenant: str | None, console: Console) -> Summary:
     """Build the app from ``settings`` (its data dir), load it here, warm it, close it (which saves the indexes)."""
-    from edgecache.app import create_app
+    from edgecache.http.app import create_app
 
     app = create_app(settings)
 

@@ -1,7 +1,7 @@
 """What the request path is asked and what it answers with, named once: the :class:`Call`, the cache policies a
 call may carry, and who served it.
 
-Every API adapter (:mod:`edgecache.calls` for OpenAI's routes, the warmup's lines) builds a :class:`Call`; the
+Every API adapter (:mod:`edgecache.http.calls` for OpenAI's routes, the warmup's lines) builds a :class:`Call`; the
 pipeline (:mod:`edgecache.pipeline`) serves it; the labeler, metrics and ``edgecache stats`` read these names from
 here, so a policy or an outcome is spelled in one place.
 """

@@ -215,7 +215,7 @@ def _child() -> int:
         asyncio.run(_generate_once(settings))
         _say("ok engine")
     if settings.semantic.enabled:
-        from edgecache.embedders import EmbedderUnavailable, load_semantic_embedder
+        from edgecache.semantic.embedders import EmbedderUnavailable, load_semantic_embedder
 
         _say("start embedder")
         try:

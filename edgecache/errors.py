@@ -13,7 +13,7 @@
      ├─ EngineError                 502 engine_error (the model runtime failed or aborted)
      └─ NotReady                    503 service_unavailable (model still loading)
 
-One handler in :mod:`edgecache.app` renders any of them as the OpenAI error body; nothing else catches broadly.
+One handler in :mod:`edgecache.http.app` renders any of them as the OpenAI error body; nothing else catches broadly.
 """
 
 from __future__ import annotations

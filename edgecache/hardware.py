@@ -44,7 +44,7 @@ CUDA_CONTEXT_GB = 0.5
 MIN_HEADROOM_GB = 1.0
 # Under this share the radix cache cannot keep a useful prefix: the case of an fp16 7B on a 16 GB card.
 MIN_KV_SHARE = 0.10
-# Field guidance for the static pool (DESIGN.md, hardware profiles).
+# Field guidance for the static pool (docs/notes/profiles.md).
 WEIGHTS_SHARE_GUIDANCE = (0.60, 0.70)
 KV_SHARE_GUIDANCE = (0.30, 0.40)
 

@@ -4,7 +4,7 @@ Two requests get the same key exactly when the engine would be asked the same th
 tenant and scenario namespace, same salt (the tenant plus a caller's own ``cache_salt``), same messages (system
 prompt included) or prompt, same output-affecting parameters, tools, tool choice, response format, logprobs, n and
 template variables: the whole :class:`~edgecache.engines.base.GenerationRequest`, which holds exactly the fields
-that can change the output (:mod:`edgecache.request_surface` decides which those are).
+that can change the output (:mod:`edgecache.http.request_surface` decides which those are).
 Fields that only change the framing of the answer (``stream``, ``stream_options``, ``user``) are left out, so a
 streaming request can be answered from a non-streaming one and the other way round.
 """

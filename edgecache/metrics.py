@@ -17,7 +17,7 @@ from prometheus_client import (
 )
 
 from edgecache.call import OUTCOMES, Outcome
-from edgecache.false_hits import false_hit_estimate
+from edgecache.semantic.false_hits import false_hit_estimate
 
 if TYPE_CHECKING:
     from edgecache.admission import AdmissionGate

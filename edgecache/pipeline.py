@@ -1,4 +1,4 @@
-"""The request path, top to bottom, as DESIGN.md draws it.
+"""The request path, top to bottom, as docs/architecture.md draws it.
 
 ::
 
@@ -12,7 +12,7 @@
                                    first-turn chat prompt, its vector indexed; a refused candidate is then
                                    labelled against it in the background)                  X-EdgeCache: miss
 
-The HTTP layer (:mod:`edgecache.app`) authenticates, validates and renders; this module decides who answers. Each
+The HTTP layer (:mod:`edgecache.http.app`) authenticates, validates and renders; this module decides who answers. Each
 layer is an instance handed in by the app factory, so tests pass fakes without patching.
 """
 
@@ -29,17 +29,17 @@ import numpy as np
 
 from edgecache.admission import AdmissionGate
 from edgecache.call import POLICIES, Call, CachePolicy, Served
-from edgecache.decision_log import DecisionLog
+from edgecache.semantic.decision_log import DecisionLog
 from edgecache.engines.base import Chunk, Engine
 from edgecache.errors import EngineError
-from edgecache.guard import rule_of as guard_rule_of
+from edgecache.semantic.guard import rule_of as guard_rule_of
 from edgecache.inflight import FlightTable, SharedFlight
 from edgecache.keys import is_cacheable, request_key
-from edgecache.labeling import MissLabels
+from edgecache.semantic.labeling import MissLabels
 from edgecache.metrics import Metrics
 from edgecache.stores import CachedAnswer, ResultStore
-from edgecache.lookup import Lookup, Probe, probe_for, record_lookup
-from edgecache.semantic_cache import SemanticCache
+from edgecache.semantic.lookup import Lookup, Probe, probe_for, record_lookup
+from edgecache.semantic.cache import SemanticCache
 
 class Reply(msgspec.Struct, kw_only=True):
     """Who served the call, and the answer: a stored one (``answer``) or a stream of chunks (text deltas; the
@@ -133,6 +133,10 @@ class RequestPipeline:
         self.labels = labels        # labels a refused candidate against the fresh answer (None: off)
         self._keys = CallKeys()
         self._semantic_lookups: dict[str, asyncio.Future[SemanticAnswer]] = {}
+
+    def use_semantic(self, semantic: SemanticCache) -> None:
+        """The semantic layer opened (again) after the pipeline was built: lookups use it from the next call."""
+        self.semantic = semantic
 
     async def serve(self, call: Call) -> Reply:
         policy = POLICIES[call.policy]

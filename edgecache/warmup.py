@@ -22,78 +22,23 @@ validated before anything is written, and its store entry goes in before its vec
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Iterator
 from contextlib import aclosing
-from typing import Annotated, Literal
+from typing import Literal
 
 import msgspec
-from msgspec import Meta
 
 from edgecache.engines.base import GenerationRequest, Message, SamplingParams
 from edgecache.errors import EdgeCacheError
-from edgecache.request_surface import ChatMessageIn
 from edgecache.call import Call
 from edgecache.pipeline import RequestPipeline
-from edgecache.settings import Settings
-from edgecache.tenants import TenantDirectory
 
 Outcome = Literal["written", "skipped", "failed"]
-
-
-class WarmupLine(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    messages: Annotated[list[ChatMessageIn], Meta(min_length=1)] | None = None
-    prompt: str | None = None
-    scenario: str = "default"
-    tenant: str | None = None
-    ttl: Annotated[float, Meta(gt=0)] | None = None
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 0.0
-    seed: int | None = None
-    answer: str | None = None
-
-    def __post_init__(self) -> None:
-        if (self.messages is None) == (self.prompt is None):
-            raise ValueError("give exactly one of `messages` and `prompt`")
-
-
-class NumberedLine(msgspec.Struct, kw_only=True):
-    line: int
-    request: WarmupLine
 
 
 class LineResult(msgspec.Struct, kw_only=True):
     line: int
     outcome: Outcome
     detail: str = ""
-
-
-class WarmupBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """The body of ``POST /admin/warmup``."""
-
-    tenant: str | None = None
-    lines: list[NumberedLine]
-
-
-_line_decoder = msgspec.json.Decoder(WarmupLine)
-
-
-def read_lines(lines: Iterable[str]) -> Iterator[NumberedLine | LineResult]:
-    """Parse a prompts file: a :class:`NumberedLine` per good line, a failed :class:`LineResult` per bad one."""
-    for number, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
-        try:
-            yield NumberedLine(line=number, request=_line_decoder.decode(text))
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            yield LineResult(line=number, outcome="failed", detail=str(exc))
-
-
-def to_call(line: WarmupLine, *, tenant: str, default_max_tokens: int, tenant_limit: int | None = None) -> Call:
-    params = SamplingParams(max_tokens=line.max_tokens or default_max_tokens, temperature=line.temperature,
-                            seed=line.seed)
-    messages = tuple(m.to_message(i) for i, m in enumerate(line.messages)) if line.messages is not None else None
-    return Call(request=GenerationRequest(messages=messages, prompt=line.prompt, params=params, salt=tenant),
-                tenant=tenant, scenario=line.scenario, ttl_s=line.ttl, tenant_limit=tenant_limit)
 
 
 def _system_prompt(call: Call) -> tuple[Message, ...]:
@@ -186,27 +131,4 @@ async def warm(pipeline: RequestPipeline, calls: list[tuple[int, Call, str | Non
                                       detail=served))
         except EdgeCacheError as exc:
             results.append(LineResult(line=number, outcome="failed", detail=exc.message))
-    return sorted(results, key=lambda r: r.line)
-
-
-async def warm_lines(pipeline: RequestPipeline, lines: list[NumberedLine], *, tenants: TenantDirectory,
-                     settings: Settings, tenant: str | None = None,
-                     prefilled: Prefilled | None = None) -> list[LineResult]:
-    """Check each line's tenant (the line's own, else ``tenant``, else ``default``) and scenario, then :func:`warm`
-    the good ones. One result per line, in line order."""
-    calls, results = [], []
-    for numbered in lines:
-        line = numbered.request
-        who = tenants.get(line.tenant or tenant or "default")
-        if who is None:
-            results.append(LineResult(line=numbered.line, outcome="failed",
-                                      detail=f"unknown tenant {line.tenant or tenant!r}"))
-        elif line.scenario not in settings.scenarios:
-            results.append(LineResult(line=numbered.line, outcome="failed",
-                                      detail=f"unknown scenario {line.scenario!r}"))
-        else:
-            call = to_call(line, tenant=who.id, tenant_limit=who.plan.max_concurrent_misses,
-                           default_max_tokens=settings.engine.default_max_tokens)
-            calls.append((numbered.line, call, line.answer))
-    results.extend(await warm(pipeline, calls, prefilled))
     return sorted(results, key=lambda r: r.line)

@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgecache.semantic_index import SemanticIndex, make_index  # noqa: E402
+from edgecache.semantic.index import SemanticIndex, make_index  # noqa: E402
 
 DIM = 512
 
@@ -79,7 +79,7 @@ def real_vectors(data_dir: Path) -> np.ndarray:
     import csv
     import json
 
-    from edgecache.embedders import load_embedder
+    from edgecache.semantic.embedders import load_embedder
 
     texts: list[str] = []
     for path in sorted(data_dir.glob("*.tsv")):

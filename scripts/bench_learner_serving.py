@@ -72,8 +72,8 @@ sys.path.insert(0, str(SCRIPTS))
 import eval_semantic  # noqa: E402  (ground truth of the stream: stream_of, right_answer)
 from eval_semantic import Stream, right_answer, stream_of  # noqa: E402
 
-from edgecache.app import create_app  # noqa: E402
-from edgecache.decision_log import DecisionRecord, LabelRecord, read_records  # noqa: E402
+from edgecache.http.app import create_app  # noqa: E402
+from edgecache.semantic.decision_log import DecisionRecord, LabelRecord, read_records  # noqa: E402
 from edgecache.engines.base import Chunk, GenerationRequest  # noqa: E402
 from edgecache.settings import resolve_settings  # noqa: E402
 
@@ -91,6 +91,8 @@ class ClassAnswers:
 
     model_id = "bench-model"
     version = "bench-class-answers@1"
+    kind = "scripted"
+    features: frozenset[str] = frozenset()
 
     def __init__(self, stream: Stream) -> None:
         self.answers = {text: answer_of(stream, i) for i, text in enumerate(stream.texts)}
@@ -221,7 +223,8 @@ async def run_mode(stream: Stream, decision: str, args: argparse.Namespace, data
     async with serving(app) as client:
         runtime = app.state.runtime
         if runtime.semantic is None:
-            raise RuntimeError(f"the semantic layer did not open: {runtime.semantic_error}")
+            why = runtime.semantic_layer.error if runtime.semantic_layer is not None else "off"
+            raise RuntimeError(f"the semantic layer did not open: {why}")
         for n, text in enumerate(stream.texts):
             body = {"model": engine.model_id, "messages": [{"role": "user", "content": text}], "temperature": 0,
                     "max_tokens": 16}

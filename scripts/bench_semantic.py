@@ -23,8 +23,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgecache.embedders import Embedder, load_embedder  # noqa: E402
-from edgecache.semantic_index import SemanticIndex, make_index  # noqa: E402
+from edgecache.semantic.embedders import Embedder, load_embedder  # noqa: E402
+from edgecache.semantic.index import SemanticIndex, make_index  # noqa: E402
 
 PROMPTS = [
     "How do I reset my password?",

@@ -13,7 +13,7 @@ Protocols:
 
 "Ours" is the path the profile ships (``semantic.decision``): the threshold rule (the nearest candidate, its cosine
 over the scenario's threshold or the embedder's calibrated one, the guard's veto), or the verifier
-(:mod:`edgecache.verifier`: the nearest ``semantic.candidates`` candidates scored, the best-scored one served when it
+(:mod:`edgecache.semantic.verifier`: the nearest ``semantic.candidates`` candidates scored, the best-scored one served when it
 reaches the cut of the scenario's target false-hit rate). ``--decision`` / ``--threshold`` / ``--target`` override.
 The baseline is plain cosine on the same embedder and index, top-1, its threshold picked on the very set (its
 oracle).
@@ -21,7 +21,7 @@ oracle).
 Latency: the first ``--latency-lookups`` lookups are also run one at a time the way the server does (embed one text,
 search, verify) and their p50 / p99 reported, with the share that paid for a second stage (none ships yet).
 
-  --stream         (with --pairs or --intents) the online learner (:mod:`edgecache.semantic_learner`) on a stream:
+  --stream         (with --pairs or --intents) the online learner (:mod:`edgecache.semantic.learner`) on a stream:
                    every text of the set once, in seeded random order, against a cache that starts empty and grows
                    (a lookup not served is computed and stored, as in production). A label (was the nearest
                    candidate's answer right?) is revealed only where production has one: when the learner explores
@@ -67,12 +67,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edgecache import guard  # noqa: E402
-from edgecache.decision_log import DecisionLog, log_files  # noqa: E402
-from edgecache.embedders import Embedder, default_threshold, load_embedder  # noqa: E402
-from edgecache.semantic_index import SemanticIndex  # noqa: E402
+from edgecache.semantic import guard  # noqa: E402
+from edgecache.semantic.decision_log import DecisionLog, log_files  # noqa: E402
+from edgecache.semantic.embedders import Embedder, default_threshold, load_embedder  # noqa: E402
+from edgecache.semantic.index import SemanticIndex  # noqa: E402
 from edgecache.settings import resolve_settings  # noqa: E402
-from edgecache.verifier import Verifier  # noqa: E402
+from edgecache.semantic.verifier import Verifier  # noqa: E402
 
 
 class Case(msgspec.Struct):
@@ -411,7 +411,7 @@ def learner_stream(stream: Stream, sim: np.ndarray, *, scenario: str, target: fl
     is written as the server writes it: one ``decision`` record (the nearest candidate's store and vector key and
     its similarity; the learner's reason) and a ``label`` for every label the run reveals (explorations and refused
     candidates); served lookups stay unlabelled, as in production."""
-    from edgecache.semantic_learner import SemanticLearner
+    from edgecache.semantic.learner import SemanticLearner
 
     learner = SemanticLearner(prior_cut=shipped, seed=seed, explore_share=explore_share,
                               **({} if audit_share is None else {"audit_share": audit_share}))
@@ -469,7 +469,7 @@ def hindsight_cut(candidates: list[tuple[float, bool]], lookups: int, target: fl
 
 
 def stream_main(args: argparse.Namespace, kind: str, path: Path) -> dict:
-    """--stream: the learner (:mod:`edgecache.semantic_learner`) against the shipped static rule and the static
+    """--stream: the learner (:mod:`edgecache.semantic.learner`) against the shipped static rule and the static
     oracle on the same stream. Rates are shares of all lookups."""
     settings = resolve_settings(args.profile, {}, environ={})
     scenario = settings.scenarios.get(args.scenario) or settings.scenarios["default"]
@@ -592,8 +592,8 @@ TUNE_VARIANTS = {
 def tune_log(path: Path, *, target: float, learner_rate: float) -> dict[str, dict]:
     """What `edgecache tune PATH --target-error T [--per P] [--confidence C]` finds on the log (the pooled row;
     ``plain_``: every label counted once, the replay without weighing audits up for the hits they stand for)."""
-    from edgecache.decision_log import read_records
-    from edgecache.tuning import ALL, tune
+    from edgecache.semantic.decision_log import read_records
+    from edgecache.semantic.tuning import ALL, tune
 
     records = list(read_records(path))
     out = {}

@@ -1,4 +1,4 @@
-"""Fit the semantic verifier (edgecache/verifier_params.json) from the permissive sets in ../shared/data.
+"""Fit the semantic verifier (edgecache/semantic/verifier_params.json) from the permissive sets in ../shared/data.
 
 Fit data (../shared/data/SOURCES.txt marks these permissive; nothing else is read):
 
@@ -7,9 +7,9 @@ Fit data (../shared/data/SOURCES.txt marks these permissive; nothing else is rea
        a candidate of the same intent is a positive, any other candidate a negative, out-of-scope queries are
        negatives), GPTCache's pairs (retrieval over all origins)
 
-Every lookup's nearest ``--candidates`` candidates become samples (features of edgecache.verifier, label = right).
+Every lookup's nearest ``--candidates`` candidates become samples (features of edgecache.semantic.verifier, label = right).
 Each set weighs the same. One logistic regression for both scripts (the only Chinese set, PAWS-X, is adversarial
-word swaps: fitted alone, its overlap weights are degenerate), with the signs of edgecache.verifier.SIGNS, fitted by
+word swaps: fitted alone, its overlap weights are degenerate), with the signs of edgecache.semantic.verifier.SIGNS, fitted by
 projected gradient descent from zeros (deterministic: same data, same bytes). Each rule of the guard is a hard veto
 on minimal pairs (content-unit overlap >= VETO_MIN_OVERLAP). Then each script's calibration: for each target
 false-hit rate of the ladder, the lowest cut at which the false hits, averaged over the script's fit sets (each the
@@ -17,7 +17,7 @@ same weight), meet the target, run through the same decision the server makes (b
 nearest, vetoes applied). (Taking the worst set instead let GPTCache's near-duplicate origins, counted false, set
 the English cut: CLINC150 and banking77 then kept 2-3 % hits.)
 
-  python scripts/fit_verifier.py            # rebuild edgecache/verifier_params.json
+  python scripts/fit_verifier.py            # rebuild edgecache/semantic/verifier_params.json
   python scripts/fit_verifier.py --check    # exit 1 if the rebuild differs from the shipped file
   python scripts/fit_verifier.py --loo      # also: leave-one-set-out check of the en calibration
 """
@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from edgecache.verifier import FEATURES, SIGNS, ScriptModel, Verifier, VerifierParams, features  # noqa: E402
+from edgecache.semantic.verifier import FEATURES, SIGNS, ScriptModel, Verifier, VerifierParams, features  # noqa: E402
 from eval_semantic import Case, load_cases, verifier_decisions  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
@@ -114,7 +114,7 @@ def fit_logistic(x: np.ndarray, y: np.ndarray, w: np.ndarray, *, steps: int = 30
                  lr: float = 0.05, signs: Sequence[int] | None = None) -> tuple[np.ndarray, float]:
     """Weighted logistic regression, signs held by projection after every Adam step.
 
-    ``signs`` (one per column of ``x``, +1 / -1 / 0) defaults to :data:`edgecache.verifier.SIGNS` in feature order.
+    ``signs`` (one per column of ``x``, +1 / -1 / 0) defaults to :data:`edgecache.semantic.verifier.SIGNS` in feature order.
     """
     signs = np.array([SIGNS[f] for f in FEATURES] if signs is None else list(signs), dtype=np.float64)
     theta = np.zeros(x.shape[1] + 1)
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the data sets are not at {DATA} (../shared/data beside the checkout)", file=sys.stderr)
         return 2
 
-    from edgecache.embedders import load_embedder
+    from edgecache.semantic.embedders import load_embedder
 
     emb = CachedEmbedder(load_embedder(None, threads=1), args.cache)
     sets = build_cases(emb, args.candidates)

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from edgecache.engines import engine_from_settings  # noqa: E402
 from edgecache.engines.base import GenerationRequest, Message, SamplingParams  # noqa: E402
-from edgecache.labeling import ModelJudgeLabeler, normalised  # noqa: E402
-from edgecache.embedders import load_semantic_embedder  # noqa: E402
+from edgecache.semantic.labeling import ModelJudgeLabeler, normalised  # noqa: E402
+from edgecache.semantic.embedders import load_semantic_embedder  # noqa: E402
 from edgecache.settings import resolve_settings  # noqa: E402
 
 BARS = (0.85, 0.90, 0.93, 0.95, 0.97)

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from edgecache.verifier import FEATURES, SIGNS, features, language  # noqa: E402
+from edgecache.semantic.verifier import FEATURES, SIGNS, features, language  # noqa: E402
 from eval_semantic import Case, best_at, cosine_decisions, load_cases, rates  # noqa: E402
 from fit_verifier import DATA, VETO_MIN_OVERLAP, CachedEmbedder, build_cases, fit_logistic, mean_cut  # noqa: E402
 
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the data sets are not at {DATA} (../shared/data beside the checkout)", file=sys.stderr)
         return 2
 
-    from edgecache.embedders import load_embedder
+    from edgecache.semantic.embedders import load_embedder
 
     first_raw, second_raw = load_embedder(None, threads=1), load_embedder(args.second, threads=1)
     first, second = CachedEmbedder(first_raw, args.cache), CachedEmbedder(second_raw, args.cache)

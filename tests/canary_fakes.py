@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 
-from edgecache.embedders import EmbedderOptions
+from edgecache.semantic.embedders import EmbedderOptions
 from edgecache.engines.base import Chunk, GenerationRequest
 from edgecache.settings import Settings
 from tests.fakes import FakeEngine

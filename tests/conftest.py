@@ -11,7 +11,7 @@ import pytest
 import httpx
 from litestar import Litestar
 
-from edgecache.app import create_app
+from edgecache.http.app import create_app
 from edgecache.settings import Settings, resolve_settings
 from tests.fakes import FakeEngine
 from tests.redis_server import RedisServer

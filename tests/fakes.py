@@ -17,6 +17,9 @@ class FakeEngine:
     ``marker``: prefixed to every answer (tests of isolation make leaks visible this way).
     """
 
+    kind = "FakeEngine"
+    features: frozenset[str] = frozenset()  # plain sampling only
+
     def __init__(self, *, model_id: str = "fake-model", version: str = "fake@1", pieces: int = 4,
                  delay_s: float = 0.0, fail_after: int | None = None, marker: str = "") -> None:
         self.model_id = model_id

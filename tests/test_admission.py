@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from edgecache.admission import AdmissionGate
-from edgecache.app import create_app
+from edgecache.http.app import create_app
 from edgecache.errors import Overloaded
 from tests.conftest import chat_body, serve_in_process
 from tests.fakes import FakeEngine

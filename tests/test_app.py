@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import httpx
 
-from edgecache.app import create_app
+from edgecache.http.app import create_app
 from tests.conftest import chat_body, serve_in_process, wait_ready
 from tests.fakes import FakeEngine
 

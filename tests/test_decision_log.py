@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from edgecache.app import create_app
-from edgecache.decision_log import DecisionLog, DecisionRecord, LabelRecord, log_files, read_records
+from edgecache.http.app import create_app
+from edgecache.semantic.decision_log import DecisionLog, DecisionRecord, LabelRecord, log_files, read_records
 from edgecache.health import StorageFaults
 from edgecache.metrics import Metrics
-from edgecache.tuning import join
+from edgecache.semantic.tuning import join
 from tests.conftest import chat_body, serve_in_process
 from tests.fakes import FakeEngine
 

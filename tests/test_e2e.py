@@ -181,7 +181,7 @@ def test_errors_on_the_real_server(server: Server) -> None:
 def test_semantic_decisions_are_logged_without_query_text(server: Server) -> None:
     """The real engine and embedder: a refused paraphrase is logged with its candidate and similarity, and the open
     default tenant's plan keeps no query text in the decision log."""
-    from edgecache.decision_log import DecisionRecord, LabelRecord, read_records
+    from edgecache.semantic.decision_log import DecisionRecord, LabelRecord, read_records
 
     c = client(server)
     assert ask(c, "Which river flows through Vienna?")[0] == "miss"

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from edgecache.embedders import (
+from edgecache.semantic.embedders import (
     EMBEDDERS,
     Embedder,
     EmbedderUnavailable,
@@ -125,7 +125,7 @@ def test_e5_small_embeds_ranks_and_bounds_its_input() -> None:
 
 
 def test_an_embedder_named_by_import_path_loads_and_a_missing_one_is_unavailable() -> None:
-    from edgecache.embedders import EmbedderUnavailable, load_embedder
+    from edgecache.semantic.embedders import EmbedderUnavailable, load_embedder
     from tests.canary_fakes import HangingEmbedder
 
     assert isinstance(load_embedder("tests.canary_fakes:hanging_embedder"), HangingEmbedder)

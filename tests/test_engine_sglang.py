@@ -399,7 +399,7 @@ async def test_a_json_object_response_format_is_a_json_schema_constraint() -> No
 
 def test_what_sglang_cannot_honour_is_a_400_naming_the_field_and_engine() -> None:
     from edgecache.errors import BadRequest
-    from edgecache.request_surface import check_engine_supports
+    from edgecache.http.request_surface import check_engine_supports
 
     engine = SGLangEngine(SGLangOptions(model_path="/models/tiny-chat"), engine_factory=Factory())
     check_engine_supports(frozenset({"tools", "response_format", "top_k"}), engine)
@@ -561,8 +561,8 @@ async def test_sigterm_stops_a_server_on_sglang_gracefully_and_its_answers_survi
     import httpx
     import uvicorn
 
-    from edgecache.app import create_app
-    from edgecache.http_server import uvicorn_config
+    from edgecache.http.app import create_app
+    from edgecache.http.server import uvicorn_config
 
     settings = make_settings()
     body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0,

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from edgecache.app import create_app
-from edgecache.decision_log import DecisionRecord, read_records
+from edgecache.http.app import create_app
+from edgecache.semantic.decision_log import DecisionRecord, read_records
 from edgecache.settings import Settings
 from tests.conftest import chat_body, serve_in_process
 from tests.fakes import FakeEngine

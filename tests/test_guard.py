@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from edgecache.guard import DEFAULT_RULES, RULES, GuardVerdict, check
+from edgecache.semantic.guard import DEFAULT_RULES, RULES, GuardVerdict, check
 
 REFUSE = [
     # numbers: amounts, dates, versions

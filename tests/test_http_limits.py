@@ -11,8 +11,8 @@ from typing import Any
 
 import uvicorn
 
-from edgecache.app import create_app
-from edgecache.http_server import uvicorn_config
+from edgecache.http.app import create_app
+from edgecache.http.server import uvicorn_config
 from tests.conftest import chat_body
 from tests.fakes import FakeEngine
 
@@ -79,7 +79,7 @@ async def test_an_oversized_head_is_431_and_closed(make_settings: Any) -> None:
         writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Ok: " + b"b" * 4000 + b"\r\nConnection: close\r\n\r\n")
         assert (await read_all(reader)).startswith(b"HTTP/1.1 200")
         writer.close()
-        app.state.runtime.access_log.flush()
+        app.state.front.access_log.flush()
         metrics = app.state.runtime.metrics.render().decode()
         assert 'edgecache_refused_requests_total{reason="headers_too_large"} 1.0' in metrics
 
@@ -149,6 +149,6 @@ async def test_a_non_streaming_client_gone_frees_its_slot_unless_another_listens
         assert answer.startswith(b"HTTP/1.1 200") and b"answer to: two wait for this" in answer
         staying.close()
         assert engine.aborted == 1 and engine.completed == 1
-        rt.access_log.flush()
+        app.state.front.access_log.flush()
         metrics = rt.metrics.render().decode()
         assert 'edgecache_refused_requests_total{reason="client_gone"} 2.0' in metrics

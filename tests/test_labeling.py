@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
-from edgecache.decision_log import DecisionLog, LabelRecord, read_records
+from edgecache.semantic.decision_log import DecisionLog, LabelRecord, read_records
 from edgecache.engines.base import GenerationRequest, Message, SamplingParams
-from edgecache.labeling import AnswerEmbeddingLabeler, EqualityLabeler, FirstVerdict, MissLabels
+from edgecache.semantic.labeling import AnswerEmbeddingLabeler, EqualityLabeler, FirstVerdict, MissLabels
 from edgecache.call import Call
-from edgecache.lookup import Lookup, SemanticHit
+from edgecache.semantic.lookup import Lookup, SemanticHit
 from edgecache.stores import CachedAnswer
 
 
@@ -137,7 +137,7 @@ def test_stats_render_a_labels_table_when_there_are_labels() -> None:
 
 async def test_the_model_judge_asks_one_token_under_the_tenants_salt_and_reads_yes_or_no() -> None:
     from edgecache.engines.base import Chunk
-    from edgecache.labeling import JUDGE_INSTRUCTIONS, ModelJudgeLabeler
+    from edgecache.semantic.labeling import JUDGE_INSTRUCTIONS, ModelJudgeLabeler
 
     asked: list[GenerationRequest] = []
     replies = iter([" Yes", "no.", "Maybe", "yes"])

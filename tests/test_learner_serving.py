@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from edgecache.app import create_app
-from edgecache.decision_log import DecisionRecord, read_records
-from edgecache.lookup import MatchRule, Probe
-from edgecache.semantic_cache import SemanticCache
-from edgecache.semantic_index import SemanticIndex
-from edgecache.semantic_learner import SemanticLearner
+from edgecache.http.app import create_app
+from edgecache.semantic.decision_log import DecisionRecord, read_records
+from edgecache.semantic.lookup import MatchRule, Probe
+from edgecache.semantic.cache import SemanticCache
+from edgecache.semantic.index import SemanticIndex
+from edgecache.semantic.learner import SemanticLearner
 from tests.conftest import chat_body, serve_in_process
 from tests.fakes import FakeEngine
 from tests.test_decision_log import settled
@@ -139,7 +139,7 @@ async def test_a_wrong_label_through_the_server_demotes_the_entry(make_settings:
 
 @pytest.fixture(scope="module")
 def embedder() -> Any:
-    from edgecache.embedders import load_embedder
+    from edgecache.semantic.embedders import load_embedder
 
     return load_embedder("use-multilingual")
 
@@ -212,7 +212,7 @@ async def test_a_restart_starts_the_learner_from_the_labels_the_log_kept(make_se
 
 
 def test_labelled_decisions_pair_labels_with_their_decisions_within_a_window(tmp_path: Path) -> None:
-    from edgecache.decision_log import DecisionLog, labelled_decisions
+    from edgecache.semantic.decision_log import DecisionLog, labelled_decisions
 
     log = DecisionLog(tmp_path, max_bytes=1 << 20)
     old = log.decided("t", "s", "q0", "refused", reason="learner:budget", store_key="k0", similarity=0.8)
@@ -235,7 +235,7 @@ class JudgingEngine(ScriptedEngine):
         self.verdict = verdict
 
     def answer_for(self, request: Any) -> str:
-        from edgecache.labeling import JUDGE_INSTRUCTIONS
+        from edgecache.semantic.labeling import JUDGE_INSTRUCTIONS
 
         if request.messages and request.messages[0].content == JUDGE_INSTRUCTIONS:
             return self.verdict
@@ -324,7 +324,7 @@ async def test_labels_of_a_scenario_no_longer_configured_are_skipped_at_start_an
         make_settings: Any) -> None:
     # A log written under a profile that had a scenario the operator has since removed (or a label from a fleet node
     # whose profile has it): nothing to teach, and never a failed start or a dead label follower.
-    from edgecache.decision_log import DecisionLog
+    from edgecache.semantic.decision_log import DecisionLog
 
     settings = make_settings(semantic__enabled=True, semantic__decision="learner")
     log = DecisionLog(Path(settings.data_dir) / "decisions", max_bytes=1 << 20)

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from edgecache.app import create_app
+from edgecache.http.app import create_app
 from tests.conftest import chat_body, serve_in_process
 from tests.fakes import FakeEngine
 
@@ -243,7 +243,7 @@ async def test_the_access_log_says_what_happened_and_never_what_was_asked(make_s
         await c.post("/v1/chat/completions", json=chat_body("a private question"), headers=auth)
         await c.post("/v1/chat/completions", json=chat_body("x"), headers={"Authorization": "Bearer sk-wrong-999"})
         await c.get("/no/such/route/sk-secret-acme-1")
-        c.app.state.runtime.access_log.flush()  # type: ignore[attr-defined]
+        c.app.state.front.access_log.flush()  # type: ignore[attr-defined]
         lines = [line for r in caplog.records if r.name == "edgecache.access" for line in r.getMessage().splitlines()]
         metrics = (await c.get("/metrics", headers={"Authorization": "Bearer sk-admin-0001"})).text
     assert any("route=/v1/chat/completions status=200 served=miss tenant=acme" in line for line in lines)
@@ -263,7 +263,7 @@ async def test_the_access_log_can_be_switched_off(make_settings: Any, caplog: py
         caplog.set_level(logging.INFO, logger="edgecache.access")
         await c.post("/v1/chat/completions", json=chat_body("hello"))
         await c.post("/v1/chat/completions", content=b"{not json")
-        c.app.state.runtime.access_log.flush()  # type: ignore[attr-defined]
+        c.app.state.front.access_log.flush()  # type: ignore[attr-defined]
         metrics = (await c.get("/metrics")).text
     assert any(r.name == "edgecache.access" for r in caplog.records) == enabled
     assert count(metrics, 'edgecache_refused_requests_total{reason="bad_request"}') == 1  # counted either way

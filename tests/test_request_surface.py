@@ -12,7 +12,7 @@ import httpx
 import msgspec
 import pytest
 
-from edgecache.app import create_app
+from edgecache.http.app import create_app
 from edgecache.engines.base import Choice, Chunk, GenerationRequest, TokenLogprob, ToolCall, TopLogprob
 from edgecache.stores import CachedAnswer
 from tests.conftest import chat_body, serve_in_process
@@ -238,7 +238,7 @@ def test_an_entry_written_before_choices_existed_still_decodes() -> None:
 
 
 async def test_openapi_document_is_generated_from_the_request_structs(client: httpx.AsyncClient) -> None:
-    from edgecache.request_surface import ChatCompletionRequest, CompletionRequest
+    from edgecache.http.request_surface import ChatCompletionRequest, CompletionRequest
 
     resp = await client.get("/openapi.json")
     assert resp.status_code == 200 and resp.headers["content-type"] == "application/json"
@@ -257,7 +257,7 @@ async def test_openapi_document_is_generated_from_the_request_structs(client: ht
 
 def test_tools_tool_choice_and_response_format_name_the_semantic_namespace() -> None:
     from edgecache.engines.base import Message, OutputFormat, SamplingParams, ToolSpec
-    from edgecache.lookup import probe_for
+    from edgecache.semantic.lookup import probe_for
 
     base = GenerationRequest(messages=(Message("user", "What is the weather in Paris?"),),
                              params=SamplingParams(temperature=0.0))

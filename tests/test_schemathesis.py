@@ -24,9 +24,9 @@ from hypothesis.errors import Unsatisfiable
 import schemathesis
 from schemathesis.generation import GenerationMode
 
-from edgecache.app import create_app
-from edgecache.http_server import uvicorn_config
-from edgecache.openai_api import ChatCompletionRequest, CompletionRequest
+from edgecache.http.app import create_app
+from edgecache.http.server import uvicorn_config
+from edgecache.http.openai_api import ChatCompletionRequest, CompletionRequest
 from edgecache.settings import resolve_settings
 from tests.fakes import FakeEngine
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgecache.verifier import FEATURES, Verifier
+from edgecache.semantic.verifier import FEATURES, Verifier
 from tests.test_verifier import small_fit_sets
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

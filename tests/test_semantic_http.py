@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from edgecache.app import create_app
+from edgecache.http.app import create_app
 from edgecache.call import Call
 from edgecache.engines.base import GenerationRequest, Message, SamplingParams
 from tests.conftest import chat_body, serve_in_process

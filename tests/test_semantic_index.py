@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgecache.semantic_index import Candidate, SemanticIndex
+from edgecache.semantic.index import Candidate, SemanticIndex
 
 DIM = 16
 
@@ -207,7 +207,7 @@ def test_names_cannot_escape_the_data_dir(tmp_path: Path) -> None:
 WRITER = textwrap.dedent(
     """
     import sys, numpy as np
-    from edgecache.semantic_index import SemanticIndex
+    from edgecache.semantic.index import SemanticIndex
     ix = SemanticIndex(sys.argv[1], dim=16, embedder_version="v", max_vectors=10**6)
     rng = np.random.default_rng(int(sys.argv[2]))
     i = 0

@@ -1,11 +1,11 @@
-"""The online learner of semantic decisions (edgecache/semantic_learner.py): pure, seeded, no clock."""
+"""The online learner of semantic decisions (edgecache/semantic/learner.py): pure, seeded, no clock."""
 
 from __future__ import annotations
 
 import math
 import random
 
-from edgecache.semantic_learner import SemanticLearner
+from edgecache.semantic.learner import SemanticLearner
 
 TARGET = 0.01
 

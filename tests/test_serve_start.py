@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from edgecache.app import create_app
+from edgecache.http.app import create_app
 from edgecache.data_dir import DataDirBusy, DataDirLock
 from tests.conftest import serve_in_process
 from tests.fakes import FakeEngine

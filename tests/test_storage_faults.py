@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from edgecache.app import create_app
+from edgecache.http.app import create_app
 from edgecache.health import Health, HealthChecks, StorageFaults, fault_kind
 from edgecache.metrics import Metrics
-from edgecache.semantic_index import SemanticIndex
+from edgecache.semantic.index import SemanticIndex
 from tests.conftest import chat_body, serve_in_process
 from tests.fakes import FakeEngine
 

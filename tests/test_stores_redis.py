@@ -167,7 +167,7 @@ def test_a_single_box_never_imports_redis(tmp_path: Any) -> None:
     # The disk backend is the default; building and serving its app must not even import the redis client.
     code = (
         "import sys, asyncio\n"
-        "from edgecache.app import create_app\n"
+        "from edgecache.http.app import create_app\n"
         "from edgecache.settings import resolve_settings\n"
         "from tests.fakes import FakeEngine\n"
         "from tests.conftest import serve_in_process, chat_body\n"

@@ -12,8 +12,8 @@ import numpy as np
 from typer.testing import CliRunner
 
 from edgecache.cli.main import app as cli
-from edgecache.decision_log import DecisionLog, DecisionRecord, LabelRecord, read_records
-from edgecache.tuning import ALL, tune
+from edgecache.semantic.decision_log import DecisionLog, DecisionRecord, LabelRecord, read_records
+from edgecache.semantic.tuning import ALL, tune
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import eval_semantic  # noqa: E402

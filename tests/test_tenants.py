@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from edgecache.app import create_app
+from edgecache.http.app import create_app
 from edgecache.engines.base import GenerationRequest
 from edgecache.errors import Unauthorized
 from edgecache.settings import SettingsError

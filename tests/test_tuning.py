@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from edgecache.app import create_app
+from edgecache.http.app import create_app
 from edgecache.cli.main import app as cli
-from edgecache.decision_log import DecisionLog, DecisionRecord, read_records
+from edgecache.semantic.decision_log import DecisionLog, DecisionRecord, read_records
 from edgecache.settings import SettingsError, resolve_settings
-from edgecache.false_hits import wilson_upper
-from edgecache.tuning import Group, Sample, lowest_cut, overlay_toml, tune
+from edgecache.semantic.false_hits import wilson_upper
+from edgecache.semantic.tuning import Group, Sample, lowest_cut, overlay_toml, tune
 from tests.conftest import chat_body, serve_in_process
 from tests.fakes import FakeEngine
 from tests.test_decision_log import settled

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgecache.embedders import load_embedder
-from edgecache.lookup import MatchRule, Probe
-from edgecache.semantic_cache import SemanticCache
-from edgecache.semantic_index import SemanticIndex
-from edgecache.verifier import FEATURES, SHIPPED_PARAMS, Verifier, VerifierParams, features, language
+from edgecache.semantic.embedders import load_embedder
+from edgecache.semantic.lookup import MatchRule, Probe
+from edgecache.semantic.cache import SemanticCache
+from edgecache.semantic.index import SemanticIndex
+from edgecache.semantic.verifier import FEATURES, SHIPPED_PARAMS, Verifier, VerifierParams, features, language
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
@@ -219,7 +219,7 @@ def test_the_eval_prints_the_keys(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 async def test_over_http_the_verifier_serves_a_paraphrase_and_refuses_a_swap(make_settings) -> None:
-    from edgecache.app import create_app
+    from edgecache.http.app import create_app
     from tests.conftest import chat_body, serve_in_process
     from tests.fakes import FakeEngine
     from tests.test_semantic_http import settled
@@ -247,7 +247,7 @@ async def test_over_http_the_verifier_serves_a_paraphrase_and_refuses_a_swap(mak
 async def test_the_server_runs_on_e5_small_with_its_threshold_rule(make_settings) -> None:
     # The verifier is fitted for use-multilingual only: with e5-small, even decision = verifier keeps the cosine
     # threshold rule (the strictest known threshold, as for any uncalibrated embedder) and the guard.
-    from edgecache.app import create_app
+    from edgecache.http.app import create_app
     from tests.conftest import chat_body, serve_in_process
     from tests.fakes import FakeEngine
     from tests.test_semantic_http import settled

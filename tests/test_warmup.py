@@ -11,9 +11,10 @@ from typing import Any
 import msgspec
 from rich.console import Console
 
-from edgecache.app import create_app
+from edgecache.http.app import create_app
 from edgecache.cli.warmup import warm_offline
-from edgecache.warmup import LineResult, NumberedLine, WarmupLine, read_lines
+from edgecache.http.warmup_lines import NumberedLine, WarmupLine, read_lines
+from edgecache.warmup import LineResult
 from tests.conftest import chat_body, serve_in_process
 from tests.fakes import FakeEngine
 
@@ -170,9 +171,9 @@ class _RecordingEmbedder:
 
 
 async def _bulk_embed(tmp_path: Path, embedder: _RecordingEmbedder, bulk_threads: int):
-    from edgecache.lookup import MatchRule
-    from edgecache.semantic_cache import SemanticCache
-    from edgecache.semantic_index import SemanticIndex
+    from edgecache.semantic.lookup import MatchRule
+    from edgecache.semantic.cache import SemanticCache
+    from edgecache.semantic.index import SemanticIndex
 
     index = SemanticIndex(tmp_path, dim=embedder.dim, embedder_version=embedder.version)
     sem = SemanticCache(embedder=embedder, index=index, rule_for=lambda t, s: MatchRule(threshold=0.9),

@@ -89,7 +89,7 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     (the tenant id goes here; SGLang calls it ``cache_salt``).
 
     Every field here can change what the model writes, and the whole struct goes into the cache key; a request
-    field that cannot change the output never reaches it (see :mod:`edgecache.request_surface`). Defaults mean
+    field that cannot change the output never reaches it (see :mod:`edgecache.http.request_surface`). Defaults mean
     "not asked for", so a plain request encodes (and hashes) without the rest.
 
     ``tool_choice``: ``auto``, ``none``, ``required`` or the name of the one function to call.
@@ -155,6 +155,12 @@ class Chunk(msgspec.Struct, kw_only=True):
     choices: tuple[Choice, ...] | None = None
 
 
+#: The request fields, beyond messages/prompt and plain sampling, that an engine may or may not honour; each engine
+#: lists those it does in :attr:`Engine.features`, and a request that uses another is refused naming the field.
+FEATURES = ("tools", "tool_choice", "response_format", "n", "logprobs", "top_logprobs", "echo", "top_k", "min_p",
+            "repetition_penalty", "logit_bias", "chat_template_kwargs")
+
+
 @runtime_checkable
 class Engine(Protocol):
     """A model runtime behind the cache.
@@ -163,12 +169,14 @@ class Engine(Protocol):
     key, so a different model never answers from an old entry).
 
     ``kind`` names the engine in errors; ``features`` lists the request fields beyond plain sampling that it
-    honours (:data:`edgecache.request_surface.FEATURES`): a request using another one is refused with a 400 that
-    names the field and the engine, never silently ignored. An engine without these attributes honours none.
+    honours (of :data:`FEATURES`): a request using another one is refused with a 400 that names the field and the
+    engine, never silently ignored.
     """
 
     model_id: str
     version: str
+    kind: str
+    features: frozenset[str]
 
     async def start(self) -> None:
         """Load the model. Called once by the app's lifespan before the server reports ready."""

@@ -29,6 +29,7 @@ import httpx
 import msgspec
 
 from edgecache.engines.base import (
+    FEATURES,
     Choice,
     Chunk,
     FinishReason,
@@ -38,7 +39,6 @@ from edgecache.engines.base import (
     TopLogprob,
 )
 from edgecache.errors import BadRequest, EngineError, NotReady
-from edgecache.request_surface import FEATURES
 
 _DONE = "[DONE]"
 # Upstream error messages sometimes embed a Python traceback (llama-cpp-python's do); keep what precedes it.

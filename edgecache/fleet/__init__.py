@@ -21,18 +21,18 @@ from edgecache.fleet.labels import LabelFeed, SharedLabel
 from edgecache.fleet.link import RedisLink
 from edgecache.fleet.vectors import SharedIndex, VectorFeed
 from edgecache.health import READY, Health
-from edgecache.metrics import Metrics
 from edgecache.settings import Settings
 
 
 class Fleet:
     """The Redis link and the event follower of one node; started by the runtime's lifespan, closed last."""
 
-    def __init__(self, settings: Settings, metrics: Metrics, on_flush: FlushHandler) -> None:
+    def __init__(self, settings: Settings, on_flush: FlushHandler,
+                 on_link_state: Callable[[bool], None] | None = None) -> None:
         assert settings.store.redis_url is not None  # the settings refuse redis without a URL
         self.node_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.link = RedisLink(settings.store.redis_url, timeout_s=settings.store.redis_timeout_s,
-                              on_state=metrics.observe_redis)
+                              on_state=on_link_state)
         self.events = FleetEvents(self.link, self.node_id, on_flush)
         self.vectors: VectorFeed | None = None
         self.labels: LabelFeed | None = None

@@ -31,7 +31,7 @@ QUEUE_MAX = 10_000
 
 
 class SharedLabel(msgspec.Struct, frozen=True, array_like=True):
-    """One learner label, as :meth:`edgecache.semantic_cache.SemanticCache.learn` is taught it."""
+    """One learner label, as :meth:`edgecache.semantic.cache.SemanticCache.learn` is taught it."""
 
     origin: str                 # the node that got the label
     tenant: str

@@ -47,7 +47,7 @@ class VectorRecord(msgspec.Struct, frozen=True, array_like=True):
 
 
 class SharedIndex:
-    """A :class:`~edgecache.semantic_index.SemanticIndex` whose additions also go to the fleet's streams.
+    """A :class:`~edgecache.semantic.index.SemanticIndex` whose additions also go to the fleet's streams.
 
     Everything but the additions (``add``, and ``add_many``, a warmup's) is the local index's own (reads,
     removals, drops, saves): :meth:`__getattr__` passes them through, so the semantic cache cannot tell the two

@@ -1,8 +1,8 @@
 """The semantic layer's three ways of deciding whether the nearest stored prompts may answer a query.
 
 Each decider is a function of the query, the candidates the index found (nearest first), the scenario's rule and
-the query's vector, and returns the :class:`~edgecache.lookup.Lookup` it decided. None of them does I/O or keeps
-state; the semantic cache (:mod:`edgecache.semantic_cache`) runs them on its index thread and hands the learner's
+the query's vector, and returns the :class:`~edgecache.semantic.lookup.Lookup` it decided. None of them does I/O or keeps
+state; the semantic cache (:mod:`edgecache.semantic.cache`) runs them on its index thread and hands the learner's
 decision in as a function, since the learner is the one decider with state (taught by labels, under a lock).
 
 - :func:`by_threshold`: the nearest candidate, when its cosine reaches the threshold and the guard finds no
@@ -19,12 +19,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from edgecache import refusals
-from edgecache.guard import check
-from edgecache.guard import rule_of as guard_rule_of
-from edgecache.lookup import Lookup, MatchRule, SemanticHit
-from edgecache.semantic_index import Candidate
-from edgecache.semantic_learner import Decision
-from edgecache.verifier import Verifier
+from edgecache.semantic.guard import check
+from edgecache.semantic.guard import rule_of as guard_rule_of
+from edgecache.semantic.lookup import Lookup, MatchRule, SemanticHit
+from edgecache.semantic.index import Candidate
+from edgecache.semantic.learner import Decision
+from edgecache.semantic.verifier import Verifier
 
 #: How a decider is called by the cache: (query, candidates nearest first, rule, the query's vector) -> Lookup.
 Decider = Callable[[str, list[Candidate], MatchRule, np.ndarray], Lookup]

@@ -6,12 +6,12 @@ version, the salt, the system prompt and the output-affecting parameters are has
 :attr:`Probe.namespace`, and each (tenant, scenario, namespace) has an index of its own. A later turn of a
 conversation, a raw completion, or a request whose system prompt differs never meets another's vectors.
 
-When a candidate serves. The verifier (:mod:`edgecache.verifier`) scores the nearest ``candidates`` stored prompts
+When a candidate serves. The verifier (:mod:`edgecache.semantic.verifier`) scores the nearest ``candidates`` stored prompts
 (cosine, lexical overlap, the guard's rules as features) and the best-scored one serves when its score reaches the
 cut that the scenario's target false-hit rate calibrates to. A scenario with a raw ``threshold`` (the override), or
 an embedder the verifier was not fitted for, keeps the rule from before the verifier: the nearest candidate only,
-when its cosine reaches the threshold and the guard (:mod:`edgecache.guard`) finds no difference the answer depends
-on. With a learner (``semantic.decision = "learner"``, :mod:`edgecache.semantic_learner`), the nearest candidate
+when its cosine reaches the threshold and the guard (:mod:`edgecache.semantic.guard`) finds no difference the answer depends
+on. With a learner (``semantic.decision = "learner"``, :mod:`edgecache.semantic.learner`), the nearest candidate
 past the guard is decided by what this box's own labels taught it, under the scenario's target false-hit rate: serve
 it, explore (refuse it so the engine computes the answer, which then labels the candidate), or miss; the scenario's
 threshold is only the learner's prior. The labels come back through :meth:`SemanticCache.learn`. The caller then
@@ -34,22 +34,22 @@ from functools import partial
 
 import numpy as np
 
-from edgecache.embedders import Embedder
+from edgecache.semantic.embedders import Embedder
 from edgecache.errors import StorageUnavailable
-from edgecache.guard import DEFAULT_RULES
-from edgecache.decision_log import DecisionRecord
+from edgecache.semantic.guard import DEFAULT_RULES
+from edgecache.semantic.decision_log import DecisionRecord
 from edgecache.health import STORAGE_ERRORS, StorageFaults
-from edgecache.lookup import Lookup, MatchRule, Probe
-from edgecache.semantic_index import Candidate, SemanticIndex
+from edgecache.semantic.lookup import Lookup, MatchRule, Probe
+from edgecache.semantic.index import Candidate, SemanticIndex
 from edgecache import deciders, refusals
-from edgecache.deciders import Decider
-from edgecache.semantic_learner import Decision, SemanticLearner
-from edgecache.verifier import Verifier
+from edgecache.semantic.deciders import Decider
+from edgecache.semantic.learner import Decision, SemanticLearner
+from edgecache.semantic.verifier import Verifier
 
 
 def _learner_decider(query: str, found: list[Candidate], rule: MatchRule, vector: np.ndarray, *,
                      guard_rules: Sequence[str], learned: Callable[[Candidate], Decision]) -> Lookup:
-    """:func:`deciders.by_learner` in the :data:`~edgecache.deciders.Decider` shape (the rule is in ``learned``)."""
+    """:func:`deciders.by_learner` in the :data:`~edgecache.semantic.deciders.Decider` shape (the rule is in ``learned``)."""
     return deciders.by_learner(query, found, vector, guard_rules, learned)
 
 

@@ -4,9 +4,9 @@ A label says whether a cached answer served its query. From ``bad`` wrong labels
 weighted counts) the rate is ``bad / n`` and its one-sided upper bound is Wilson's score bound: it stays sensible
 with few labels and none wrong, where the normal approximation claims a bound of 0. ``/metrics`` and ``/stats``
 report labels this way (:meth:`edgecache.metrics.Metrics.observe_label`) and ``edgecache tune`` picks its cuts with
-it (:mod:`edgecache.tuning`). The online learner keeps its own running ledger of the same rate (its labels are
+it (:mod:`edgecache.semantic.tuning`). The online learner keeps its own running ledger of the same rate (its labels are
 weighted by how likely each decision was to be explored, so its variance is summed per label, not binomial) and
-reports it beside these (:meth:`edgecache.semantic_learner.SemanticLearner.estimate`).
+reports it beside these (:meth:`edgecache.semantic.learner.SemanticLearner.estimate`).
 """
 
 from __future__ import annotations

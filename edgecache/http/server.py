@@ -148,7 +148,7 @@ def limited_protocol(settings: Settings, on_refused: Refused | None = None) -> t
 def uvicorn_config(app: Any, settings: Settings, *, on_refused: Refused | None = None, **overrides: Any
                    ) -> uvicorn.Config:
     """The uvicorn config of an EdgeCache server: the limited protocol, uvloop where there is one, no uvicorn
-    access log (ours is :mod:`edgecache.access_log`), lifespan on. ``on_refused`` defaults to the app's runtime
+    access log (ours is :mod:`edgecache.http.access_log`), lifespan on. ``on_refused`` defaults to the app's runtime
     (its refusal counter and access log), looked up when a refusal happens."""
     if on_refused is None:
         on_refused = _runtime_refusals(app)
@@ -163,8 +163,8 @@ def uvicorn_config(app: Any, settings: Settings, *, on_refused: Refused | None =
 
 def _runtime_refusals(app: Any) -> Refused:
     def refused(status: int, method: str) -> None:
-        runtime = getattr(getattr(app, "state", None), "runtime", None)
-        if runtime is not None:
-            runtime.access_log.record(method, "-", status, None, None, 0.0)
+        front = getattr(getattr(app, "state", None), "front", None)
+        if front is not None:
+            front.access_log.record(method, "-", status, None, None, 0.0)
 
     return refused

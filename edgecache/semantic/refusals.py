@@ -10,7 +10,7 @@ read here; no other module writes or parses one by hand.
 ``guard:<rule>``       the guard found a difference the answer depends on (threshold rule, and the learner's veto)
 ``veto:<rule>``        the same, found by the verifier's rules
 ``explore``            the learner refused a candidate it would serve, to label it against the engine's answer
-``learner:<reason>``   the learner refused it (``<reason>`` is its :data:`~edgecache.semantic_learner.Reason`)
+``learner:<reason>``   the learner refused it (``<reason>`` is its :data:`~edgecache.semantic.learner.Reason`)
 =====================  ======================================================================================
 """
 

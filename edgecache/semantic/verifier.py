@@ -7,7 +7,7 @@ several cheap signals of one (query, candidate) pair:
 
 - the default embedder's cosine, with hinges above 0.8 / 0.9 / 0.95 so the model can bend the curve;
 - lexical evidence: overlap of content units (characters for Chinese, words for English), containment, length ratio;
-- the guard's rules (:mod:`edgecache.guard`) as 0/1 features, not vetoes; a rule stays a hard veto only on a
+- the guard's rules (:mod:`edgecache.semantic.guard`) as 0/1 features, not vetoes; a rule stays a hard veto only on a
   minimal pair (:attr:`VerifierParams.vetoes`: the rule fires and the two prompts otherwise share most of their
   content units), where the difference the rule found is the whole difference.
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import msgspec
 
-from edgecache import guard, refusals
+from edgecache.semantic import guard, refusals
 
 #: The features, in the order the weights are stored. Changing it invalidates the shipped file (the fit rebuilds it).
 FEATURES: tuple[str, ...] = (

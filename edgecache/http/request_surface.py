@@ -24,7 +24,8 @@ import msgspec
 from msgspec import Meta
 
 from edgecache.call import PolicyName
-from edgecache.engines.base import GenerationRequest, Message, OutputFormat, SamplingParams, ToolCall, ToolSpec
+from edgecache.engines.base import (FEATURES, Engine, GenerationRequest, Message, OutputFormat, SamplingParams,
+                                    ToolCall, ToolSpec)
 from edgecache.errors import BadRequest
 from edgecache.ttl_tiers import Tier
 
@@ -36,10 +37,6 @@ MAX_CHOICES = 8
 MAX_TOOLS = 128
 MAX_STOPS = 4
 
-# The request fields, beyond messages/prompt and plain sampling, that an engine may or may not honour. An engine
-# lists those it does in ``Engine.features``.
-FEATURES = ("tools", "tool_choice", "response_format", "n", "logprobs", "top_logprobs", "echo", "top_k", "min_p",
-            "repetition_penalty", "logit_bias", "chat_template_kwargs")
 
 
 def _canonical(value: Any) -> str:
@@ -356,7 +353,7 @@ def _param_of(message: str) -> str | None:
 
 
 def features_used(request: GenerationRequest) -> frozenset[str]:
-    """The :data:`FEATURES` this request uses (with a value other than "off")."""
+    """The :data:`~edgecache.engines.base.FEATURES` this request uses (with a value other than "off")."""
     used = set()
     if request.tools:
         used.update(("tools", "tool_choice"))
@@ -380,13 +377,9 @@ def features_used(request: GenerationRequest) -> frozenset[str]:
     return frozenset(used)
 
 
-def check_engine_supports(used: frozenset[str], engine: object) -> None:
-    """A 400 naming the first field the engine cannot honour (in :data:`FEATURES` order)."""
-    if not used:
-        return
-    supported: frozenset[str] = getattr(engine, "features", frozenset())
-    missing = used - supported
+def check_engine_supports(used: frozenset[str], engine: Engine) -> None:
+    """A 400 naming the first field the engine cannot honour (in :data:`~edgecache.engines.base.FEATURES` order)."""
+    missing = used - engine.features
     if missing:
         field = next(f for f in FEATURES if f in missing)
-        kind = getattr(engine, "kind", type(engine).__name__)
-        raise BadRequest(f"{field} is not supported by the {kind} engine this server runs", param=field)
+        raise BadRequest(f"{field} is not supported by the {engine.kind} engine this server runs", param=field)

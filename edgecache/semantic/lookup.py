@@ -1,8 +1,8 @@
 """What a semantic lookup is about and what it decided: the probe a request offers, the candidate the index found,
 the :class:`Lookup` outcome, the scenario's :class:`MatchRule`, and how a lookup is written to the decision log.
 
-These are the semantic layer's shared words. The cache (:mod:`edgecache.semantic_cache`), the deciders
-(:mod:`edgecache.deciders`), the labeler and the request path read them from here, and the decision log never needs
+These are the semantic layer's shared words. The cache (:mod:`edgecache.semantic.cache`), the deciders
+(:mod:`edgecache.semantic.deciders`), the labeler and the request path read them from here, and the decision log never needs
 the cache to record one.
 """
 
@@ -14,11 +14,11 @@ import msgspec
 import numpy as np
 
 from edgecache import refusals
-from edgecache.decision_log import Decision as LoggedDecision
-from edgecache.decision_log import DecisionLog
+from edgecache.semantic.decision_log import Decision as LoggedDecision
+from edgecache.semantic.decision_log import DecisionLog
 from edgecache.engines.base import GenerationRequest
-from edgecache.semantic_index import Candidate
-from edgecache.semantic_learner import Decision
+from edgecache.semantic.index import Candidate
+from edgecache.semantic.learner import Decision
 
 _encoder = msgspec.json.Encoder()
 

@@ -12,11 +12,11 @@ from typing import Any
 
 import msgspec
 
-from edgecache.embeddings_api import EmbeddingList, EmbeddingRequest
+from edgecache.http.embeddings import EmbeddingList, EmbeddingRequest
 from edgecache.errors import ErrorBody
-from edgecache.openai_api import ChatCompletion, ChatCompletionChunk, ModelCard, ModelList, TextCompletion
-from edgecache.request_surface import ChatCompletionRequest, CompletionRequest
-from edgecache.warmup import WarmupBatch
+from edgecache.http.openai_api import ChatCompletion, ChatCompletionChunk, ModelCard, ModelList, TextCompletion
+from edgecache.http.request_surface import ChatCompletionRequest, CompletionRequest
+from edgecache.http.warmup_lines import WarmupBatch
 
 _REF = "#/components/schemas/{name}"
 

@@ -32,8 +32,8 @@ from litestar.params import PathParameter
 from litestar.response import Stream
 from litestar.types import ASGIApp
 
-from edgecache.access_log import TENANT_SCOPE_KEY, AccessLog, AccessLogMiddleware
-from edgecache.calls import Parsed, apply_headers, read_headers
+from edgecache.http.access_log import TENANT_SCOPE_KEY, AccessLog, AccessLogMiddleware
+from edgecache.http.calls import Parsed, apply_headers, read_headers
 from edgecache.canary import CanaryReport
 from edgecache.data_dir import DataDirLock
 from edgecache.engines.base import Chunk, Engine
@@ -47,16 +47,17 @@ from edgecache.errors import (
     Overloaded,
     error_body,
 )
-from edgecache.openai_api import ModelCard, ModelList, ResponseWriter, usage
+from edgecache.http.openai_api import ModelCard, ModelList, ResponseWriter, usage
 from edgecache.call import Call
 from edgecache.pipeline import Reply
-from edgecache.embeddings_api import EmbeddingRequest, embed
-from edgecache.openapi import openapi_document
-from edgecache.request_surface import check_engine_supports, decode_body
+from edgecache.http.embeddings import EmbeddingRequest, embed
+from edgecache.http.front import Front
+from edgecache.http.openapi import openapi_document
+from edgecache.http.request_surface import check_engine_supports, decode_body
 from edgecache.runtime import Runtime
 from edgecache.settings import Settings
 from edgecache.tenants import TenantDirectory
-from edgecache.warmup import WarmupBatch, warm_lines
+from edgecache.http.warmup_lines import WarmupBatch, warm_lines
 
 log = logging.getLogger("edgecache")
 T = TypeVar("T")
@@ -67,6 +68,10 @@ JSON = "application/json"
 
 def _runtime(state: State) -> Runtime:
     return state.runtime  # type: ignore[no-any-return]
+
+
+def _front(state: State) -> Front:
+    return state.front  # type: ignore[no-any-return]
 
 
 def _check_ready(rt: Runtime, model: str) -> None:
@@ -123,7 +128,7 @@ async def _respond(rt: Runtime, request: Request[Any, Any, Any], parsed: Parsed,
         rt.metrics.observe_request(call.tenant, call.scenario, "rejected", None)
         raise
     writer = ResponseWriter(chat=chat, model=rt.engine.model_id, include_usage=include_usage,
-                            response_id=rt.ids.next("chat" if chat else "text"))
+                            response_id=_front(request.app.state).ids.next("chat" if chat else "text"))
     metrics = rt.metrics
     answer = reply.answer
     if answer is not None and not stream:
@@ -231,7 +236,7 @@ async def _generate(request: Request[Any, Any, Any], chat: bool) -> ASGIApp:
     headers = read_headers(request.scope["headers"])
     tenant = rt.tenants.authenticate(headers.authorization)                            # 401 on an unknown key
     request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]  # for the access log
-    parsed = rt.parsed.parse(chat, await request.body(), tenant)                       # 400 / 413
+    parsed = _front(request.app.state).parsed.parse(chat, await request.body(), tenant)                     # 400 / 413
     _check_ready(rt, parsed.model)                                                     # 503 / 404
     check_engine_supports(parsed.features, rt.engine)                                  # 400 naming field+engine
     return await _respond(rt, request, apply_headers(parsed, headers, tenant, rt.settings), started)
@@ -279,8 +284,9 @@ async def embeddings(request: Request[Any, Any, Any]) -> ASGIApp:
         raise NotReady("the server is still loading; retry shortly")
     model_id = rt.settings.semantic.embedder
     if rt.semantic is None:
-        raise ModelNotFound("this server hosts no embedder now (the semantic layer is off"
-                            f"{': ' + rt.semantic_error if rt.semantic_error else ''})", param="model")
+        why = rt.semantic_layer.error if rt.semantic_layer is not None else None
+        raise ModelNotFound(f"this server hosts no embedder now (the semantic layer is off{': ' + why if why else ''})",
+                            param="model")
     if body.model != model_id:
         raise ModelNotFound(f"the embedding model {body.model!r} does not exist here; this server's embedder is "
                             f"{model_id!r}", param="model")
@@ -290,7 +296,7 @@ async def embeddings(request: Request[Any, Any, Any]) -> ASGIApp:
 
 @get("/openapi.json")
 async def openapi_json(state: State) -> ASGIApp:
-    """The OpenAPI document, generated from the request and response structs (see :mod:`edgecache.openapi`)."""
+    """The OpenAPI document, generated from the request and response structs (see :mod:`edgecache.http.openapi`)."""
     return RawAnswer(state.openapi, [])
 
 
@@ -388,7 +394,7 @@ async def admin_warmup(request: Request[Any, Any, Any]) -> Response[Any]:
         raise NotReady("the server is still loading")
     assert rt.pipeline is not None
     results = await warm_lines(rt.pipeline, batch.lines, tenants=rt.tenants, settings=rt.settings,
-                               tenant=batch.tenant, prefilled=rt.warm_prefilled)
+                               tenant=batch.tenant, prefilled=_front(request.app.state).warm_prefilled)
     return Response(_json.encode({"results": results}), media_type=JSON)
 
 
@@ -438,7 +444,9 @@ def create_app(settings: Settings, engine: Engine | None = None,
         try:
             rt = Runtime(settings, chosen, tenants)
             rt.canary = canary
-            app.state.runtime = rt
+            front = Front(settings, count_refusal=lambda reason: rt.metrics.refused_requests.labels(reason).inc())
+            rt.flush_listeners.append(front.after_flush)
+            app.state.runtime, app.state.front = rt, front
             loading = asyncio.create_task(rt.load(), name="load")
             try:
                 yield
@@ -446,6 +454,7 @@ def create_app(settings: Settings, engine: Engine | None = None,
                 if not loading.done():
                     loading.cancel()
                     await asyncio.wait([loading])
+                front.close()
                 await rt.close()
         finally:
             lock.release()
@@ -468,5 +477,5 @@ def create_app(settings: Settings, engine: Engine | None = None,
 
 
 def _access_log_of(app: Litestar) -> AccessLog | None:
-    runtime = getattr(app.state, "runtime", None)
-    return runtime.access_log if runtime is not None else None
+    front = getattr(app.state, "front", None)
+    return front.access_log if front is not None else None

@@ -36,10 +36,10 @@ from typing import Literal
 
 import msgspec
 
-from edgecache.decision_log import DecisionRecord, LabelRecord, Record
-from edgecache.false_hits import wilson_upper
+from edgecache.semantic.decision_log import DecisionRecord, LabelRecord, Record
+from edgecache.semantic.false_hits import wilson_upper
 from edgecache import refusals
-from edgecache.semantic_learner import AUDIT, BUDGET
+from edgecache.semantic.learner import AUDIT, BUDGET
 
 ALL = "*"
 

@@ -25,7 +25,7 @@ import numpy as np
 from msgspec import Meta
 
 from edgecache.errors import BadRequest
-from edgecache.semantic_cache import SemanticCache
+from edgecache.semantic.cache import SemanticCache
 from edgecache.stores import CachedAnswer, ResultStore
 
 EMBEDDING_TTL_S = 30 * 24 * 3600.0

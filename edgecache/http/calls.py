@@ -16,7 +16,7 @@ import msgspec
 
 from edgecache.errors import BadRequest, Forbidden, PayloadTooLarge
 from edgecache.call import POLICIES, Call
-from edgecache.request_surface import (
+from edgecache.http.request_surface import (
     ChatCompletionRequest,
     CompletionRequest,
     decode_request,

@@ -1,5 +1,5 @@
 """The OpenAI wire format: the response bodies and SSE frames we send (the request structs are in
-:mod:`edgecache.request_surface`).
+:mod:`edgecache.http.request_surface`).
 
 Responses are built from engine :class:`~edgecache.engines.base.Chunk` values, or from a stored answer's
 :class:`~edgecache.engines.base.Choice` list, so a fresh answer, a cached one and a shared one all leave through
@@ -17,7 +17,7 @@ from typing import Literal
 import msgspec
 
 from edgecache.engines.base import Choice, TokenLogprob
-from edgecache.request_surface import (
+from edgecache.http.request_surface import (
     CacheOptions,
     ChatCompletionRequest,
     CompletionRequest,

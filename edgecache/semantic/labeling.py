@@ -45,9 +45,9 @@ import msgspec
 import numpy as np
 
 from edgecache.call import Call
-from edgecache.decision_log import DecisionLog
+from edgecache.semantic.decision_log import DecisionLog
 from edgecache.engines.base import Chunk, GenerationRequest, Message, SamplingParams
-from edgecache.lookup import Lookup
+from edgecache.semantic.lookup import Lookup
 from edgecache.stores import ResultStore
 
 log = logging.getLogger("edgecache")
