@@ -6,7 +6,7 @@ from typing import Any
 
 from rich.table import Table
 
-LAYERS = ("exact", "semantic", "shared")
+from edgecache.call import HITS, OUTCOMES, SERVED
 
 
 def _pct(x: float) -> str:
@@ -51,10 +51,10 @@ def stats_tables(body: dict[str, Any], *, tenant: str | None = None, previous: d
                      if tenant in (None, t) for c in sc.values())
         overview.add_row("requests/s", f"{(total - before) / seconds:.1f}")
     served = _served(counts)
-    overview.add_row("hit rate", _pct(sum(counts.get(k, 0) for k in LAYERS) / served if served else 0.0))
-    for layer in LAYERS:
+    overview.add_row("hit rate", _pct(sum(counts.get(k, 0) for k in HITS) / served if served else 0.0))
+    for layer in HITS:
         overview.add_row(f"  {layer}", _pct(counts.get(layer, 0) / served if served else 0.0))
-    for outcome in ("miss", "error", "rejected"):
+    for outcome in (o for o in OUTCOMES if o not in HITS):
         overview.add_row(outcome, f"{counts.get(outcome, 0):,}")
     if tenant is None:
         engine = body.get("engine", {})
@@ -76,14 +76,13 @@ def stats_tables(body: dict[str, Any], *, tenant: str | None = None, previous: d
                          _ms(figures.get("p99_s", 0.0)), _ms(figures.get("mean_s", 0.0)))
 
     tenants = Table(title="By tenant and scenario")
-    for col in ("tenant", "scenario", "requests", "exact", "semantic", "shared", "miss", "hit rate"):
+    for col in ("tenant", "scenario", "requests", *SERVED, "hit rate"):
         tenants.add_column(col, justify="left" if col in ("tenant", "scenario") else "right")
     for name, scenarios in sorted(by_tenant.items()):
         for scenario, c in sorted(scenarios.items()):
             s = _served(c)
-            tenants.add_row(name, scenario, f"{sum(c.values()):,}", *(f"{c.get(k, 0):,}" for k in
-                                                                     ("exact", "semantic", "shared", "miss")),
-                            _pct(sum(c.get(k, 0) for k in LAYERS) / s if s else 0.0))
+            tenants.add_row(name, scenario, f"{sum(c.values()):,}", *(f"{c.get(k, 0):,}" for k in SERVED),
+                            _pct(sum(c.get(k, 0) for k in HITS) / s if s else 0.0))
 
     store = Table(title="Result stores")
     for col in ("tenant", "entries", "bytes", "quota", "used"):

@@ -35,6 +35,11 @@ class AdmissionGate:
     def queued(self) -> int:
         return len(self._waiters)
 
+    def is_free(self) -> bool:
+        """Whether the engine has a free slot and nothing waits for one: the only time optional engine work (an
+        exploration, a label, the judge) may start, since it would otherwise take a slot from a caller."""
+        return self.queued == 0 and self.running < self.max_running
+
     def _may_run(self, tenant: str, tenant_limit: int | None) -> bool:
         return self.running < self.max_running and (
             tenant_limit is None or self.running_by_tenant.get(tenant, 0) < tenant_limit)

@@ -48,7 +48,8 @@ from edgecache.errors import (
     error_body,
 )
 from edgecache.openai_api import ModelCard, ModelList, ResponseWriter, usage
-from edgecache.pipeline import Call, Reply
+from edgecache.call import Call
+from edgecache.pipeline import Reply
 from edgecache.embeddings_api import EmbeddingRequest, embed
 from edgecache.openapi import openapi_document
 from edgecache.request_surface import check_engine_supports, decode_body

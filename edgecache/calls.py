@@ -1,4 +1,4 @@
-"""From an HTTP request to the pipeline's :class:`~edgecache.pipeline.Call`: decode, validate, apply the caller's
+"""From an HTTP request to the pipeline's :class:`~edgecache.call.Call`: decode, validate, apply the caller's
 cache options (body field ``edgecache`` and the ``X-EdgeCache-*`` headers) and the tenant's plan.
 
 A repeated request is the common case on a cache (that is what a hit is), and its body is byte-for-byte the same:
@@ -15,7 +15,7 @@ from typing import NamedTuple
 import msgspec
 
 from edgecache.errors import BadRequest, Forbidden, PayloadTooLarge
-from edgecache.pipeline import POLICIES, Call
+from edgecache.call import POLICIES, Call
 from edgecache.request_surface import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Literal
 
@@ -92,16 +94,32 @@ def describe(settings: Settings) -> str:
 def run_child(settings: Settings, timeout_s: float, label: Literal["configured", "safe"]) -> Attempt:
     """One canary child with ``settings``, bounded by ``timeout_s``."""
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "edgecache.canary"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     payload = msgspec.json.encode(settings_to_dict(settings))
-    hung = False
-    try:
-        out, err = proc.communicate(payload, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        hung = True
-        proc.kill()
-        out, err = proc.communicate()
+    # Files, not pipes: a process the child started (SGLang's scheduler) may outlive it holding a pipe open. The
+    # child leads a session of its own, so it and everything it started go together at the end.
+    with tempfile.TemporaryFile() as out_file, tempfile.TemporaryFile() as err_file:
+        proc = subprocess.Popen([sys.executable, "-m", "edgecache.canary"], stdin=subprocess.PIPE,
+                                stdout=out_file, stderr=err_file, start_new_session=True)
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(payload)
+            proc.stdin.close()
+        except BrokenPipeError:  # it died before reading its settings; its exit status says how
+            pass
+        try:
+            proc.wait(timeout=timeout_s)
+            hung = False
+        except subprocess.TimeoutExpired:
+            hung = True
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # nothing of it is left
+                pass
+            proc.wait()
+        out_file.seek(0)
+        err_file.seek(0)
+        out, err = out_file.read(), err_file.read()
     seconds = time.monotonic() - started
     lines = out.decode("utf-8", "replace").splitlines()
     started_parts = [line.split(" ", 1)[1] for line in lines if line.startswith("start ")]
@@ -109,7 +127,9 @@ def run_child(settings: Settings, timeout_s: float, label: Literal["configured",
     skipped = tuple(line.split(" ", 1)[1] for line in lines if line.startswith("skip "))
     if not hung and proc.returncode == 0:
         return Attempt(settings=label, ok=True, seconds=seconds, skipped=skipped)
-    part: Part = next((p for p in reversed(started_parts) if p not in done and p in PARTS), "start-up")  # type: ignore[assignment]
+    # the part it was in: the last one it started and did not finish ("start-up" when it got to none)
+    part: Part = next((p for p in reversed(started_parts) if p not in done and p in PARTS),  # type: ignore[assignment]
+                      "start-up")
     if hung:
         failure = f"hung past {timeout_s:g} s"
     elif proc.returncode < 0:

@@ -45,7 +45,6 @@ from typing import Literal
 import msgspec
 
 from edgecache.health import STORAGE_ERRORS, StorageFaults
-from edgecache.semantic_cache import Lookup
 
 log = logging.getLogger("edgecache")
 
@@ -330,25 +329,3 @@ class DecisionLog:
             if self._faults is not None:
                 self._faults.record(COMPONENT, exc, action="query-hash key not saved", path=path)
         return key
-
-
-def record_lookup(decisions: DecisionLog, tenant: str, scenario: str, query: str, lookup: Lookup, *, served: bool,
-                  dropped: str | None = None) -> str:
-    """Log what a semantic lookup decided; returns the decision's id. ``served``: its hit's answer went out;
-    ``dropped``: why a hit's answer did not (``gone``: expired or evicted; ``too_old`` for the caller's TTL)."""
-    candidate = lookup.candidate
-    decision: Decision
-    if served:
-        decision, reason = "hit", None
-    elif dropped is not None:
-        decision, reason = "miss", dropped
-    elif candidate is None:
-        decision, reason = "miss", None
-    elif lookup.explored:
-        decision, reason = "explore", lookup.learned.reason if lookup.learned else None
-    else:
-        decision, reason = "refused", lookup.refusal
-    return decisions.decided(tenant, scenario, query, decision, reason=reason,
-                       store_key=candidate.store_key if candidate else None,
-                       vector_key=candidate.vector_key if candidate else None,
-                       similarity=lookup.similarity, score=lookup.score)

@@ -128,7 +128,7 @@ _NEGATORS = re.compile(_EN_NEGATION.pattern + "|" + _ZH_NEGATION.pattern, re.IGN
 
 def _overlap(query: str, cached: str) -> float:
     """Jaccard overlap of the content units of two texts."""
-    a, b = set(_units(query)), set(_units(cached))
+    a, b = set(units(query)), set(units(cached))
     return len(a & b) / max(len(a | b), 1)
 
 
@@ -177,7 +177,7 @@ _EN_STOP = frozenset(
 )
 
 
-def _units(text: str) -> list[str]:
+def units(text: str) -> list[str]:
     """Content units in order: Latin words (lower-cased, stopwords dropped), numbers, single Chinese characters."""
     out = []
     for tok in _TOKEN.findall(text.lower()):
@@ -209,7 +209,7 @@ def order_rule(query: str, cached: str) -> str | None:
     A clause moved as a whole keeps each unit's neighbours, so a paraphrase that reorders clauses passes;
     an exchange puts unit x in the slot (left and right neighbour) that unit y held.
     """
-    a, b = _units(query), _units(cached)
+    a, b = units(query), units(cached)
     # Span moves are the PAWS-style negative in Chinese (南部...西部 / 西部...南部); English paraphrases move clauses
     # all the time (measured: it refused 30x more true hits than false ones there), so English gets slot swaps only.
     cjk = bool(_HAS_CJK.search(query) and _HAS_CJK.search(cached))
@@ -284,6 +284,11 @@ RULES: dict[str, Rule] = {
 
 #: The rules that paid for themselves in the measurements (docs/notes/semantic.md).
 DEFAULT_RULES: tuple[str, ...] = ("numbers", "entities", "negation", "antonyms", "order", "code")
+
+
+def rule_of(reason: str) -> str:
+    """The rule's name in one of its reasons (``numbers: 20 vs 50`` -> ``numbers``)."""
+    return reason.split(":", 1)[0]
 
 
 def check(query: str, cached: str, rules: Sequence[str] = DEFAULT_RULES) -> GuardVerdict:

@@ -39,18 +39,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import msgspec
 import numpy as np
 
+from edgecache.call import Call
 from edgecache.decision_log import DecisionLog
 from edgecache.engines.base import Chunk, GenerationRequest, Message, SamplingParams
-from edgecache.semantic_cache import Lookup
+from edgecache.lookup import Lookup
 from edgecache.stores import ResultStore
-
-if TYPE_CHECKING:
-    from edgecache.pipeline import Call
 
 log = logging.getLogger("edgecache")
 

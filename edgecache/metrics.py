@@ -6,7 +6,7 @@ can never disagree.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -16,11 +16,12 @@ from prometheus_client import (
     generate_latest,
 )
 
+from edgecache.call import OUTCOMES, Outcome
+from edgecache.false_hits import false_hit_estimate
+
 if TYPE_CHECKING:
     from edgecache.admission import AdmissionGate
 
-Outcome = Literal["exact", "semantic", "shared", "miss", "error", "rejected"]
-OUTCOMES: tuple[Outcome, ...] = ("exact", "semantic", "shared", "miss", "error", "rejected")
 
 # From a 100 us memory hit to a 30 s cold generation on a CPU.
 TTFT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -149,11 +150,9 @@ class Metrics:
             self._ttft_by_outcome[outcome].observe(ttft_s)
 
     def observe_label(self, tenant: str, scenario: str, decision: str, good: bool | None) -> None:
-        """A label of a semantic decision. Labels of served decisions (hit, explore) update the false-hit
-        estimate; a refused candidate's label says what a lower cut would have served. None (compared, could not
-        tell) is only counted."""
-        from edgecache.tuning import wilson_upper
-
+        """A label of a semantic decision (``decision``: ``explore`` or ``refused``). An exploration's label is of
+        an answer the policy would have served, so it updates the served false-hit estimate; a refused candidate's
+        says what a lower cut would have served. None (compared, could not tell) is only counted."""
         self.semantic_labels.labels(tenant, scenario, decision,
                                     "unverified" if good is None else "good" if good else "bad").inc()
         if good is None:
@@ -161,21 +160,23 @@ class Metrics:
         counts = self._label_counts.setdefault((tenant, scenario), [0, 0, 0, 0])
         counts[2] += 1
         counts[3] += not good
-        if decision in ("hit", "explore"):
+        if decision == "explore":
             counts[0] += 1
             counts[1] += not good
-            self.semantic_false_hit_rate.labels(tenant, scenario).set(counts[1] / counts[0])
-        self.semantic_false_hit_upper.labels(tenant, scenario).set(wilson_upper(counts[1], counts[0]))
+        rate, upper = false_hit_estimate(counts[1], counts[0])
+        if rate is not None:
+            self.semantic_false_hit_rate.labels(tenant, scenario).set(rate)
+        self.semantic_false_hit_upper.labels(tenant, scenario).set(1.0 if upper is None else upper)
 
     def label_summary(self) -> dict[str, dict[str, object]]:
         """Per ``tenant/scenario``: labels seen, bad ones, and the served decisions' false-hit estimate and bound
         (None until one is labelled)."""
-        from edgecache.tuning import wilson_upper
-
-        return {f"{tenant}/{scenario}": {
-            "labels": n_all, "bad": bad_all, "served_labels": n,
-            "false_hit_rate": bad / n if n else None, "false_hit_upper_95": wilson_upper(bad, n) if n else None}
-            for (tenant, scenario), (n, bad, n_all, bad_all) in sorted(self._label_counts.items())}
+        summary: dict[str, dict[str, object]] = {}
+        for (tenant, scenario), (n, bad, n_all, bad_all) in sorted(self._label_counts.items()):
+            rate, upper = false_hit_estimate(bad, n)
+            summary[f"{tenant}/{scenario}"] = {"labels": n_all, "bad": bad_all, "served_labels": n,
+                                               "false_hit_rate": rate, "false_hit_upper_95": upper}
+        return summary
 
     def observe_redis(self, up: bool) -> None:
         """The fleet link changed state (called on transitions only)."""

@@ -23,59 +23,23 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
-from typing import Literal
 
 import msgspec
 import numpy as np
 
 from edgecache.admission import AdmissionGate
-from edgecache.decision_log import DecisionLog, record_lookup
-from edgecache.engines.base import Chunk, Engine, GenerationRequest
+from edgecache.call import POLICIES, Call, CachePolicy, Served
+from edgecache.decision_log import DecisionLog
+from edgecache.engines.base import Chunk, Engine
 from edgecache.errors import EngineError
+from edgecache.guard import rule_of as guard_rule_of
 from edgecache.inflight import FlightTable, SharedFlight
 from edgecache.keys import is_cacheable, request_key
 from edgecache.labeling import MissLabels
 from edgecache.metrics import Metrics
 from edgecache.stores import CachedAnswer, ResultStore
-from edgecache.semantic_cache import Lookup, Probe, SemanticCache, probe_for
-
-Served = Literal["exact", "shared", "semantic", "miss"]
-
-
-class CachePolicy(msgspec.Struct, frozen=True):
-    """What a request may read from and write to the caches. The policies are data: :data:`POLICIES`."""
-
-    read: bool        # answer from the exact store, a running flight, or the semantic index
-    semantic: bool    # the semantic layer may be read (if ``read``) and written (if ``write``)
-    write: bool       # store the answer (and index its vector)
-    sampled: bool = False  # cache even sampling without a seed (the caller asked for reuse)
-
-
-POLICIES: dict[str, CachePolicy] = {
-    "default": CachePolicy(read=True, semantic=True, write=True),
-    "no-store": CachePolicy(read=True, semantic=True, write=False),     # read, never write
-    "no-cache": CachePolicy(read=False, semantic=True, write=True),     # skip reads, compute, write: a refresh
-    "exact-only": CachePolicy(read=True, semantic=False, write=True),   # no semantic layer
-    "bypass": CachePolicy(read=False, semantic=False, write=False),     # touch nothing
-    "reuse": CachePolicy(read=True, semantic=True, write=True, sampled=True),
-}
-
-
-class Call(msgspec.Struct, frozen=True, kw_only=True):
-    """One request as the pipeline sees it: what to generate, for whom, under which scenario and policy.
-
-    ``ttl_s`` / ``ttl_tier`` are the caller's explicit choice of how long the answer may live (None: let the
-    scenario or the classifier decide). ``tenant_limit`` is the plan's cap on the tenant's concurrent misses.
-    """
-
-    request: GenerationRequest
-    tenant: str = "default"
-    scenario: str = "default"
-    policy: str = "default"
-    ttl_s: float | None = None
-    ttl_tier: str | None = None
-    tenant_limit: int | None = None
-
+from edgecache.lookup import Lookup, Probe, probe_for, record_lookup
+from edgecache.semantic_cache import SemanticCache
 
 class Reply(msgspec.Struct, kw_only=True):
     """Who served the call, and the answer: a stored one (``answer``) or a stream of chunks (text deltas; the
@@ -286,7 +250,7 @@ class RequestPipeline:
         if lookup.explored:
             self.metrics.semantic_explorations.labels(call.tenant, call.scenario).inc()
         if lookup.refused_by_guard is not None:
-            self.metrics.semantic_guard_rejections.labels(lookup.refused_by_guard.split(":", 1)[0]).inc()
+            self.metrics.semantic_guard_rejections.labels(guard_rule_of(lookup.refused_by_guard)).inc()
         hit = lookup.hit
         if hit is None:
             return SemanticAnswer(lookup=lookup)

@@ -23,8 +23,10 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta
 
+from edgecache.call import PolicyName
 from edgecache.engines.base import GenerationRequest, Message, OutputFormat, SamplingParams, ToolCall, ToolSpec
 from edgecache.errors import BadRequest
+from edgecache.ttl_tiers import Tier
 
 T = TypeVar("T")
 Probability = Annotated[float, Meta(ge=0.0, le=2.0)]
@@ -159,9 +161,9 @@ class CacheOptions(msgspec.Struct, forbid_unknown_fields=True):
     """The ``edgecache`` body field (the openai client's ``extra_body``): how this request may use the cache."""
 
     scenario: str | None = None
-    policy: Literal["default", "no-store", "no-cache", "exact-only", "bypass", "reuse"] | None = None
+    policy: PolicyName | None = None
     ttl: Annotated[float, Meta(gt=0)] | None = None
-    ttl_tier: Literal["realtime", "near-realtime", "static"] | None = None
+    ttl_tier: Tier | None = None
 
 
 # --- the request bodies ----------------------------------------------------------------------------------------

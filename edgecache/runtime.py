@@ -33,9 +33,12 @@ from edgecache.labeling import (AnswerEmbeddingLabeler, EqualityLabeler, FirstVe
                                 ModelJudgeLabeler)
 from edgecache.metrics import Metrics
 from edgecache.openai_api import IdSource
-from edgecache.pipeline import Call, RequestPipeline
+from edgecache.call import Call
+from edgecache.pipeline import RequestPipeline
+from edgecache.stores import ResultStores
 from edgecache.stores.disk import TenantStores
-from edgecache.semantic_cache import Lookup, MatchRule, SemanticCache
+from edgecache.lookup import Lookup, MatchRule
+from edgecache.semantic_cache import SemanticCache
 from edgecache.semantic_learner import SemanticLearner
 from edgecache.settings import Settings
 from edgecache.tenants import TenantDirectory
@@ -46,7 +49,6 @@ if TYPE_CHECKING:
     from edgecache.canary import CanaryReport
     from edgecache.fleet import Fleet
     from edgecache.fleet.labels import SharedLabel
-    from edgecache.stores.redis import RedisTenantStores
 
 log = logging.getLogger("edgecache")
 
@@ -73,7 +75,7 @@ class Runtime:
         self.ids = IdSource()
         self.parsed = ParsedRequests(settings)
         self.fleet: Fleet | None = None
-        self.stores: TenantStores | RedisTenantStores
+        self.stores: ResultStores
         if settings.store.backend == "redis":
             from edgecache.fleet import Fleet
             from edgecache.stores.redis import RedisTenantStores
@@ -148,7 +150,7 @@ class Runtime:
             self.fleet.share_labels(self._apply_shared_label)
         if self.decisions is not None or self.learner is not None:
             self.labels = MissLabels(stores=self.stores, labeler=self._labeler(), decisions=self.decisions,
-                                     observe=self._observe_label, busy=lambda: self.admission.queued > 0)
+                                     observe=self._observe_label, busy=lambda: not self.admission.is_free())
         self.pipeline = RequestPipeline(engine=self.engine, stores=self.stores, inflight=self.inflight,
                                         metrics=self.metrics, ttl_for=self.ttl_for, admission=self.admission,
                                         semantic=self.semantic, decisions=self.decisions, labels=self.labels)
@@ -169,7 +171,7 @@ class Runtime:
                 self._embedder = await loop.run_in_executor(None, load_semantic_embedder, self.settings)
             self.semantic = await loop.run_in_executor(
                 None, build_semantic_cache, self.settings, self.metrics, self._embedder, self.vector_cap_for,
-                self.storage_faults, self.damaged_dir, self.learner, self._may_explore)
+                self.storage_faults, self.damaged_dir, self.learner, self.admission.is_free)
         except EdgeCacheError as exc:
             self._semantic_failed(exc.message)
         except STORAGE_ERRORS as exc:
@@ -227,10 +229,6 @@ class Runtime:
             self.semantic.learn_shared(label.tenant, label.scenario, label.store_key, label.similarity, label.good,
                                        label.answer_key)
 
-    def _may_explore(self) -> bool:
-        """Exploring costs an engine call: only while the engine has a free slot and nothing waits for one."""
-        return self.admission.queued == 0 and self.admission.running < self.admission.max_running
-
     def _labeler(self) -> Labeler:
         """Equality for greedy answers, then (``label_judge``) the served model's judgement, then the answers'
         embeddings under the semantic layer's embedder."""
@@ -240,7 +238,7 @@ class Runtime:
             return await self.semantic.embed_many(texts)
 
         sem = self.settings.semantic
-        judge = [ModelJudgeLabeler(self._judge_call, may_run=self._may_explore)] if sem.label_judge else []
+        judge = [ModelJudgeLabeler(self._judge_call, may_run=self.admission.is_free)] if sem.label_judge else []
         return FirstVerdict(EqualityLabeler(), *judge,
                             AnswerEmbeddingLabeler(embed, sem.label_answer_bar, sem.label_answer_floor))
 
@@ -294,12 +292,7 @@ class Runtime:
     async def flush(self, tenant: str | None, scenario: str | None) -> dict[str, int]:
         """Drop entries across every layer: the tenant's (or everyone's) result store, scenario-tagged entries
         only when a scenario is named, the semantic vectors, and the engine's prefix cache when flushing all."""
-        if tenant is not None:
-            stores = [tenant]
-        elif self.fleet is not None:
-            stores = await self.stores.known_tenants()  # type: ignore[union-attr]  # the fleet's, from Redis
-        else:
-            stores = self.stores.existing_tenants()
+        stores = [tenant] if tenant is not None else await self.stores.known_tenants()  # a fleet's: from Redis
         dropped = 0
         for name in stores:
             dropped += await self.stores(name).clear(tag=scenario)
@@ -323,7 +316,7 @@ class Runtime:
         """Another node flushed (the shared store is already cleared): drop what this node holds of it."""
         for name, store in self.stores.opened().items():
             if tenant in (None, name):
-                store.forget_memory()  # type: ignore[union-attr]  # the memory tier has no tags: all of it
+                store.forget_memory()  # the memory tier has no tags: all of it
         if self.semantic is not None:
             await self.semantic.drop(tenant=tenant, scenario=scenario)
         if tenant is None and scenario is None and self.ready:

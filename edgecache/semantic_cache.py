@@ -26,107 +26,31 @@ model call. Index search and the guard run on the index's own worker thread. Not
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from functools import partial
 
-import msgspec
 import numpy as np
 
 from edgecache.embedders import Embedder
-from edgecache.engines.base import GenerationRequest
 from edgecache.errors import StorageUnavailable
-from edgecache.guard import DEFAULT_RULES, check
+from edgecache.guard import DEFAULT_RULES
+from edgecache.decision_log import DecisionRecord
 from edgecache.health import STORAGE_ERRORS, StorageFaults
+from edgecache.lookup import Lookup, MatchRule, Probe
 from edgecache.semantic_index import Candidate, SemanticIndex
-from edgecache.semantic_learner import Decision, SemanticLearner, miss_refusal
+from edgecache import deciders, refusals
+from edgecache.deciders import Decider
+from edgecache.semantic_learner import Decision, SemanticLearner
 from edgecache.verifier import Verifier
 
-if TYPE_CHECKING:  # the decision log reads Lookup: importing it here would be a cycle
-    from edgecache.decision_log import DecisionRecord
 
-_encoder = msgspec.json.Encoder()
-
-
-class Probe(msgspec.Struct, frozen=True):
-    """What a request offers the semantic layer: the text to embed and the namespace it must match in."""
-
-    text: str
-    namespace: str
-
-
-def probe_for(request: GenerationRequest, model_version: str) -> Probe | None:
-    """The semantic probe of a first-turn chat request, or None when the request is not matched semantically."""
-    if request.messages is None:
-        return None
-    systems, rest = [], []
-    for message in request.messages:
-        (systems if message.role in ("system", "developer") and not rest else rest).append(message)
-    if len(rest) != 1 or rest[0].role != "user" or not rest[0].content.strip():
-        return None
-    # Everything but the user's text: the system prompt, the sampling, and the tools, tool choice and response
-    # format, so a paraphrase is never served across different tool sets or schemas.
-    context = (model_version, msgspec.structs.replace(request, messages=tuple(systems)))
-    return Probe(text=rest[0].content, namespace=hashlib.blake2b(_encoder.encode(context), digest_size=8).hexdigest())
-
-
-class SemanticHit(msgspec.Struct, frozen=True):
-    similarity: float
-    store_key: str
-    vector_key: int
-
-    @classmethod
-    def of(cls, candidate: Candidate) -> SemanticHit:
-        """The index's candidate as the decision names it (without its text: the guard's business only)."""
-        return cls(similarity=candidate.similarity, store_key=candidate.store_key, vector_key=candidate.vector_key)
-
-
-class Lookup(msgspec.Struct, frozen=True):
-    """A lookup's outcome: the candidate it decided about (if any), whether it served, and the query's vector, kept
-    to index the answer on a miss.
-
-    ``candidate`` is the entry the decision was about: the one that serves, or the refused nearest candidate (the
-    decision log records it, and a miss labels it against the fresh answer). It serves unless ``refusal`` says why
-    not (``below_threshold``, ``below_cut``, ``veto:<rule>``, ``guard:<rule>``, ``explore`` or
-    ``learner:<reason>``); ``refused_by_guard`` is the guard's reason when a rule fired on the refused candidate.
-    ``score`` is the verifier's score of the best candidate (None under a threshold rule). ``learned`` is the
-    learner's decision about it (None under the other rules, and when the guard refused before the learner was
-    asked).
-    """
-
-    vector: np.ndarray | None
-    candidate: SemanticHit | None = None
-    refusal: str | None = None
-    refused_by_guard: str | None = None
-    score: float | None = None
-    learned: Decision | None = None
-
-    @property
-    def similarity(self) -> float | None:
-        """The candidate's cosine similarity to the query (None without a candidate)."""
-        return self.candidate.similarity if self.candidate is not None else None
-
-    @property
-    def hit(self) -> SemanticHit | None:
-        """The candidate that serves: there was one, and nothing refused it."""
-        return self.candidate if self.refusal is None else None
-
-    @property
-    def explored(self) -> bool:
-        """The learner refused a candidate it would have served, to label it against the engine's answer."""
-        return self.refusal == "explore"
-
-
-class MatchRule(msgspec.Struct, frozen=True):
-    """How a scenario decides (profiles are data): the verifier at a target false-hit rate, or a cosine threshold
-    with the guard's veto when ``threshold`` is set (the override, and the rule for an embedder the verifier was not
-    fitted for). Under a learner, ``threshold`` is its prior and ``target_false_hit_rate`` its bound."""
-
-    target_false_hit_rate: float = 0.005
-    threshold: float | None = None
+def _learner_decider(query: str, found: list[Candidate], rule: MatchRule, vector: np.ndarray, *,
+                     guard_rules: Sequence[str], learned: Callable[[Candidate], Decision]) -> Lookup:
+    """:func:`deciders.by_learner` in the :data:`~edgecache.deciders.Decider` shape (the rule is in ``learned``)."""
+    return deciders.by_learner(query, found, vector, guard_rules, learned)
 
 
 class EmbedBatcher:
@@ -254,20 +178,25 @@ class SemanticCache:
         vector = await self.batcher.embed(probe.text)
         rule = self.rule_for(tenant, scenario)
         name = self.index_scenario(scenario, probe.namespace)
-        decide: Callable[[str, list[Candidate], MatchRule, np.ndarray], Lookup]
+        decide: Decider
+        k = 1
         if self.learner is not None:
-            may_explore = self.may_explore()  # read on the loop, where admission lives
+            learner, lock, may_explore = self.learner, self._learner_lock, self.may_explore()  # on the loop
 
-            def decide(query: str, found: list[Candidate], rule: MatchRule, vector: np.ndarray) -> Lookup:
-                return self._by_learner(tenant, scenario, query, found, rule, vector, may_explore)
+            def learned(best: Candidate) -> Decision:
+                with lock:  # labels arrive on the event loop; the learner is not thread-safe
+                    return learner.decide(tenant, scenario, best.store_key, best.similarity,
+                                          rule.target_false_hit_rate, prior_cut=rule.threshold,
+                                          may_explore=may_explore)
+
+            decide = partial(_learner_decider, guard_rules=self._guard_rules, learned=learned)
         elif rule.threshold is not None or self.verifier is None:
-            decide = self._by_threshold
+            decide = partial(deciders.by_threshold, guard_rules=self._guard_rules)
         else:
-            decide = self._by_verifier
+            decide, k = partial(deciders.by_verifier, verifier=self.verifier), self.candidates
 
         def search() -> tuple[Lookup, float]:
             started = time.perf_counter()
-            k = self.candidates if decide == self._by_verifier else 1
             found = self.index.search(tenant, name, vector, k=k)
             outcome = decide(probe.text, found, rule, vector)
             return outcome, time.perf_counter() - started
@@ -277,51 +206,6 @@ class SemanticCache:
         if self._observe_search is not None:
             self._observe_search(elapsed)
         return lookup
-
-    def _by_threshold(self, query: str, found: list[Candidate], rule: MatchRule, vector: np.ndarray) -> Lookup:
-        """The rule before the verifier: the nearest candidate, over the threshold, past the guard's veto."""
-        if not found:
-            return Lookup(vector=vector)
-        best = found[0]
-        candidate = SemanticHit.of(best)
-        threshold = rule.threshold if rule.threshold is not None else 1.0
-        if best.similarity < threshold:
-            return Lookup(vector=vector, refusal="below_threshold", candidate=candidate)
-        return (self._guard_refusal(query, best, vector)
-                or Lookup(vector=vector, candidate=candidate))
-
-    def _guard_refusal(self, query: str, best: Candidate, vector: np.ndarray) -> Lookup | None:
-        """The guard's veto of the nearest candidate (a difference the answer depends on), or None."""
-        verdict = check(query, best.text, self._guard_rules)
-        if verdict.allowed:
-            return None
-        reason = verdict.reason or "guard"
-        return Lookup(vector=vector, refused_by_guard=reason,
-                      refusal="guard:" + reason.split(":", 1)[0], candidate=SemanticHit.of(best))
-
-    def _by_learner(self, tenant: str, scenario: str, query: str, found: list[Candidate], rule: MatchRule,
-                    vector: np.ndarray, may_explore: bool) -> Lookup:
-        """The nearest candidate past the guard, as the learner decides it. The guard's rules stay vetoes: a
-        minimal pair (20 vs 50 dollars) must not cost a wrong answer to learn from, and the learner learns only
-        from what it decided."""
-        if not found:
-            return Lookup(vector=vector)
-        best = found[0]
-        vetoed = self._guard_refusal(query, best, vector)
-        if vetoed is not None:
-            return vetoed
-        assert self.learner is not None
-        with self._learner_lock:
-            decision = self.learner.decide(tenant, scenario, best.store_key, best.similarity,
-                                           rule.target_false_hit_rate, prior_cut=rule.threshold,
-                                           may_explore=may_explore)
-        candidate = SemanticHit.of(best)
-        if decision.action == "serve":
-            return Lookup(vector=vector, candidate=candidate, learned=decision)
-        # An exploration is a refusal: the engine computes the answer, the client gets that fresh answer (never the
-        # cached one), and the comparison of the two is the label.
-        return Lookup(vector=vector, candidate=candidate, learned=decision,
-                      refusal="explore" if decision.action == "explore" else miss_refusal(decision.reason))
 
     def learn(self, tenant: str, scenario: str, lookup: Lookup, good: bool | None,
               answer_key: str | None = None) -> None:
@@ -368,27 +252,13 @@ class SemanticCache:
             return 0
         taught = 0
         for decision, good in labelled:
-            if decision.reason is not None and decision.reason.startswith(("guard:", "veto:")):
+            if refusals.is_rule(decision.reason):
                 continue
             assert decision.store_key is not None and decision.similarity is not None
             # One lock per label: lookups may already be deciding. None counts as wrong, as in learn.
             if self._teach(decision.tenant, decision.scenario, decision.store_key, decision.similarity, good, None):
                 taught += 1
         return taught
-
-    def _by_verifier(self, query: str, found: list[Candidate], rule: MatchRule, vector: np.ndarray) -> Lookup:
-        if not found:
-            return Lookup(vector=vector)
-        assert self.verifier is not None
-        judged = self.verifier.judge(query, [(c.text, c.similarity) for c in found],
-                                     self.verifier.cut(rule.target_false_hit_rate, query))
-        if judged.chosen is None:
-            nearest = found[0]
-            return Lookup(vector=vector, score=judged.score, refusal=judged.refusal,
-                          refused_by_guard=judged.rule, candidate=SemanticHit.of(nearest))
-        chosen = found[judged.chosen]
-        hit = SemanticHit.of(chosen)
-        return Lookup(vector=vector, score=judged.score, candidate=hit)
 
     def learned(self) -> dict[str, object] | None:
         """What the learner holds (None without one): per ``tenant/scenario`` its lookups, explorations, labels and

@@ -55,7 +55,7 @@ import numpy as np
 
 Action = Literal["serve", "explore", "miss"]
 #: Why a candidate was served, explored or missed (``Decision.reason``). The decision log keeps them (an exploration
-#: under its reason, a miss as :func:`miss_refusal` of it) and ``edgecache tune`` weighs labels by them (``SERVABLE``).
+#: under its reason, a miss as :func:`edgecache.refusals.by_learner` of it) and ``edgecache tune`` weighs labels by them (``SERVABLE``).
 Reason = Literal["confident", "point_estimate", "audit", "unsure", "above_cut", "budget", "demoted"]
 #: An audit is a confident serve explored at random; a budget miss was refused for when it came (the ledger was
 #: spent), not for itself. Their labels stand for the learner's hits.
@@ -78,11 +78,6 @@ class Decision:
     bound: float
     cut: float
     reason: Reason
-
-
-def miss_refusal(reason: Reason) -> str:
-    """A miss's refusal as the semantic layer reports and logs it: ``learner:<reason>``."""
-    return "learner:" + reason
 
 
 @dataclass(slots=True)

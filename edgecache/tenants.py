@@ -31,16 +31,16 @@ import hashlib
 import hmac
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 import msgspec
 from msgspec import Meta
 
+from edgecache.call import POLICIES, PolicyName
 from edgecache.errors import Unauthorized
 from edgecache.settings import ByteSize, SettingsError, _dec_hook
 
-Policy = Literal["default", "no-store", "no-cache", "exact-only", "bypass", "reuse"]
-ALL_POLICIES: tuple[Policy, ...] = ("default", "no-store", "no-cache", "exact-only", "bypass", "reuse")
+ALL_POLICIES: tuple[PolicyName, ...] = tuple(POLICIES)
 TenantId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
 
 
@@ -51,7 +51,7 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     """Most vectors one of the tenant's semantic indexes keeps."""
     max_concurrent_misses: Annotated[int, Meta(ge=1)] | None = None
     """Most of the tenant's misses computing at once (unset: only the profile's global limit)."""
-    policies: tuple[Policy, ...] = ALL_POLICIES
+    policies: tuple[PolicyName, ...] = ALL_POLICIES
     """The cache policies the tenant may ask for."""
     log_prompts: bool = False
     """Keep the tenant's query text in the decision log (for `edgecache tune` and audits); off, the log holds a

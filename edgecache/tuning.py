@@ -33,29 +33,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from typing import Literal
-from statistics import NormalDist
 
 import msgspec
 
 from edgecache.decision_log import DecisionRecord, LabelRecord, Record
-from edgecache.semantic_learner import AUDIT, BUDGET, miss_refusal
+from edgecache.false_hits import wilson_upper
+from edgecache import refusals
+from edgecache.semantic_learner import AUDIT, BUDGET
 
 ALL = "*"
-
-
-def wilson_upper(bad: float, n: float, confidence: float = 0.95) -> float:
-    """One-sided Wilson score upper bound of a rate seen as ``bad`` of ``n`` (1.0 with no observations; both may be
-    effective, weighted counts). ``confidence`` 0 gives the plain rate."""
-    if n <= 0:
-        return 1.0
-    p = bad / n
-    if confidence <= 0:
-        return p
-    z = NormalDist().inv_cdf(confidence)
-    z2 = z * z
-    centre = p + z2 / (2 * n)
-    spread = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
-    return min(1.0, (centre + spread) / (1 + z2 / n))
 
 
 class Sample(msgspec.Struct, frozen=True):
@@ -69,7 +55,7 @@ class Sample(msgspec.Struct, frozen=True):
 #: false-hit ledger was spent (``budget``: under the cut and not demoted, refused for the time they came, not for
 #: themselves; a little riskier than the hits on the whole, since unsure candidates are among them and the ledger
 #: turns away the costlier ones first, so the estimate errs high).
-SERVABLE = {("explore", AUDIT), ("refused", miss_refusal(BUDGET))}
+SERVABLE = {("explore", AUDIT), ("refused", refusals.by_learner(BUDGET))}
 
 
 def stratum_of(record: DecisionRecord) -> str:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import msgspec
 
-from edgecache import guard
+from edgecache import guard, refusals
 
 #: The features, in the order the weights are stored. Changing it invalidates the shipped file (the fit rebuilds it).
 FEATURES: tuple[str, ...] = (
@@ -45,7 +45,7 @@ SIGNS: dict[str, int] = {
     "overlap": 1, "containment": 1, "length_ratio": 1,
     "numbers": -1, "entities": -1, "negation": -1, "antonyms": -1, "order": -1, "code": -1,
 }
-RULE_FEATURES: tuple[str, ...] = ("numbers", "entities", "negation", "antonyms", "order", "code")
+RULE_FEATURES: tuple[str, ...] = tuple(guard.RULES)  # one feature per guard rule, whichever the guard runs
 
 #: The parameters the package ships (rebuilt by scripts/fit_verifier.py).
 SHIPPED_PARAMS = Path(__file__).with_name("verifier_params.json")
@@ -60,7 +60,7 @@ def language(query: str) -> str:
 
 def features(query: str, cached: str, cosine: float) -> tuple[list[float], dict[str, str]]:
     """The feature vector of one pair (in :data:`FEATURES` order) and the reasons of the guard rules that fired."""
-    a, b = guard._units(query), guard._units(cached)
+    a, b = guard.units(query), guard.units(cached)
     sa, sb = set(a), set(b)
     inter = len(sa & sb)
     overlap = inter / max(len(sa | sb), 1)
@@ -186,7 +186,7 @@ class Verifier:
             return Judgement(chosen=None, score=0.0, cut=cut)
         score, rule, vetoed = refused
         return Judgement(chosen=None, score=max(score, 0.0), cut=cut,
-                         refusal=f"veto:{rule}" if vetoed else "below_cut", rule=rule)
+                         refusal=refusals.by_veto(rule) if vetoed and rule else refusals.BELOW_CUT, rule=rule)
 
 
 def _sigmoid(z: float) -> float:

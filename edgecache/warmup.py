@@ -32,7 +32,8 @@ from msgspec import Meta
 from edgecache.engines.base import GenerationRequest, Message, SamplingParams
 from edgecache.errors import EdgeCacheError
 from edgecache.request_surface import ChatMessageIn
-from edgecache.pipeline import Call, RequestPipeline
+from edgecache.call import Call
+from edgecache.pipeline import RequestPipeline
 from edgecache.settings import Settings
 from edgecache.tenants import TenantDirectory
 

@@ -28,8 +28,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from edgecache.app import create_app  # noqa: E402
-from edgecache.decision_log import DecisionLog, record_lookup  # noqa: E402
-from edgecache.semantic_cache import Lookup, SemanticHit  # noqa: E402
+from edgecache.decision_log import DecisionLog  # noqa: E402
+from edgecache.lookup import Lookup, SemanticHit, record_lookup  # noqa: E402
 from edgecache.settings import resolve_settings  # noqa: E402
 from tests.fakes import FakeEngine  # noqa: E402
 

@@ -61,3 +61,19 @@ class HangingEmbedder:
 
 def hanging_embedder(options: EmbedderOptions) -> HangingEmbedder:
     return HangingEmbedder()
+
+
+class OrphaningEngine(SegfaultingEngine):
+    """Starts a helper process that outlives it (as SGLang's scheduler processes would), then faults."""
+
+    async def start(self) -> None:
+        import subprocess
+        import sys
+
+        # inherits the canary child's stdout and stderr, and would hold them open for five minutes
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+        await super().start()
+
+
+def segfaults_leaving_a_process(settings: Settings) -> OrphaningEngine:
+    return OrphaningEngine(survives=settings.engine.threads == 1)

@@ -189,3 +189,36 @@ def test_the_report_is_what_health_shows(make_settings: Callable[..., Settings])
     assert settled.engine.threads == 1 and report.settled == "safe"
     # the report travels as JSON on /health
     assert msgspec.json.decode(msgspec.json.encode(report))["attempts"][0]["failure"] == "died with SIGSEGV"
+
+
+def test_an_offline_warmup_runs_the_canary_first(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello", "answer": "hi"}\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGECACHE_")} | {
+        "EDGECACHE_ENGINE__KIND": "tests.canary_fakes:segfaults_always", "EDGECACHE_SEMANTIC__ENABLED": "false",
+        "PYTHONPATH": str(REPO_ROOT)}
+    result = subprocess.run([sys.executable, "-m", "edgecache.cli.main", "warmup", str(prompts), "--profile", "cpu",
+                             "--data-dir", str(tmp_path / "data")], env=env, cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "the engine died with SIGSEGV with safe settings" in errors[0], result.stderr
+    assert "written" not in result.stdout
+
+
+def test_a_process_the_child_leaves_behind_neither_hides_the_fault_nor_outlives_the_canary(
+        make_settings: Callable[..., Settings]) -> None:
+    settings = make_settings(engine__kind="tests.canary_fakes:segfaults_leaving_a_process", canary__timeout_s=120)
+    settled, report = settle(settings)
+    first, second = report.attempts
+    assert (first.part, first.failure) == ("engine", "died with SIGSEGV")  # not "hung past 120 s"
+    assert second.ok and settled.engine.threads == 1
+    # the sleepers the two children started went with them
+    leftover = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if b"import time; time.sleep(300)" in (proc / "cmdline").read_bytes():
+                leftover.append(proc.name)
+        except OSError:  # not a process, or gone meanwhile
+            continue
+    assert leftover == []

@@ -51,13 +51,17 @@ def test_doctor_prints_one_line_per_check(tmp_path: Path) -> None:
     assert all(line.split()[0] in ("ok", "warn", "fail") for line in lines)
 
 
-def test_doctor_fails_when_redis_is_not_reachable(tmp_path: Path) -> None:
+def test_doctor_fails_when_redis_is_not_reachable_and_names_a_server_holding_the_data_dir(tmp_path: Path) -> None:
     import socket
+
+    from edgecache.data_dir import DataDirLock
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    result = doctor("--json", "--data-dir", str(tmp_path / "data"), "--redis", f"redis://127.0.0.1:{port}/0")
+    with DataDirLock(tmp_path / "data"):  # as a running server holds it
+        result = doctor("--json", "--data-dir", str(tmp_path / "data"), "--redis", f"redis://127.0.0.1:{port}/0")
     checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert f"in use by another EdgeCache process (pid {os.getpid()})" in checks["data_dir"]["detail"]
     assert checks["redis"]["status"] == "fail" and "not reachable" in checks["redis"]["detail"]
     assert result.returncode == 1

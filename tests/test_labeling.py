@@ -11,8 +11,8 @@ import numpy as np
 from edgecache.decision_log import DecisionLog, LabelRecord, read_records
 from edgecache.engines.base import GenerationRequest, Message, SamplingParams
 from edgecache.labeling import AnswerEmbeddingLabeler, EqualityLabeler, FirstVerdict, MissLabels
-from edgecache.pipeline import Call
-from edgecache.semantic_cache import Lookup, SemanticHit
+from edgecache.call import Call
+from edgecache.lookup import Lookup, SemanticHit
 from edgecache.stores import CachedAnswer
 
 

@@ -12,7 +12,8 @@ import pytest
 
 from edgecache.app import create_app
 from edgecache.decision_log import DecisionRecord, read_records
-from edgecache.semantic_cache import MatchRule, Probe, SemanticCache
+from edgecache.lookup import MatchRule, Probe
+from edgecache.semantic_cache import SemanticCache
 from edgecache.semantic_index import SemanticIndex
 from edgecache.semantic_learner import SemanticLearner
 from tests.conftest import chat_body, serve_in_process

@@ -14,7 +14,8 @@ from edgecache.errors import EngineError
 from edgecache.inflight.local import InflightTable
 from edgecache.keys import request_key
 from edgecache.metrics import Metrics
-from edgecache.pipeline import Call, RequestPipeline
+from edgecache.call import Call
+from edgecache.pipeline import RequestPipeline
 from edgecache.admission import AdmissionGate
 from edgecache.stores.disk import DiskResultStore
 from tests.fakes import FakeEngine

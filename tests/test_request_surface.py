@@ -257,7 +257,7 @@ async def test_openapi_document_is_generated_from_the_request_structs(client: ht
 
 def test_tools_tool_choice_and_response_format_name_the_semantic_namespace() -> None:
     from edgecache.engines.base import Message, OutputFormat, SamplingParams, ToolSpec
-    from edgecache.semantic_cache import probe_for
+    from edgecache.lookup import probe_for
 
     base = GenerationRequest(messages=(Message("user", "What is the weather in Paris?"),),
                              params=SamplingParams(temperature=0.0))

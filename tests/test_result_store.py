@@ -13,7 +13,7 @@ import pytest
 
 from edgecache.stores import CachedAnswer
 from edgecache.stores.disk import DiskResultStore
-from edgecache.stores.memory import MemoryLRU
+from edgecache.stores.memory import MemoryLRU, MemoryTier
 
 MiB = 2**20
 
@@ -251,6 +251,35 @@ def test_memory_lru_clear() -> None:
     lru.put("a", answer(), 100)
     lru.clear()
     assert len(lru) == 0 and lru.bytes == 0 and lru.get("a", time.time()) is None
+
+
+def test_memory_tier_replays_its_reads_in_batches_kept_while_the_backend_cannot_take_them() -> None:
+    batches: list[set[str]] = []
+    backend_open = False
+
+    def replay(keys: set[str]) -> bool:
+        if backend_open:
+            batches.append(set(keys))
+        return backend_open
+
+    tier = MemoryTier(max_bytes=10**6, replay=replay)
+    batch = MemoryTier.READ_SYNC_BATCH
+    for n in range(batch + 1):
+        tier.put(f"k{n}", answer(), 100)
+    for n in range(batch - 1):
+        assert tier.get(f"k{n}") is not None
+    assert tier.get("never-stored") is None and tier.holds("k0", time.time())  # neither is a read to replay
+    assert batches == []  # not a full batch yet
+    assert tier.get(f"k{batch - 1}") is not None
+    assert batches == []  # a full batch, but the backend refused it: kept, not lost
+    backend_open = True
+    assert tier.get(f"k{batch}") is not None
+    assert batches == [{f"k{n}" for n in range(batch + 1)}]
+    tier.replay_reads()
+    assert len(batches) == 1  # nothing left to replay
+    assert tier.stats() == {"memory_entries": batch + 1, "memory_bytes": (batch + 1) * 100}
+    tier.forget()
+    assert tier.get("k0") is None and tier.stats() == {"memory_entries": 0, "memory_bytes": 0}
 
 
 # --- corrupt entries -------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from edgecache.app import create_app
-from edgecache.pipeline import Call
+from edgecache.call import Call
 from edgecache.engines.base import GenerationRequest, Message, SamplingParams
 from tests.conftest import chat_body, serve_in_process
 from tests.fakes import FakeEngine

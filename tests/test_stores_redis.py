@@ -13,7 +13,8 @@ import pytest
 
 from edgecache.errors import NotReady
 from edgecache.fleet.link import RedisLink
-from edgecache.stores import CachedAnswer
+from edgecache.stores import CachedAnswer, ResultStores
+from edgecache.stores.disk import TenantStores
 from edgecache.stores.redis import RedisTenantStores
 from tests.redis_server import RedisServer
 
@@ -135,6 +136,31 @@ async def test_redis_down_serves_from_memory_and_never_raises_on_the_request_pat
         assert (await stores_on(link)("t1").get("after")).text == "shared again"  # type: ignore[union-attr]
     finally:
         await link.close()
+
+
+@pytest.mark.parametrize("backend", ["disk", "redis"])
+async def test_both_backends_answer_the_one_store_protocol(backend: str, link: RedisLink, tmp_path: Any) -> None:
+    # What the runtime calls on either backend, typed as the protocol (so a backend lacking a method fails here).
+    def open_node() -> ResultStores:
+        if backend == "disk":
+            return TenantStores(tmp_path / "results", quota_for=lambda tenant: 10**6, memory_bytes=10**6)
+        return stores_on(link)
+
+    node = open_node()
+    try:
+        store = node("t1")
+        await store.put("k", answer("kept"), tag="default")
+        assert store.get_memory("k") is not None
+        store.forget_memory()
+        assert store.get_memory("k") is None  # the memory copy went
+        assert (await store.get("k")).text == "kept"  # type: ignore[union-attr]  # the backend's did not
+        assert list(node.opened()) == ["t1"] and node.existing_tenants() == ["t1"]
+        other = open_node()
+        assert await other.known_tenants() == ["t1"]  # found in the backend (its directory, or Redis) unopened
+        other.close()
+        assert (await store.stats())["memory_entries"] == 1
+    finally:
+        node.close()
 
 
 def test_a_single_box_never_imports_redis(tmp_path: Any) -> None:

@@ -15,7 +15,8 @@ from edgecache.app import create_app
 from edgecache.cli.main import app as cli
 from edgecache.decision_log import DecisionLog, DecisionRecord, read_records
 from edgecache.settings import SettingsError, resolve_settings
-from edgecache.tuning import Group, Sample, lowest_cut, overlay_toml, tune, wilson_upper
+from edgecache.false_hits import wilson_upper
+from edgecache.tuning import Group, Sample, lowest_cut, overlay_toml, tune
 from tests.conftest import chat_body, serve_in_process
 from tests.fakes import FakeEngine
 from tests.test_decision_log import settled

@@ -170,7 +170,8 @@ class _RecordingEmbedder:
 
 
 async def _bulk_embed(tmp_path: Path, embedder: _RecordingEmbedder, bulk_threads: int):
-    from edgecache.semantic_cache import MatchRule, SemanticCache
+    from edgecache.lookup import MatchRule
+    from edgecache.semantic_cache import SemanticCache
     from edgecache.semantic_index import SemanticIndex
 
     index = SemanticIndex(tmp_path, dim=embedder.dim, embedder_version=embedder.version)

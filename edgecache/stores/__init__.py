@@ -1,13 +1,14 @@
 """Layer 1 of the request path, the exact result store: complete answers by request key.
 
-Two backends sit side by side behind :class:`ResultStore`: :mod:`edgecache.stores.disk` (diskcache under the data
-dir, the default for one box) and :mod:`edgecache.stores.redis` (one store shared by a fleet). Both keep a
-:class:`~edgecache.stores.memory.MemoryLRU` in front, so a hot hit never leaves the event loop.
+Two backends sit side by side behind :class:`ResultStore` (one tenant's store) and :class:`ResultStores` (every
+tenant's, one store each): :mod:`edgecache.stores.disk` (diskcache under the data dir, the default for one box) and
+:mod:`edgecache.stores.redis` (one store shared by a fleet). Both hold a :class:`~edgecache.stores.memory.MemoryTier`
+in front, so a hot hit never leaves the event loop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import msgspec
@@ -39,6 +40,10 @@ class ResultStore(Protocol):
         """A lookup that never blocks (no I/O): the hit path's first look."""
         ...
 
+    def forget_memory(self) -> None:
+        """Drop this node's memory copy, not the backend's entries (another node flushed the shared store)."""
+        ...
+
     async def get(self, key: str) -> CachedAnswer | None: ...
 
     async def put(self, key: str, answer: CachedAnswer, tag: str | None = None) -> bool:
@@ -56,5 +61,25 @@ class ResultStore(Protocol):
     async def clear(self, tag: str | None = None) -> int: ...
 
     async def stats(self) -> dict[str, int]: ...
+
+    def close(self) -> None: ...
+
+
+class ResultStores(Protocol):
+    """Every tenant's result store, one each, opened on first use (``TenantStores`` on disk, ``RedisTenantStores``)."""
+
+    def __call__(self, tenant: str) -> ResultStore: ...
+
+    def opened(self) -> Mapping[str, ResultStore]:
+        """The stores this node has opened so far."""
+        ...
+
+    def existing_tenants(self) -> list[str]:
+        """Tenants this node can see without asking anyone (for stats): opened, or on this box's disk."""
+        ...
+
+    async def known_tenants(self) -> list[str]:
+        """Every tenant with entries in the backend, wherever they were written (for a flush of all)."""
+        ...
 
     def close(self) -> None: ...

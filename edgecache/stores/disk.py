@@ -2,9 +2,10 @@
 
 Layer 1 of the request path. :class:`DiskResultStore` keeps entries in a diskcache ``Cache`` (SQLite + files) under
 the data dir, so they survive restarts, with diskcache's least-recently-used eviction inside a byte budget. In
-front of it sits :class:`MemoryLRU`, a small byte-bounded copy of recently used entries: a hit found there costs a
-dict lookup and never leaves the event loop, which is what lets a hit run at close to the speed of a bare endpoint.
-Disk reads and writes run on the store's own worker threads, because SQLite can block on its file lock.
+front of it sits a :class:`~edgecache.stores.memory.MemoryTier`, a small byte-bounded copy of recently used entries:
+a hit found there costs a dict lookup and never leaves the event loop, which is what lets a hit run at close to the
+speed of a bare endpoint; its reads are replayed to diskcache's access times in batches, on the writer thread. Disk
+reads and writes run on the store's own worker threads, because SQLite can block on its file lock.
 
 Faults. The store is checked when it opens (SQLite's ``quick_check``): a damaged ``cache.db`` (truncated,
 overwritten, a directory in its place) is moved into the data dir's ``damaged/`` folder, a new one is created and
@@ -33,7 +34,7 @@ from edgecache.data_dir import move_aside, salvage_rows
 from edgecache.errors import StorageUnavailable
 from edgecache.health import STORAGE_ERRORS, StorageFaults, fault_kind, quick_check
 from edgecache.stores import CachedAnswer
-from edgecache.stores.memory import MemoryLRU
+from edgecache.stores.memory import MemoryTier
 
 log = logging.getLogger("edgecache")
 T = TypeVar("T")
@@ -42,9 +43,8 @@ DB_NAME = "cache.db"  # diskcache's file
 
 
 class DiskResultStore:
-    """diskcache on disk + :class:`MemoryLRU` in front. Construct, use, then :meth:`close` (safe twice)."""
+    """diskcache on disk + :class:`MemoryTier` in front. Construct, use, then :meth:`close` (safe twice)."""
 
-    READ_SYNC_BATCH = 256
     REOPEN_INTERVAL_S = 5.0
 
     def __init__(self, directory: Path, *, disk_bytes: int, memory_bytes: int, faults: StorageFaults | None = None,
@@ -53,14 +53,13 @@ class DiskResultStore:
         self._disk_bytes = disk_bytes
         self._faults = faults
         self._damaged_dir = damaged_dir if damaged_dir is not None else directory.parent / "damaged"
-        self._memory = MemoryLRU(memory_bytes)
+        self._memory = MemoryTier(memory_bytes, self._replay_reads)
         # One writer thread keeps SQLite writes (and stats, which must see them) in order; a reader thread lets a
         # read pass a slow write.
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="result-store-write")
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="result-store-read")
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CachedAnswer)
-        self._unsynced_reads: set[str] = set()
         self._closed = False
         self.repairs: list[str] = []  # damage found at open: what, where it went, what was kept
         self._disk: diskcache.Cache | None = None
@@ -146,23 +145,15 @@ class DiskResultStore:
         return result
 
     def get_memory(self, key: str) -> CachedAnswer | None:
-        """The hit path's first look: no I/O, no thread hop."""
-        answer = self._memory.get(key, time.time())
-        if answer is not None:
-            self._note_read(key)
-        return answer
+        return self._memory.get(key)
 
-    def _note_read(self, key: str) -> None:
-        # A hit served from memory never reaches diskcache, whose LRU would then follow write order and evict the
-        # hottest answers first. Reads are replayed to the disk in batches, on the writer thread, off the hit path.
-        self._unsynced_reads.add(key)
-        if len(self._unsynced_reads) >= self.READ_SYNC_BATCH:
-            self._sync_reads()
+    def forget_memory(self) -> None:
+        self._memory.forget()
 
-    def _sync_reads(self) -> None:
-        if not self._unsynced_reads or self._disk is None:
-            return
-        keys, self._unsynced_reads = self._unsynced_reads, set()
+    def _replay_reads(self, keys: set[str]) -> bool:
+        # On the writer thread: it runs before any write submitted after it, so a write's cull sees the reads.
+        if self._disk is None:
+            return False
         disk = self._disk
 
         def touch() -> None:
@@ -173,6 +164,7 @@ class DiskResultStore:
                 pass  # only recency is lost; the next write reports the disk's state
 
         self._writer.submit(touch)
+        return True
 
     async def get(self, key: str) -> CachedAnswer | None:
         answer = self.get_memory(key)
@@ -204,7 +196,7 @@ class DiskResultStore:
         if ttl <= 0:
             return False
         self._memory.put(key, answer, len(raw))
-        self._sync_reads()  # recorded reads reach the disk before this write can make it cull
+        self._memory.replay_reads()  # recorded reads reach the disk before this write can make it cull
         return await self._on_disk(self._writer, "write skipped", False, True,
                                    lambda disk: disk.set(key, raw, expire=ttl, tag=tag))
 
@@ -216,7 +208,7 @@ class DiskResultStore:
                 for key, answer, tag in items if answer.expires_at > now]
         if not rows:
             return True
-        self._sync_reads()
+        self._memory.replay_reads()
 
         def write(disk: diskcache.Cache) -> bool:
             with disk.transact():
@@ -238,12 +230,11 @@ class DiskResultStore:
             return found
 
         on_disk = await self._on_disk(self._reader, "reads answered as misses", [False] * len(keys), False, read)
-        return [self._memory.get(key, now) is not None or hit for key, hit in zip(keys, on_disk)]
+        return [self._memory.holds(key, now) or hit for key, hit in zip(keys, on_disk)]
 
     async def clear(self, tag: str | None = None) -> int:
         """Drop every entry, or those stored with ``tag`` (a scenario). Returns how many went from disk."""
-        # The memory copy has no tags; it is dropped whole (it refills from disk on the next reads).
-        self._memory.clear()
+        self._memory.forget()
         if not self._try_open():
             raise StorageUnavailable(f"the result store {self.directory} is not open (see /health); nothing on "
                                      "disk was flushed")
@@ -265,14 +256,13 @@ class DiskResultStore:
 
         entries, volume, budget = await self._on_disk(self._writer, "stats not read", (0, 0, self._disk_bytes),
                                                       False, read)
-        return {"entries": entries, "bytes": volume, "budget_bytes": budget,
-                "memory_entries": len(self._memory), "memory_bytes": self._memory.bytes}
+        return {"entries": entries, "bytes": volume, "budget_bytes": budget, **self._memory.stats()}
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._sync_reads()
+        self._memory.replay_reads()
         self._writer.shutdown(wait=True)
         self._reader.shutdown(wait=True)
         if self._disk is not None:
@@ -310,6 +300,10 @@ class TenantStores:
         """Tenants with a store on disk (opened or not), for flushes and stats."""
         on_disk = {p.name for p in self.root.iterdir() if p.is_dir()} if self.root.is_dir() else set()
         return sorted(on_disk | set(self._stores))
+
+    async def known_tenants(self) -> list[str]:
+        """Every tenant with a store: on one box, its directory already knows them all."""
+        return self.existing_tenants()
 
     def close(self) -> None:
         errors = []

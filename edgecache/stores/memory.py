@@ -1,8 +1,11 @@
-"""The memory tier in front of every result store backend: recently used answers, bounded by bytes."""
+"""The memory tier in front of every result store backend: recently used answers, bounded by bytes, and the reads
+they served, replayed to the backend."""
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from edgecache.stores import CachedAnswer
 
@@ -47,3 +50,53 @@ class MemoryLRU:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+class MemoryTier:
+    """A result store's memory tier: the :class:`MemoryLRU` in front of its backend, and the reads it served.
+
+    Both backends hold one (composition: the backend owns the storage, this owns what sits in front of it). A hit
+    served here never reaches the backend, whose own LRU (diskcache's access time, Redis' per-tenant sorted set)
+    would then follow write order and evict the hottest answers first. So each read is noted and the reads are
+    replayed to the backend in batches of :attr:`READ_SYNC_BATCH`, off the hit path, and before each write (which
+    may make the backend evict).
+    """
+
+    READ_SYNC_BATCH = 256
+
+    def __init__(self, max_bytes: int, replay: Callable[[set[str]], bool]) -> None:
+        """``replay`` hands a batch of read keys to the backend without blocking the event loop; it returns False
+        when the backend cannot take them now (a disk not open, Redis away), and they wait for the next batch."""
+        self._lru = MemoryLRU(max_bytes)
+        self._replay = replay
+        self._unsynced_reads: set[str] = set()
+
+    def get(self, key: str) -> CachedAnswer | None:
+        """The hit path's first look: no I/O, no thread hop. A hit is noted for the backend's LRU."""
+        answer = self._lru.get(key, time.time())
+        if answer is not None:
+            self._unsynced_reads.add(key)
+            if len(self._unsynced_reads) >= self.READ_SYNC_BATCH:
+                self.replay_reads()
+        return answer
+
+    def holds(self, key: str, now: float) -> bool:
+        """Whether a live copy is here (a warmup's check, not a read: nothing is noted)."""
+        return self._lru.get(key, now) is not None
+
+    def put(self, key: str, answer: CachedAnswer, size: int) -> None:
+        self._lru.put(key, answer, size)
+
+    def replay_reads(self) -> None:
+        """Hand the noted reads to the backend now (before a write, at close); kept when it cannot take them."""
+        if self._unsynced_reads and self._replay(self._unsynced_reads):
+            self._unsynced_reads = set()
+
+    def forget(self) -> None:
+        """Drop every copy (a flush, here or on another node). The copies have no tags, so a scenario flush drops
+        them all too; they refill from the backend on the next reads. Noted reads stay: replaying one whose entry
+        is gone touches nothing."""
+        self._lru.clear()
+
+    def stats(self) -> dict[str, int]:
+        return {"memory_entries": len(self._lru), "memory_bytes": self._lru.bytes}

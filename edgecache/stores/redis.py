@@ -6,7 +6,7 @@ per-tenant byte quota is ours: each tenant has a sorted set of its entries by la
 and a byte counter, and a Lua script evicts the tenant's least recently used entries when a write takes it over its
 quota (atomically, whichever node writes). A scenario tag is kept per entry so a scenario flush finds its entries.
 
-As on a single box, :class:`~edgecache.stores.memory.MemoryLRU` sits in front: a hot hit is a dict lookup on the
+As on a single box, a :class:`~edgecache.stores.memory.MemoryTier` sits in front: a hot hit is a dict lookup on the
 event loop and never reaches Redis. Its reads are replayed to Redis' access order in batches, off the hit path.
 Another node's flush reaches this one as an event (:mod:`edgecache.fleet.events`), which clears the memory copy.
 
@@ -26,7 +26,7 @@ import msgspec
 from edgecache.errors import NotReady
 from edgecache.fleet.link import LinkDown, RedisLink, tenant_part
 from edgecache.stores import CachedAnswer
-from edgecache.stores.memory import MemoryLRU
+from edgecache.stores.memory import MemoryTier
 
 PREFIX = "ec:"
 
@@ -124,9 +124,8 @@ class RedisScripts:
 
 
 class RedisResultStore:
-    """One tenant's answers in Redis, :class:`MemoryLRU` in front. Same interface as the disk store."""
+    """One tenant's answers in Redis, :class:`MemoryTier` in front. Same interface as the disk store."""
 
-    READ_SYNC_BATCH = 256
     PRUNE_BATCH = 256
 
     def __init__(self, link: RedisLink, scripts: RedisScripts, tenant: str, *, quota_bytes: int,
@@ -136,7 +135,7 @@ class RedisResultStore:
         self.tenant = tenant
         self.quota_bytes = quota_bytes
         self._model_version = model_version
-        self._memory = MemoryLRU(memory_bytes)
+        self._memory = MemoryTier(memory_bytes, self._replay_reads)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CachedAnswer)
         name = tenant_part(tenant)
@@ -144,33 +143,32 @@ class RedisResultStore:
         self._entry_prefix = f"{PREFIX}r:{name}:"
         self._lru, self._sizes, self._tags, self._bytes = base + "lru", base + "sizes", base + "tags", base + "bytes"
         self._tag_prefix = base + "tag:"
-        self._unsynced_reads: set[str] = set()
-        self._syncs: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak references to tasks
+        self._replays: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak references to tasks
 
     def entry_key(self, key: str) -> str:
         return f"{self._entry_prefix}{self._model_version()}:{key}"
 
     def get_memory(self, key: str) -> CachedAnswer | None:
-        answer = self._memory.get(key, time.time())
-        if answer is not None:
-            self._note_read(key)
-        return answer
+        return self._memory.get(key)
 
-    def _note_read(self, key: str) -> None:
-        # As on disk: a memory hit never reaches Redis, so its LRU would follow write order; reads are replayed.
-        self._unsynced_reads.add(key)
-        if len(self._unsynced_reads) >= self.READ_SYNC_BATCH:
-            sync = asyncio.get_running_loop().create_task(self._sync_reads())
-            self._syncs.add(sync)
-            sync.add_done_callback(self._syncs.discard)
+    def forget_memory(self) -> None:
+        """Another node flushed this tenant: drop the memory copy (Redis itself is already cleared)."""
+        self._memory.forget()
 
-    async def _sync_reads(self) -> None:
-        if not self._unsynced_reads or not self._link.up:
-            return
-        keys, self._unsynced_reads = self._unsynced_reads, set()
+    def _replay_reads(self, keys: set[str]) -> bool:
+        # A task, since the hit path cannot wait on Redis; put() waits for it, so its script's eviction sees them.
+        if not self._link.up:
+            return False
         now = time.time() * 1000
+        members = {self.entry_key(k): now for k in keys}
+        replay = asyncio.get_running_loop().create_task(self._touch(members))
+        self._replays.add(replay)
+        replay.add_done_callback(self._replays.discard)
+        return True
+
+    async def _touch(self, members: dict[str, float]) -> None:
         try:
-            await self._link.run(self._link.client.zadd(self._lru, {self.entry_key(k): now for k in keys}, xx=True))
+            await self._link.run(self._link.client.zadd(self._lru, members, xx=True))
         except LinkDown:
             pass  # access order is a hint; losing one batch of it while Redis is away costs nothing else
 
@@ -203,7 +201,9 @@ class RedisResultStore:
         self._memory.put(key, answer, len(raw))  # before the first await, as on disk
         if not self._link.up:
             return False
-        await self._sync_reads()
+        self._memory.replay_reads()
+        if self._replays:
+            await asyncio.wait(self._replays)
         tag = tag or ""
         try:
             await self._link.run(self._scripts.put(
@@ -224,12 +224,8 @@ class RedisResultStore:
     async def contains_many(self, keys: Sequence[str]) -> list[bool]:
         return [await self.get(key) is not None for key in keys]
 
-    def forget_memory(self) -> None:
-        """Another node flushed this tenant: drop the memory copy (Redis itself is already cleared)."""
-        self._memory.clear()
-
     async def clear(self, tag: str | None = None) -> int:
-        self._memory.clear()
+        self._memory.forget()
         if not self._link.up:
             raise NotReady("the fleet's Redis is unreachable, so a flush cannot reach the other nodes; retry "
                            "when /health shows redis up")
@@ -241,8 +237,7 @@ class RedisResultStore:
         return int(dropped)
 
     async def stats(self) -> dict[str, int]:
-        out = {"entries": 0, "bytes": 0, "budget_bytes": self.quota_bytes, "memory_entries": len(self._memory),
-               "memory_bytes": self._memory.bytes}
+        out = {"entries": 0, "bytes": 0, "budget_bytes": self.quota_bytes, **self._memory.stats()}
         if not self._link.up:
             return out
         try:
