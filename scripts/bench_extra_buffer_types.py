@@ -27,24 +27,24 @@ CHILD = """
 import json, sys, time
 from edgecache.engines.llamacpp import LlamaCppEngine
 import asyncio
-model, on, threads, prompt_tokens, decode_tokens = sys.argv[1], sys.argv[2] == "on", int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+model, on, threads, prompt_tokens, decode_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 engine = LlamaCppEngine(model=model, threads=threads, extra_buffer_types=on, context_tokens=2048, batch_tokens=512)
 asyncio.run(engine.start())
 llm = engine._llm
 text = " ".join(f"Item {i} of the list is a word." for i in range(prompt_tokens))
 tokens = llm.tokenize(text.encode())[:prompt_tokens]
 for line in sys.stdin:
-    llm.reset(); llm._ctx.memory_clear(True)
+    llm.reset()
     t = time.perf_counter(); llm.eval(tokens); prefill = len(tokens) / (time.perf_counter() - t)
-    llm.reset(); llm._ctx.memory_clear(True)
-    short = llm.tokenize(b"Write a long story about a cat.")
-    llm.eval(short)
-    t = time.perf_counter(); n = 0
-    for token in llm.generate(short, temp=0.0, reset=False):
+    llm.reset()
+    n, t = 0, 0.0
+    for token in llm.generate(llm.tokenize(b"Write a long story about a cat."), temp=0.0):
+        if n == 0:
+            t = time.perf_counter()  # from the first sampled token on: the short prompt's prefill is left out
         n += 1
-        if n >= decode_tokens:
+        if n > decode_tokens:
             break
-    decode = n / (time.perf_counter() - t)
+    decode = decode_tokens / (time.perf_counter() - t)
     print(json.dumps({"prefill": prefill, "decode": decode}), flush=True)
 """
 

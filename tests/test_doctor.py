@@ -65,3 +65,14 @@ def test_doctor_fails_when_redis_is_not_reachable_and_names_a_server_holding_the
     assert f"in use by another EdgeCache process (pid {os.getpid()})" in checks["data_dir"]["detail"]
     assert checks["redis"]["status"] == "fail" and "not reachable" in checks["redis"]["detail"]
     assert result.returncode == 1
+
+
+def test_the_cpu_check_warns_when_repacking_is_forced_on_an_amx_cpu(monkeypatch, make_settings) -> None:  # noqa: ANN001
+    from edgecache import doctor as doctor_module
+
+    amx = frozenset({"avx2", "avx512f", "amx_tile", "amx_int8", "amx_bf16"})
+    monkeypatch.setattr(doctor_module, "cpu_flags", lambda: amx)
+    forced = doctor_module.check_cpu(make_settings(engine__extra_buffer_types="on"))
+    assert forced.status == "warn" and "AMX" in forced.detail and "-> on" in forced.detail
+    auto = doctor_module.check_cpu(make_settings())
+    assert auto.status == "ok" and "engine.extra_buffer_types = auto -> off" in auto.detail

@@ -56,7 +56,8 @@ def model_file() -> Path:
 def upstream(model_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """llama-cpp-python's server on a free loopback port; yields its API root."""
     port = _free_port()
-    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(model_file), "--host", "127.0.0.1",
+    # llama_cpp.server with engine.extra_buffer_types' auto rule (tests/llama_server.py), so it runs on AMX CPUs too
+    command = [sys.executable, str(Path(__file__).with_name("llama_server.py")), "--model", str(model_file), "--host", "127.0.0.1",
                "--port", str(port), "--n_ctx", "512", "--n_threads", "2"]  # fmt: skip
     # The server logs a lot while loading; a file, unlike an unread pipe, never fills up and stalls it.
     log_path = tmp_path_factory.mktemp("llama-server") / "server.log"

@@ -554,8 +554,9 @@ def test_the_version_range() -> None:
 
 async def test_sigterm_stops_a_server_on_sglang_gracefully_and_its_answers_survive(make_settings) -> None:  # noqa: ANN001
     """The whole road: a real uvicorn server in this process, on the SGLang adapter (over the double), answers a
-    chat; SIGTERM then stops it gracefully (uvicorn's stop, the lifespan closes the engine and the stores), and a
-    new server on the same data dir answers the same chat from the store without asking the engine."""
+    chat; SIGTERM then stops it gracefully (uvicorn's stop, the lifespan closes the engine, saves the semantic
+    index and closes the stores), and a new server on the same data dir answers the same chat from the store
+    without asking the engine."""
     import socket
 
     import httpx
@@ -564,7 +565,7 @@ async def test_sigterm_stops_a_server_on_sglang_gracefully_and_its_answers_survi
     from edgecache.http.app import create_app
     from edgecache.http.server import uvicorn_config
 
-    settings = make_settings()
+    settings = make_settings(semantic__enabled=True)
     body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0,
             "max_tokens": 8}
     re_raised: list[int] = []
@@ -590,6 +591,8 @@ async def test_sigterm_stops_a_server_on_sglang_gracefully_and_its_answers_survi
         await asyncio.wait_for(serving, timeout=120)  # a bound on a hang, not a timing assertion
         sock.close()
         assert factory.fake.shutdown_calls == 1  # the lifespan closed SGLang
+        saved = [p for p in (settings.data_path / "semantic").rglob("*.usearch") if p.stat().st_size > 0]
+        assert saved, "the semantic index was not saved"
         assert factory.fake.tokenizer_manager.sigterm_received == 0
         assert re_raised == [signal.SIGTERM]  # uvicorn hands the signal on to the handler it replaced
 

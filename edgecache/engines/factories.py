@@ -15,14 +15,13 @@ if TYPE_CHECKING:
 
 
 def llamacpp_from_settings(settings: Settings) -> Engine:
-    from edgecache.cpu import cpu_flags, extra_buffer_types_on
     from edgecache.engines.llamacpp import LlamaCppEngine
 
     e = settings.engine
     return LlamaCppEngine(model=e.model, model_id=e.model_id, context_tokens=e.context_tokens, threads=e.threads,
                           batch_tokens=e.batch_tokens, prefix_cache_bytes=e.prefix_cache_bytes,
                           prefix_cache_min_tokens=e.prefix_cache_min_tokens,
-                          extra_buffer_types=extra_buffer_types_on(e.extra_buffer_types, cpu_flags()))
+                          extra_buffer_types=e.extra_buffer_types)
 
 
 def sglang_from_settings(settings: Settings) -> Engine:

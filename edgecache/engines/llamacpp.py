@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from edgecache.cpu import ExtraBufferTypes, cpu_flags, extra_buffer_types_on
 from edgecache.engines.base import Choice, Chunk, GenerationRequest, TokenLogprob, ToolCall
 from edgecache.engines.chat_prompt import ChatPromptEncoder
 from edgecache.engines.structured_output import (
@@ -193,7 +194,7 @@ class LlamaCppEngine:
 
     def __init__(self, *, model: str, model_id: str | None = None, context_tokens: int = 4096, threads: int = 0,
                  batch_tokens: int = 512, prefix_cache_bytes: int = 256 << 20,
-                 prefix_cache_min_tokens: int = 64, extra_buffer_types: bool = True) -> None:
+                 prefix_cache_min_tokens: int = 64, extra_buffer_types: ExtraBufferTypes = "auto") -> None:
         self._model_path, default_id = resolve_model_path(model)
         self.model_id = model_id or default_id
         self.version = f"{self.model_id}@{weights_fingerprint(self._model_path)}"
@@ -203,7 +204,8 @@ class LlamaCppEngine:
         # event loop or the embedder takes a core, and misses got several times slower.
         self._threads = threads or max(1, (os.cpu_count() or 1) - 1)
         self._batch_tokens = batch_tokens
-        self.extra_buffer_types = extra_buffer_types
+        # Whether llama.cpp may repack the weights (use_extra_bufts); auto: not on an AMX CPU, where it faults.
+        self.extra_buffer_types = extra_buffer_types_on(extra_buffer_types, cpu_flags())
         self._min_prefix = prefix_cache_min_tokens
         self.prefix_cache = PrefixStateCache(prefix_cache_bytes)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp")
@@ -225,7 +227,7 @@ class LlamaCppEngine:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         self._llama_cpp = llama_cpp
-        llm = _llama_class(llama_cpp)(
+        llm = llama_class(llama_cpp)(
             str(self._model_path), use_extra_bufts=self.extra_buffer_types, n_ctx=self._context_tokens,
             n_batch=self._batch_tokens, n_threads=self._threads, n_threads_batch=self._threads, verbose=False)
         eos = llm.detokenize([llm.token_eos()], special=True).decode("utf-8", "replace")
@@ -537,7 +539,7 @@ class LlamaCppEngine:
         return TopLogprob(token=piece.decode("utf-8", "replace"), logprob=logprob, bytes=tuple(piece))
 
 
-def _llama_class(llama_cpp: Any) -> type:
+def llama_class(llama_cpp: Any) -> type:
     """``llama_cpp.Llama`` taking ``use_extra_bufts``, a field of llama.cpp's model parameters that
     llama-cpp-python 0.3.x fills with llama.cpp's default (on) and offers no argument for.
 

@@ -23,15 +23,15 @@ What this adapter relies on in SGLang (``python/sglang/srt/entrypoints/engine.py
   going and a SIGTERM is EdgeCache's graceful stop.
 - ``tokenizer_manager.tokenizer`` is an HF tokenizer, SGLang's ``TiktokenTokenizer`` or a mistral-common one
   (:func:`sglang_chat_prompt_encoder`).
-
-Every name, keyword and key listed here is checked against the source of the pinned release
-(:data:`SGLANG_REQUIREMENT`) by tests/test_sglang_contract.py, in CI, without CUDA.
 - Structured output: ``sampling_params["json_schema"]`` (a JSON schema as text) constrains decoding
   (``python/sglang/srt/sampling/sampling_params.py``); SGLang's own OpenAI route uses the same parameter to force a
   tool call when ``tool_choice`` is ``required`` or names a function (``get_json_schema_constraint`` in
   ``python/sglang/srt/function_call/utils.py``, called from ``FunctionCallParser.get_structure_constraint`` in
   ``python/sglang/srt/function_call/function_call_parser.py``). ``top_k``, ``min_p`` and ``repetition_penalty`` are
   sampling parameters of the same names.
+
+Every name, keyword and key listed here is checked against the source of the pinned release
+(:data:`SGLANG_REQUIREMENT`) by tests/test_sglang_contract.py, in CI, without CUDA.
 
 Tools are rendered by the model's chat template (``apply_chat_template(..., tools=...)``, as HF templates do) when
 it mentions tools, else described in the system prompt (as on the llama.cpp engine); a
