@@ -13,18 +13,15 @@ import argparse
 import asyncio
 import logging
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from edgecache.http.app import create_app  # noqa: E402
-from edgecache.settings import resolve_settings  # noqa: E402
-from tests.fakes import FakeEngine  # noqa: E402
+from edgecache.http.app import create_app
+from edgecache.settings import resolve_settings
+from edgecache.bench.engines import FakeEngine
 
 BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "a cached question"}], "temperature": 0,
         "max_tokens": 16}

@@ -11,30 +11,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from edgecache.bench.harness import free_port, start_server
 
 
 def start_seconds(canary: bool, data_dir: str) -> tuple[float, float | None]:
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGECACHE_")}
-    env["EDGECACHE_CANARY__ENABLED"] = "true" if canary else "false"
     started = time.monotonic()
-    server = subprocess.Popen([sys.executable, "-m", "edgecache.cli.main", "serve", "--profile", "cpu", "--port",
-                               str(port), "--data-dir", data_dir], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    server = start_server(["--profile", "cpu", "--port", str(port), "--data-dir", data_dir],
+                          env={"EDGECACHE_CANARY__ENABLED": "true" if canary else "false"}, clean_env=True,
+                          log=subprocess.DEVNULL)
     try:
         while time.monotonic() - started < 600:
             if server.poll() is not None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,13 +24,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from edgecache.http.app import create_app  # noqa: E402
-from edgecache.semantic.decision_log import DecisionLog  # noqa: E402
-from edgecache.semantic.lookup import Lookup, SemanticHit, record_lookup  # noqa: E402
-from edgecache.settings import resolve_settings  # noqa: E402
-from tests.fakes import FakeEngine  # noqa: E402
+from edgecache.http.app import create_app
+from edgecache.semantic.decision_log import DecisionLog
+from edgecache.semantic.lookup import Lookup, SemanticHit, record_lookup
+from edgecache.settings import resolve_settings
+from edgecache.bench.engines import FakeEngine
 
 
 def body(text: str) -> dict[str, object]:

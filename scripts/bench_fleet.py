@@ -17,38 +17,27 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import workload  # noqa: E402
-from bench_workload import percentile, send, wait_ready  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from edgecache.bench import workload
+from edgecache.bench.harness import free_port, percentile, start_server, wait_ready
+from edgecache.bench.workload import send
 
 
 def start_node(work: Path, name: str, redis_url: str | None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     (work / "tenants.toml").write_text(workload.tenants_toml())
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGECACHE_")}
-    env["EDGECACHE_TENANTS_FILE"] = str(work / "tenants.toml")
-    cmd = [sys.executable, "-m", "edgecache.cli.main", "serve", "--profile", "cpu", "--port", str(port),
-           "--data-dir", str(work / name), *(["--redis", redis_url] if redis_url else [])]
+    args = ["--profile", "cpu", "--port", str(port), "--data-dir", str(work / name),
+            *(["--redis", redis_url] if redis_url else [])]
     log = (work / f"{name}.log").open("w")
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}"
+    return start_server(args, env={"EDGECACHE_TENANTS_FILE": str(work / "tenants.toml")}, log=log,
+                        clean_env=True), f"http://127.0.0.1:{port}"
 
 
 def engine_calls(url: str) -> int:

@@ -20,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from edgecache.bench.harness import free_port, percentile, start_server, wait_ready
 
 MODEL = "SmolLM2-135M-Instruct"
 HIT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
@@ -66,26 +67,6 @@ def bare_app():  # the baseline: nothing but litestar, uvicorn, uvloop and httpt
     return Litestar([constant], openapi_config=None)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_ready(url: str, proc: subprocess.Popen, path: str = "/health", timeout: float = 120) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server for {url} exited early")
-        try:
-            if httpx.get(url + path, timeout=1).status_code in (200, 405):
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"server at {url} did not become ready")
-
-
 def run_wrk(url: str, body: dict, duration: int, connections: int, workdir: Path) -> dict[str, float]:
     script = workdir / "post.lua"
     script.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
@@ -101,11 +82,6 @@ def run_wrk(url: str, body: dict, duration: int, connections: int, workdir: Path
 
     return {"rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)), "p50_ms": ms("50%"),
             "p99_ms": ms("99%")}
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 def bench_misses(url: str, n: int) -> dict[str, float]:
@@ -169,13 +145,12 @@ def main() -> None:
     bare_url, ec_url = f"http://127.0.0.1:{bare_port}", f"http://127.0.0.1:{ec_port}"
     procs = [
         subprocess.Popen([sys.executable, __file__, "--bare-server", str(bare_port)], env=env),
-        subprocess.Popen([sys.executable, "-m", "edgecache.cli.main", "serve", "--profile", "cpu", "--port",
-                          str(ec_port), "--data-dir", str(work / "data")], env={**env, "EDGECACHE_SERVER__LOG_LEVEL":
-                                                                                 "warning"}),
+        start_server(["--profile", "cpu", "--port", str(ec_port), "--data-dir", str(work / "data")],
+                     env={"EDGECACHE_SERVER__LOG_LEVEL": "warning"}, clean_env=True),
     ]
     try:
-        wait_ready(bare_url, procs[0], path="/v1/chat/completions")
-        wait_ready(ec_url, procs[1])
+        wait_ready(bare_url, procs[0], path="/v1/chat/completions", ready=(200, 405), timeout=120, poll_s=0.1)
+        wait_ready(ec_url, procs[1], timeout=120, poll_s=0.1)
         for body in (HIT_BODY, TOOL_BODY, STRUCTURED_BODY):
             first = httpx.post(ec_url + "/v1/chat/completions", json=body, timeout=120)
             assert first.headers["x-edgecache"] == "miss", first.text

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,9 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from edgecache.semantic.index import SemanticIndex, make_index  # noqa: E402
+from edgecache.semantic.index import SemanticIndex, make_index
 
 DIM = 512
 

@@ -14,17 +14,15 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from edgecache.semantic.embedders import Embedder, load_embedder  # noqa: E402
-from edgecache.semantic.index import SemanticIndex, make_index  # noqa: E402
+from edgecache.semantic.cache import EmbedBatcher
+from edgecache.semantic.embedders import Embedder, load_embedder
+from edgecache.semantic.index import SemanticIndex, make_index
 
 PROMPTS = [
     "How do I reset my password?",
@@ -46,35 +44,6 @@ def fmt(name: str, xs: list[float]) -> str:
     return f"{name:44} p50 {pct(xs, 50):7.2f} ms   p99 {pct(xs, 99):7.2f} ms"
 
 
-class MicroBatcher:
-    """Collects concurrent embed requests for up to max_wait, then embeds them in one call on a worker thread."""
-
-    def __init__(self, embedder: Embedder, max_batch: int, max_wait_s: float) -> None:
-        self.embedder, self.max_batch, self.max_wait_s = embedder, max_batch, max_wait_s
-        self.queue: asyncio.Queue[tuple[str, asyncio.Future[np.ndarray]]] = asyncio.Queue()
-
-    async def embed(self, text: str) -> np.ndarray:
-        fut: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
-        await self.queue.put((text, fut))
-        return await fut
-
-    async def run(self) -> None:
-        while True:
-            batch = [await self.queue.get()]
-            deadline = time.perf_counter() + self.max_wait_s
-            while len(batch) < self.max_batch:
-                timeout = deadline - time.perf_counter()
-                if timeout <= 0:
-                    break
-                try:
-                    batch.append(await asyncio.wait_for(self.queue.get(), timeout))
-                except TimeoutError:
-                    break
-            vecs = await asyncio.to_thread(self.embedder.embed, [t for t, _ in batch])
-            for (_, fut), vec in zip(batch, vecs):
-                fut.set_result(vec)
-
-
 async def concurrent(embedder: Embedder, index: SemanticIndex, n: int, rounds: int, max_wait_s: float):
     async def lookup_alone(text: str) -> float:
         t0 = time.perf_counter()
@@ -82,8 +51,9 @@ async def concurrent(embedder: Embedder, index: SemanticIndex, n: int, rounds: i
         await asyncio.to_thread(index.search, "bench", "s", vec, 1)
         return time.perf_counter() - t0
 
-    batcher = MicroBatcher(embedder, max_batch=n, max_wait_s=max_wait_s)
-    task = asyncio.create_task(batcher.run())
+    # The server's own batcher, on one embedding thread as the semantic cache runs it.
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embed")
+    batcher = EmbedBatcher(embedder, executor, max_batch=n, max_wait_s=max_wait_s)
 
     async def lookup_batched(text: str) -> float:
         t0 = time.perf_counter()
@@ -97,7 +67,7 @@ async def concurrent(embedder: Embedder, index: SemanticIndex, n: int, rounds: i
         texts = [f"{PROMPTS[(r + i) % len(PROMPTS)]} #{r}-{i}" for i in range(n)]
         alone += await asyncio.gather(*(lookup_alone(t) for t in texts))
         batched += await asyncio.gather(*(lookup_batched(t) for t in texts))
-    task.cancel()
+    executor.shutdown()
     return alone, batched
 
 

@@ -15,22 +15,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
 import httpx
 
+from edgecache.bench.harness import free_port, start_server
+
 MODEL = "SmolLM2-135M-Instruct"  # what the cpu profile's default model is called on the wire
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def body(text: str, max_tokens: int) -> dict[str, object]:
@@ -40,10 +34,9 @@ def body(text: str, max_tokens: int) -> dict[str, object]:
 
 async def measure(threads: int, misses: int, hit_clients: int, data_dir: str) -> tuple[float, float]:
     port = free_port()
-    env = {**os.environ, "EDGECACHE_ENGINE__THREADS": str(threads), "EDGECACHE_SERVER__ACCESS_LOG": "false"}
-    server = subprocess.Popen([sys.executable, "-m", "edgecache.cli.main", "serve", "--profile", "cpu",
-                               "--port", str(port), "--data-dir", data_dir],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = start_server(["--profile", "cpu", "--port", str(port), "--data-dir", data_dir],
+                          env={"EDGECACHE_ENGINE__THREADS": str(threads), "EDGECACHE_SERVER__ACCESS_LOG": "false"},
+                          log=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient(base_url=url, timeout=300) as client:

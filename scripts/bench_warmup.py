@@ -17,18 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rich.console import Console
 
-from rich.console import Console  # noqa: E402
-
-import edgecache.warmup  # noqa: E402
-from edgecache.cli.warmup import warm_offline  # noqa: E402
-from edgecache.settings import resolve_settings  # noqa: E402
+import edgecache.warmup
+from edgecache.cli.warmup import warm_offline
+from edgecache.settings import resolve_settings
 
 SYSTEMS = ["You are the support assistant of ACME Rockets.", "You answer billing questions for ACME.",
            "You are a helpful assistant.", "你是 ACME 的客服助手。"]

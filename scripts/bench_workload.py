@@ -29,7 +29,6 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,8 +36,9 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from edgecache.bench import harness, workload
+from edgecache.bench.harness import free_port, percentile, wait_ready
+from edgecache.bench.workload import ADMIN_KEY, send, tenants_toml
 
 OUTCOMES = ("exact", "semantic", "shared", "miss")
 
@@ -122,65 +122,7 @@ def gptcache_runner(work: Path, trace_path: Path, answers_path: Path, out_path: 
 # ---------------------------------------------------------------------------------------------------------------
 # EdgeCache phases (httpx asyncio client).
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
-class _Done(Exception):
-    pass
-
-
 STREAM = True
-
-
-async def send(client, url: str, req, policy: str | None) -> dict:
-    stream = STREAM
-    t0 = time.perf_counter()
-    ttft = None
-    parts = []
-    rec = {"idx": req.idx, "status": 0, "outcome": "error", "similarity": None}
-    try:
-        if not stream:  # TTFT is then the whole answer's latency
-            r = await client.post(url + "/v1/chat/completions", json=req.body(stream=False),
-                                  headers=req.headers(policy))
-            rec["status"] = r.status_code
-            rec["outcome"] = r.headers.get("x-edgecache", "error") if r.status_code == 200 else (
-                "rejected" if r.status_code == 429 else "error")
-            rec["similarity"] = r.headers.get("x-edgecache-similarity")
-            if r.status_code == 200:
-                parts.append(r.json()["choices"][0]["message"]["content"] or "")
-            raise _Done
-        async with client.stream("POST", url + "/v1/chat/completions", json=req.body(stream=True),
-                                 headers=req.headers(policy)) as r:
-            rec["status"] = r.status_code
-            rec["outcome"] = r.headers.get("x-edgecache", "error") if r.status_code == 200 else (
-                "rejected" if r.status_code == 429 else "error")
-            rec["similarity"] = r.headers.get("x-edgecache-similarity")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    rec["outcome"] = "error"
-                    continue
-                for choice in chunk.get("choices") or ():
-                    text = (choice.get("delta") or {}).get("content")
-                    if text:
-                        if ttft is None:
-                            ttft = time.perf_counter() - t0
-                        parts.append(text)
-    except _Done:
-        pass
-    except Exception as exc:  # noqa: BLE001 - a failed request is counted, not fatal
-        rec["outcome"] = "error"
-        rec["exc"] = repr(exc)[:200]
-    rec["latency_s"] = time.perf_counter() - t0
-    rec["ttft_s"] = ttft if ttft is not None else rec["latency_s"]
-    rec["answer"] = "".join(parts)
-    return rec
 
 
 async def replay(url: str, reqs, policy: str | None, concurrency: int, timed: bool = True) -> tuple[list[dict], float]:
@@ -195,7 +137,7 @@ async def replay(url: str, reqs, policy: str | None, concurrency: int, timed: bo
 
         async def one(req):
             try:
-                results.append(await send(client, url, req, policy))
+                results.append(await send(client, url, req, policy, stream=STREAM))
             finally:
                 sem.release()
 
@@ -215,7 +157,6 @@ async def replay(url: str, reqs, policy: str | None, concurrency: int, timed: bo
 
 def admin(url: str, method: str, path: str, body: dict | None = None, timeout: float = 600) -> dict:
     import httpx
-    from workload import ADMIN_KEY
 
     r = httpx.request(method, url + path, json=body, timeout=timeout, headers={"authorization": f"Bearer {ADMIN_KEY}"})
     r.raise_for_status()
@@ -264,30 +205,9 @@ def judge_semantic(reqs, results: list[dict], answer_groups: dict[str, set[str]]
 
 
 def start_server(work: Path, port: int, log_path: Path) -> subprocess.Popen:
-    from workload import tenants_toml
-
     (work / "tenants.toml").write_text(tenants_toml())
-    env = {**os.environ, "EDGECACHE_TENANTS_FILE": str(work / "tenants.toml")}
-    cmd = [shutil.which("edgecache") or sys.executable, *([] if shutil.which("edgecache") else
-                                                          ["-m", "edgecache.cli.main"]),
-           "serve", "--profile", "cpu", "--port", str(port), "--data-dir", str(work / "data")]
-    return subprocess.Popen(cmd, env=env, stdout=log_path.open("w"), stderr=subprocess.STDOUT)
-
-
-def wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 300) -> None:
-    import httpx
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise SystemExit(f"the server exited early (rc {proc.returncode}); see its log")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"server at {url} did not become ready")
+    return harness.start_server(["--profile", "cpu", "--port", str(port), "--data-dir", str(work / "data")],
+                                env={"EDGECACHE_TENANTS_FILE": str(work / "tenants.toml")}, log=log_path.open("w"))
 
 
 def setup_gptcache_venv(work: Path, log) -> Path:
@@ -354,7 +274,6 @@ def main() -> None:
         gptcache_runner(Path(w), Path(trace), Path(answers), Path(out), model, tok, None if live == "-" else live)
         return
 
-    import workload
 
     global STREAM
     STREAM = not args.no_stream
@@ -377,9 +296,7 @@ def main() -> None:
     if args.url:
         url = args.url.rstrip("/")
     else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         proc = start_server(work, port, work / "server.log")
     try:
@@ -456,7 +373,6 @@ def main() -> None:
 
 
 def run_gptcache(args, work: Path, reqs, answer_of: dict, answer_groups: dict, url: str) -> dict:
-    import workload
 
     with open(work / "gptcache-install.log", "w") as log:
         t = time.perf_counter()

@@ -22,20 +22,17 @@ import argparse
 import asyncio
 import json
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from edgecache.engines import engine_from_settings  # noqa: E402
-from edgecache.engines.base import GenerationRequest, Message, SamplingParams  # noqa: E402
-from edgecache.semantic.labeling import ModelJudgeLabeler, normalised  # noqa: E402
-from edgecache.semantic.embedders import load_semantic_embedder  # noqa: E402
-from edgecache.settings import resolve_settings  # noqa: E402
+from edgecache.engines import engine_from_settings
+from edgecache.engines.base import GenerationRequest, Message, SamplingParams
+from edgecache.semantic.labeling import ModelJudgeLabeler, normalised
+from edgecache.semantic.embedders import load_semantic_embedder
+from edgecache.settings import resolve_settings
 
 BARS = (0.85, 0.90, 0.93, 0.95, 0.97)
 FLOORS = (0.3, 0.4, 0.5, 0.6)

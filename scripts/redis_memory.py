@@ -16,31 +16,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from edgecache.engines.base import Chunk  # noqa: E402
-from edgecache.fleet.labels import LABELS, SharedLabel  # noqa: E402
-from edgecache.fleet.link import RedisLink  # noqa: E402
-from edgecache.fleet.vectors import VectorRecord  # noqa: E402
-from edgecache.inflight.local import Flight  # noqa: E402
-from edgecache.inflight.redis import RedisFlightTable  # noqa: E402
-from edgecache.stores import CachedAnswer  # noqa: E402
-from edgecache.stores.redis import RedisTenantStores  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from edgecache.bench.harness import free_port
+from edgecache.engines.base import Chunk
+from edgecache.fleet.labels import LABELS, SharedLabel
+from edgecache.fleet.link import RedisLink
+from edgecache.fleet.vectors import VectorRecord
+from edgecache.inflight.local import Flight
+from edgecache.inflight.redis import RedisFlightTable
+from edgecache.stores import CachedAnswer
+from edgecache.stores.redis import RedisTenantStores
 
 
 async def used(link: RedisLink) -> int:

@@ -1,16 +1,15 @@
 from __future__ import annotations
 
-import asyncio
-
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import httpx
-from litestar import Litestar
 
+# The app served in process and awaited until ready: the benchmarks' harness, which the tests share.
+from edgecache.bench.harness import serve_in_process
+from edgecache.bench.harness import wait_healthy as wait_ready  # noqa: F401 (tests import it from here)
 from edgecache.http.app import create_app
 from edgecache.settings import Settings, resolve_settings
 from tests.fakes import FakeEngine
@@ -35,49 +34,10 @@ def fake_engine() -> FakeEngine:
     return FakeEngine()
 
 
-@asynccontextmanager
-async def serve_in_process(app: Litestar, *, ready: bool = True) -> AsyncIterator[httpx.AsyncClient]:
-    """The app with its lifespan running, behind an httpx client on the same event loop.
-
-    (litestar's AsyncTestClient runs the app on a portal thread and blocks the caller's loop per request, so
-    concurrent requests from one test would run one at a time; httpx's ASGI transport keeps them concurrent.)
-    """
-    started, stop = asyncio.Event(), asyncio.Event()
-
-    async def run_lifespan() -> None:
-        # One task enters and leaves the lifespan: anyio's cancel scopes inside it must not change task, and
-        # pytest-asyncio runs an async fixture's setup and teardown in different tasks.
-        async with app.lifespan():
-            started.set()
-            await stop.wait()
-
-    lifespan = asyncio.create_task(run_lifespan())
-    await asyncio.wait([lifespan, asyncio.create_task(started.wait())], return_when=asyncio.FIRST_COMPLETED)
-    if lifespan.done():
-        lifespan.result()
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as c:
-            c.app = app  # type: ignore[attr-defined]
-            if ready:
-                await wait_ready(c)
-            yield c
-    finally:
-        stop.set()
-        await lifespan
-
-
 @pytest.fixture
 async def client(make_settings: Callable[..., Settings], fake_engine: FakeEngine) -> AsyncIterator[httpx.AsyncClient]:
     async with serve_in_process(create_app(make_settings(), engine=fake_engine)) as c:
         yield c
-
-
-async def wait_ready(c: httpx.AsyncClient) -> None:
-    for _ in range(500):
-        if (await c.get("/health")).status_code == 200:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the app never became ready")
 
 
 def chat_body(content: str = "hello", *, stream: bool = False, **extra: Any) -> dict[str, Any]:

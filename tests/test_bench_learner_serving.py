@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_learner_serving.py"
+from edgecache.bench import learner_serving
 
 PAIRS = [
     ("How do I reset my password?", "How can I reset my password?", 1),
@@ -20,19 +18,10 @@ PAIRS = [
 ]
 
 
-def _load() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_learner_serving", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_both_modes_through_the_server_score_every_response(tmp_path: Path, capsys: Any) -> None:
     data = tmp_path / "pairs.tsv"
     data.write_text("".join(f"{a}\t{b}\t{label}\n" for a, b, label in PAIRS), encoding="utf-8")
-    result = _load().main(["--pairs", str(data), "--scenario", "support", "--progress", "0"])
+    result = learner_serving.main(["--pairs", str(data), "--scenario", "support", "--progress", "0"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
     assert result["n"] == 9  # every distinct text once
     for mode in ("threshold", "learner"):

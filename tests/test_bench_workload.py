@@ -1,30 +1,18 @@
-"""Smoke test of the headline benchmark's workload generator (scripts/workload.py): deterministic with a seed,
+"""Smoke test of the headline benchmark's workload generator (edgecache/bench/workload.py): deterministic with a seed,
 proportions roughly as configured, every request well-formed. No server, no model: fast."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-if not (SCRIPTS.parents[1] / "shared" / "data" / "banking77_train.csv").exists():
+from edgecache.bench import workload
+
+if not (workload.DATA_DIR / "banking77_train.csv").exists():
     pytest.skip("../shared/data is not present", allow_module_level=True)
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("bench_workload_generator", SCRIPTS / "workload.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-workload = _load()
 N = 2000
 
 

@@ -7,7 +7,6 @@ fake engine that kills its own process with SIGSEGV (tests/canary_fakes.py) stan
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import httpx
 import msgspec
 import pytest
 
+from edgecache.bench.harness import free_port
 from edgecache.canary import CanaryFailed, safe_settings, settle
 from edgecache.cpu import cpu_flags, extra_buffer_types_on, has_amx
 from edgecache.settings import Settings
@@ -110,12 +110,6 @@ def test_a_hanging_embedder_is_bounded_and_named(make_settings: Callable[..., Se
     logged = [r.getMessage() for r in caplog.records]
     assert any("the embedder hung past 5 s with the configured settings" in m and "semantic.embedder=tests."
                "canary_fakes:hanging_embedder" in m and "CPU " in m for m in logged), logged
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_serve(tmp_path: Path, engine_kind: str) -> tuple[subprocess.Popen[str], str]:

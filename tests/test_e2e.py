@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,18 +13,14 @@ import httpx
 import openai
 import pytest
 
+from edgecache.bench.harness import free_port
+
 pytestmark = pytest.mark.e2e
 
 MODEL = "SmolLM2-135M-Instruct"
 LONG_SYSTEM = "You are the support assistant of ACME Rockets. " + " ".join(
     f"Policy {i}: rockets of series {i} ship within {i % 7 + 1} days and carry a {i % 3 + 1}-year warranty."
     for i in range(60))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Server:

@@ -502,7 +502,7 @@ async def test_a_json_schema_the_grammar_backend_refuses_is_a_400_naming_respons
 
 @pytest.fixture
 def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A directory on sys.path for a stand-in sglang install; every sglang module imported meanwhile is dropped
+    """A directory on the import path for a stand-in sglang install; every sglang module imported meanwhile is dropped
     afterwards, so later tests see the machine as it is."""
     import sys
 

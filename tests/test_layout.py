@@ -116,6 +116,15 @@ def test_the_checks_see_a_circle() -> None:
         "edgecache.pipeline"
 
 
+def test_the_measurement_package_is_a_top_floor() -> None:
+    # edgecache.bench holds what scripts/ measures with: it imports the package, and nothing in the package imports
+    # it (a server never carries benchmark code).
+    importers = {source for source, targets in import_graph().items()
+                 if floor(source) != "edgecache.bench" and any(floor(t) == "edgecache.bench" for t in targets)}
+    assert importers == set()
+    assert "edgecache.bench.semantic_eval" in import_graph()["edgecache.bench.verifier_fit"]
+
+
 def readme_module_table() -> list[str]:
     """The module paths README's "How it works" table names (relative to edgecache/)."""
     text = (ROOT / "README.md").read_text()

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 
 from edgecache.semantic.verifier import FEATURES, Verifier
+from edgecache.bench import second_stage as measure_second_stage
+from edgecache.bench import semantic_eval as eval_semantic
 from tests.test_verifier import small_fit_sets
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import eval_semantic  # noqa: E402
-import measure_second_stage  # noqa: E402
 
 #: The right pairs of small_fit_sets(): a fake second embedder gives each pair one vector.
 PARTNERS = {"北京今天天气如何": "北京的天气怎么样", "我忘记密码了，如何重新设置密码": "怎么重置我的密码",

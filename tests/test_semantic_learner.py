@@ -169,13 +169,9 @@ def test_a_noisy_stream_stays_within_the_target() -> None:
 
 
 def _eval_semantic():
-    import sys
-    from pathlib import Path
+    from edgecache.bench import semantic_eval
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import eval_semantic
-
-    return eval_semantic
+    return semantic_eval
 
 
 def test_stream_ground_truth_of_pairs(tmp_path) -> None:

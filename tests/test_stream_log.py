@@ -5,7 +5,6 @@ the log lands on the cut that truth implies."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,9 +13,7 @@ from typer.testing import CliRunner
 from edgecache.cli.main import app as cli
 from edgecache.semantic.decision_log import DecisionLog, DecisionRecord, LabelRecord, read_records
 from edgecache.semantic.tuning import ALL, tune
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import eval_semantic  # noqa: E402
+from edgecache.bench import semantic_eval as eval_semantic
 
 
 def test_a_stream_run_writes_a_decision_log_that_tune_reads(tmp_path: Path, capsys) -> None:

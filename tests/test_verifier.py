@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +15,8 @@ from edgecache.semantic.cache import SemanticCache
 from edgecache.semantic.index import SemanticIndex
 from edgecache.semantic.verifier import FEATURES, SHIPPED_PARAMS, Verifier, VerifierParams, features, language
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import eval_semantic  # noqa: E402
-import fit_verifier  # noqa: E402
+from edgecache.bench import semantic_eval as eval_semantic
+from edgecache.bench import verifier_fit as fit_verifier
 
 # The guard's regression cases: each pair differs in what the answer depends on, so neither may answer the other.
 MUST_MISS = [

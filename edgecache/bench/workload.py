@@ -1,6 +1,6 @@
 """The seed-like mixed workload of the headline benchmark (scripts/bench_workload.py), reproducible with a seed.
 
-Built only from ../shared/data (see SOURCES.txt there):
+Built only from the data folder (:data:`edgecache.bench.harness.DATA`; see SOURCES.txt there):
 - banking77_train.csv (text,category): customer-service queries grouped by intent. A banking tenant's new request
   is a query of some intent; a paraphrase is another query of the same intent (its group is the intent).
 - gptcache_mock_data.json ([{origin, similar}]): a knowledge tenant's new request is an origin; its paraphrase is
@@ -20,11 +20,13 @@ from __future__ import annotations
 import csv
 import json
 import random
+import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+from edgecache.bench.harness import DATA as DATA_DIR
+
 MODEL = "SmolLM2-135M-Instruct"
 
 
@@ -278,3 +280,55 @@ def summary(reqs: list[Request]) -> dict:
 
 def to_jsonl(reqs: list[Request]) -> str:
     return "".join(json.dumps(asdict(r)) + "\n" for r in reqs)
+
+
+class _Done(Exception):
+    pass
+
+
+async def send(client, url: str, req, policy: str | None, *, stream: bool = True) -> dict:
+    """One request of the workload (streamed unless ``stream`` is off), as a record: its outcome (the server's
+    ``x-edgecache``, ``rejected`` or ``error``), similarity, time to first token, latency and answer."""
+    t0 = time.perf_counter()
+    ttft = None
+    parts = []
+    rec = {"idx": req.idx, "status": 0, "outcome": "error", "similarity": None}
+    try:
+        if not stream:  # TTFT is then the whole answer's latency
+            r = await client.post(url + "/v1/chat/completions", json=req.body(stream=False),
+                                  headers=req.headers(policy))
+            rec["status"] = r.status_code
+            rec["outcome"] = r.headers.get("x-edgecache", "error") if r.status_code == 200 else (
+                "rejected" if r.status_code == 429 else "error")
+            rec["similarity"] = r.headers.get("x-edgecache-similarity")
+            if r.status_code == 200:
+                parts.append(r.json()["choices"][0]["message"]["content"] or "")
+            raise _Done
+        async with client.stream("POST", url + "/v1/chat/completions", json=req.body(stream=True),
+                                 headers=req.headers(policy)) as r:
+            rec["status"] = r.status_code
+            rec["outcome"] = r.headers.get("x-edgecache", "error") if r.status_code == 200 else (
+                "rejected" if r.status_code == 429 else "error")
+            rec["similarity"] = r.headers.get("x-edgecache-similarity")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    rec["outcome"] = "error"
+                    continue
+                for choice in chunk.get("choices") or ():
+                    text = (choice.get("delta") or {}).get("content")
+                    if text:
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
+                        parts.append(text)
+    except _Done:
+        pass
+    except Exception as exc:  # noqa: BLE001 - a failed request is counted, not fatal
+        rec["outcome"] = "error"
+        rec["exc"] = repr(exc)[:200]
+    rec["latency_s"] = time.perf_counter() - t0
+    rec["ttft_s"] = ttft if ttft is not None else rec["latency_s"]
+    rec["answer"] = "".join(parts)
+    return rec

@@ -1,0 +1,720 @@
+"""``scripts/eval_semantic.py``: measure the semantic lookup path (embedder -> index -> verifier) against plain cosine, side by side.
+
+Protocols:
+
+  --pairs PATH     TSV ``s1<TAB>s2<TAB>label`` (1 = same meaning): s1 is the only cached entry, s2 is looked up.
+                   hit_rate = hits on label-1 pairs / label-1 pairs; false_hit_rate = hits on label-0 / all pairs.
+                   A JSON list of {"origin", "similar"} (GPTCache's mock data) is read as retrieval instead: every
+                   distinct origin is cached in one index, each similar is looked up; a hit on its own origin is
+                   true, on any other origin false.
+  --intents PATH   CSV ``text,category`` or JSON lines {"text", "intent"} (intent ``oos`` = out of scope): the first
+                   ``--per-intent`` texts of each in-scope intent (seeded shuffle) are cached, all others looked up.
+                   ``--splits train,val`` keeps only rows of those splits (JSON lines with a ``split`` field).
+
+"Ours" is the path the profile ships (``semantic.decision``): the threshold rule (the nearest candidate, its cosine
+over the scenario's threshold or the embedder's calibrated one, the guard's veto), or the verifier
+(:mod:`edgecache.semantic.verifier`: the nearest ``semantic.candidates`` candidates scored, the best-scored one served when it
+reaches the cut of the scenario's target false-hit rate). ``--decision`` / ``--threshold`` / ``--target`` override.
+The baseline is plain cosine on the same embedder and index, top-1, its threshold picked on the very set (its
+oracle).
+
+Latency: the first ``--latency-lookups`` lookups are also run one at a time the way the server does (embed one text,
+search, verify) and their p50 / p99 reported, with the share that paid for a second stage (none ships yet).
+
+  --stream         (with --pairs or --intents) the online learner (:mod:`edgecache.semantic.learner`) on a stream:
+                   every text of the set once, in seeded random order, against a cache that starts empty and grows
+                   (a lookup not served is computed and stored, as in production). A label (was the nearest
+                   candidate's answer right?) is revealed only where production has one: when the learner explores
+                   or misses (the engine computed the answer anyway). Who answers whom: pairs TSV, texts joined by
+                   label-1 pairs (transitively) except a pair labelled 0, never another pair's text; GPTCache's JSON,
+                   the same origin; intents, the same intent, out-of-scope never. Beside it on the same stream: the
+                   shipped static rule (scenario threshold + guard) and the static oracle (the best fixed cosine cut
+                   with hindsight, simulated on the stream, at <= the learner's false-hit rate). Rates are shares of
+                   all lookups. Last line: n, hit_rate, false_hit_rate, explorations, exploration_share, labels,
+                   demoted, oracle_hit_rate, oracle_threshold, ratio_to_oracle, oracle_hit_rate_at_target,
+                   static_hit_rate, static_false_hit_rate, static_threshold, target_false_hit_rate, embedder, seed,
+                   oracle_threshold_at_target (the oracle's cut at the target), replay_threshold /
+                   replay_threshold_at_target (the cut a replay of the learner's own lookups implies with every
+                   label known, at the learner's false-hit rate / the target), log, tune.
+  --log DIR        (with --stream) write the learner's run to DIR as a decision log, the records the server writes:
+                   a ``decision`` per lookup (``miss`` with no candidate, else ``hit``, ``explore`` or ``refused``
+                   with the learner's reason, the nearest candidate's keys and cosine) and a ``label`` for every
+                   label the run reveals (explorations and refused candidates; hits stay unlabelled). Then
+                   ``edgecache tune DIR`` reads it; the last line's ``tune`` holds what it finds per variant
+                   (:data:`TUNE_VARIANTS`) beside the oracle's cuts.
+
+Otherwise the last line printed is one JSON object: n, hit_rate, false_hit_rate, threshold, embedder, hit_rate_at_1pct,
+baseline_hit_rate_at_1pct, baseline_threshold_at_1pct, oos_hit_rate (intent sets with out-of-scope rows, else
+null), target_false_hit_rate, candidates, lookup_p50_ms, lookup_p99_ms, second_stage_share.
+
+  python scripts/eval_semantic.py --pairs DATA/pawsx_zh_test.tsv --scenario knowledge
+
+(DATA: the data sets' folder, :data:`edgecache.bench.harness.DATA`.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import random
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from edgecache.semantic import guard, refusals
+from edgecache.semantic.decision_log import DecisionLog, log_files
+from edgecache.semantic.embedders import Embedder, default_threshold, load_embedder
+from edgecache.semantic.index import SemanticIndex
+from edgecache.semantic.lookup import Lookup, SemanticHit, record_lookup
+from edgecache.semantic.verifier import Verifier
+from edgecache.settings import resolve_settings
+
+
+class Case(msgspec.Struct):
+    """One lookup: the query, its nearest candidates (text, cosine, right answer?), and whether any right answer
+    is in the cache at all (``positive``); ``oos`` marks an out-of-scope query."""
+
+    query: str
+    candidates: list[tuple[str, float, bool]]
+    positive: bool
+    oos: bool = False
+    set_name: str = ""
+
+
+def read_pairs_tsv(path: Path) -> list[tuple[str, str, bool]]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            parts = line.rstrip("\n").split("\t")
+            if len(parts) >= 3 and parts[2].strip() in ("0", "1"):
+                rows.append((parts[0], parts[1], parts[2].strip() == "1"))
+    return rows
+
+
+def read_intents(path: Path, splits: set[str] | None = None) -> list[tuple[str, str]]:
+    items: list[tuple[str, str]] = []
+    if path.suffix in (".jsonl", ".json"):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            if line.strip():
+                obj = json.loads(line)
+                if splits is None or obj.get("split") in splits:
+                    items.append((obj["text"], obj.get("intent") or obj.get("category")))
+    else:
+        with path.open(encoding="utf-8", newline="") as f:
+            for row in csv.DictReader(f):
+                items.append((row["text"], row.get("category") or row.get("intent")))
+    return items
+
+
+def embed_all(emb: Embedder, texts: list[str], batch: int = 64) -> np.ndarray:
+    if not texts:
+        return np.zeros((0, emb.dim), dtype=np.float32)
+    return np.concatenate([emb.embed(texts[i : i + batch]) for i in range(0, len(texts), batch)])
+
+
+def pair_cases(rows: list[tuple[str, str, bool]], emb: Embedder, index: SemanticIndex, name: str = "") -> list[Case]:
+    v1 = embed_all(emb, [r[0] for r in rows])
+    v2 = embed_all(emb, [r[1] for r in rows])
+    out = []
+    for i, (s1, s2, label) in enumerate(rows):
+        scenario = f"pair{i}"
+        index.add("eval", scenario, v1[i], f"k{i}", s1)
+        found = index.search("eval", scenario, v2[i], 1)
+        index.drop("eval", scenario)
+        out.append(Case(s2, [(c.text, c.similarity, label) for c in found], label, set_name=name))
+    return out
+
+
+def retrieval_cases(pairs: list[tuple[str, str]], emb: Embedder, index: SemanticIndex, k: int,
+                    name: str = "") -> list[Case]:
+    origins = sorted({o for o, _ in pairs})
+    for text, vec in zip(origins, embed_all(emb, origins)):
+        index.add("eval", "retrieval", vec, text, text)
+    out = []
+    for (origin, similar), vec in zip(pairs, embed_all(emb, [s for _, s in pairs])):
+        found = index.search("eval", "retrieval", vec, k)
+        out.append(Case(similar, [(c.text, c.similarity, c.store_key == origin) for c in found], True,
+                        set_name=name))
+    return out
+
+
+def intent_cases(items: list[tuple[str, str]], emb: Embedder, index: SemanticIndex, k: int, *, seed: int,
+                 per_intent: int, limit: int, name: str = "") -> list[Case]:
+    items = list(items)
+    random.Random(seed).shuffle(items)
+    stored: list[tuple[str, str]] = []
+    queries: list[tuple[str, str]] = []
+    per: dict[str, int] = defaultdict(int)
+    for text, intent in items:
+        if intent != "oos" and per[intent] < per_intent:
+            per[intent] += 1
+            stored.append((text, intent))
+        else:
+            queries.append((text, intent))
+    if limit:
+        queries = queries[:limit]
+    intent_of = {}
+    for (text, intent), vec in zip(stored, embed_all(emb, [t for t, _ in stored])):
+        intent_of[index.add("eval", "intents", vec, f"{intent}\x00{text}", text)] = intent
+    out = []
+    for (text, intent), vec in zip(queries, embed_all(emb, [t for t, _ in queries])):
+        found = index.search("eval", "intents", vec, k)
+        in_scope = intent != "oos"
+        out.append(Case(text, [(c.text, c.similarity, in_scope and intent_of[c.vector_key] == intent) for c in found],
+                        in_scope, oos=not in_scope, set_name=name))
+    return out
+
+
+def subset(rows: list, *, half: int | None, seed: int, limit: int) -> list:
+    """``half`` 0/1 splits a seeded shuffle in two (calibrate on one half, report on the other); ``limit`` caps."""
+    if half is not None:
+        order = list(range(len(rows)))
+        random.Random(seed).shuffle(order)
+        rows = [rows[i] for i in sorted(order[half::2])]
+    return rows[:limit] if limit else rows
+
+
+def load_cases(kind: str, path: Path, emb: Embedder, *, k: int, seed: int = 0, limit: int = 0,
+               half: int | None = None, per_intent: int = 3, splits: set[str] | None = None) -> list[Case]:
+    """The lookups of one data file under its protocol (``kind`` pairs or intents), nearest ``k`` candidates each."""
+    with tempfile.TemporaryDirectory() as tmp:
+        index = SemanticIndex(tmp, dim=emb.dim, embedder_version=emb.version, dtype="f16", max_vectors=10**6)
+        try:
+            if kind == "pairs" and path.suffix == ".json":
+                data = json.loads(path.read_text(encoding="utf-8"))
+                pairs = subset([(d["origin"], d["similar"]) for d in data], half=half, seed=seed, limit=limit)
+                return retrieval_cases(pairs, emb, index, k, path.name)
+            if kind == "pairs":
+                rows = subset(read_pairs_tsv(path), half=half, seed=seed, limit=limit)
+                return pair_cases(rows, emb, index, path.name)
+            return intent_cases(read_intents(path, splits), emb, index, k, seed=seed, per_intent=per_intent,
+                                limit=limit, name=path.name)
+        finally:
+            index.close()
+
+
+# ---- decisions ----
+
+
+def verifier_decisions(verifier: Verifier, cases: list[Case]) -> tuple[np.ndarray, np.ndarray]:
+    """Per lookup, the score of the candidate the verifier would serve (-1 when none may be) and whether it is right.
+
+    The served candidate is the best-scored one not vetoed (the cut only decides whether it is served), so one pass
+    gives the whole sweep over cuts.
+    """
+    score, ok = np.full(len(cases), -1.0), np.zeros(len(cases), dtype=bool)
+    for i, case in enumerate(cases):
+        judged = verifier.judge(case.query, [(t, s) for t, s, _ in case.candidates], cut=0.0)
+        if judged.chosen is not None:
+            score[i], ok[i] = judged.score, case.candidates[judged.chosen][2]
+    return score, ok
+
+
+def threshold_decisions(cases: list[Case], rules: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The pre-verifier rule (a scenario's ``threshold`` override): top-1 cosine, refused by any guard rule."""
+    sim, ok = np.full(len(cases), -2.0), np.zeros(len(cases), dtype=bool)
+    for i, case in enumerate(cases):
+        if case.candidates:
+            text, cos, right = case.candidates[0]
+            if guard.check(case.query, text, rules).allowed:
+                sim[i], ok[i] = cos, right
+    return sim, ok
+
+
+def cosine_decisions(cases: list[Case]) -> tuple[np.ndarray, np.ndarray]:
+    sim, ok = np.full(len(cases), -2.0), np.zeros(len(cases), dtype=bool)
+    for i, case in enumerate(cases):
+        if case.candidates:
+            sim[i], ok[i] = case.candidates[0][1], case.candidates[0][2]
+    return sim, ok
+
+
+def rates(sim: np.ndarray, ok: np.ndarray, n_pos: int, cuts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """hit_rate and false_hit_rate at every cut (vectorised over the sweep)."""
+    hits = sim[None, :] >= cuts[:, None] - 1e-9
+    true_hits = (hits & ok[None, :]).sum(axis=1)
+    false_hits = (hits & ~ok[None, :]).sum(axis=1)
+    return true_hits / max(n_pos, 1), false_hits / max(len(sim), 1)
+
+
+def best_at(hit: np.ndarray, fhr: np.ndarray, cuts: np.ndarray, max_fhr: float) -> tuple[float, float]:
+    allowed = fhr <= max_fhr + 1e-12
+    if not allowed.any():
+        return 0.0, 1.0
+    i = int(np.argmax(np.where(allowed, hit, -1.0)))
+    return float(hit[i]), float(cuts[i])
+
+
+def measure_latency(cases: list[Case], emb: Embedder, verifier: Verifier | None, k: int, n: int,
+                    target: float) -> list[float]:
+    """Lookups one at a time as the server runs them: embed one query, search an index of the cached texts, verify."""
+    cases = cases[:n]
+    if not cases:
+        return []
+    texts = sorted({t for c in cases for t, _, _ in c.candidates})
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        index = SemanticIndex(tmp, dim=emb.dim, embedder_version=emb.version, dtype="f16", max_vectors=10**6)
+        try:
+            for text, vec in zip(texts, embed_all(emb, texts)):
+                index.add("eval", "latency", vec, text, text)
+            for case in cases:
+                started = time.perf_counter()
+                vec = emb.embed([case.query])[0]
+                found = index.search("eval", "latency", vec, k)
+                if verifier is not None:
+                    verifier.judge(case.query, [(c.text, c.similarity) for c in found],
+                                   verifier.cut(target, case.query))
+                out.append((time.perf_counter() - started) * 1000)
+        finally:
+            index.close()
+    return out
+
+
+# ---- the stream protocol (--stream): a cache that grows, labels only where production has them ----
+
+
+class Stream(msgspec.Struct):
+    """The texts of a set in seeded random order, and who answers whom: ``group[i] == group[j]`` (both >= 0) means
+    text j's cached answer serves text i, unless the pair is one the set labels different (``different``)."""
+
+    texts: list[str]
+    group: list[int]
+    different: set[tuple[int, int]]
+    name: str = ""
+
+
+def stream_of(kind: str, path: Path, *, seed: int, limit: int, splits: set[str] | None = None) -> Stream:
+    """Ground truth per protocol.
+
+    Pairs TSV: every distinct text of the first ``limit`` pairs is looked up once; texts joined by label-1 pairs
+    (transitively) serve each other, except a pair the set labels 0; a text of another pair never does.
+    GPTCache's JSON: origins and similars of the first ``limit`` pairs; a text serves another iff they share the
+    origin. Intents: the first ``limit`` texts of a seeded shuffle; same intent serves, out-of-scope never does.
+    """
+    edges: list[tuple[str, str, bool]] = []
+    labelled: list[tuple[str, str | None]] = []
+    if kind == "pairs" and path.suffix == ".json":
+        data = json.loads(path.read_text(encoding="utf-8"))
+        edges = [(d["origin"], d["similar"], True) for d in data[:limit or None]]
+    elif kind == "pairs":
+        edges = read_pairs_tsv(path)[:limit or None]
+    else:
+        items = read_intents(path, splits)
+        random.Random(seed).shuffle(items)
+        labelled = [(t, None if i == "oos" else i) for t, i in items[:limit or None]]
+    if edges:
+        parent: dict[str, str] = {}
+
+        def root(t: str) -> str:
+            while parent.setdefault(t, t) != t:
+                parent[t] = parent[parent[t]]
+                t = parent[t]
+            return t
+
+        for a, b, same in edges:
+            root(a), root(b)
+            if same:
+                parent[root(a)] = root(b)
+        names = {r: n for n, r in enumerate(sorted({root(t) for t in parent}))}
+        labelled = [(t, str(names[root(t)])) for t in sorted(parent)]
+        random.Random(seed).shuffle(labelled)
+    texts = [t for t, _ in labelled]
+    ids = {g: n for n, g in enumerate(sorted({g for _, g in labelled if g is not None}))}
+    group = [-1 if g is None else ids[g] for _, g in labelled]
+    position = {t: i for i, t in enumerate(texts)}
+    different = set()
+    for a, b, same in edges:
+        if not same:
+            different |= {(position[a], position[b]), (position[b], position[a])}
+    return Stream(texts, group, different, path.name)
+
+
+def right_answer(stream: Stream, query: int, cached: int) -> bool:
+    g = stream.group[query]
+    return g >= 0 and g == stream.group[cached] and (query, cached) not in stream.different
+
+
+class StreamResult(msgspec.Struct):
+    lookups: int
+    hits: int = 0
+    false_hits: int = 0
+    explorations: int = 0
+    labels: int = 0
+    demoted: int = 0
+    #: every lookup that had a candidate: its similarity and whether the candidate was right (what a fully labelled
+    #: log of the run would hold)
+    candidates: list[tuple[float, bool]] = msgspec.field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / max(self.lookups, 1)
+
+    @property
+    def false_hit_rate(self) -> float:
+        return self.false_hits / max(self.lookups, 1)
+
+
+def run_stream(stream: Stream, sim: np.ndarray, decide, record=None, link=None, alone=None) -> StreamResult:
+    """Look the texts up in order against a cache that grows: a lookup not served is computed and stored. ``decide``
+    (query, candidate, similarity) -> serve | explore | miss; on explore or miss the pair's label is revealed to
+    ``record`` (on a miss the engine computed the answer anyway, so comparing it with the candidate's is free).
+    ``alone`` (query) hears a lookup that found the cache empty (no candidate: a plain miss)."""
+    out = StreamResult(lookups=len(stream.texts))
+    stored = np.zeros(len(stream.texts), dtype=np.int64)
+    n_stored = 0
+    for i in range(len(stream.texts)):
+        if not n_stored and alone is not None:
+            alone(i)
+        if n_stored:
+            row = sim[i, stored[:n_stored]]
+            best = int(np.argmax(row))
+            j, s = int(stored[best]), float(row[best])
+            out.candidates.append((s, right_answer(stream, i, j)))
+            action = decide(i, j, s)
+            if action == "serve":
+                if right_answer(stream, i, j):
+                    out.hits += 1
+                else:
+                    out.false_hits += 1
+                continue
+            if action == "explore":
+                out.explorations += 1
+            if record is not None:
+                correct = right_answer(stream, i, j)
+                record(i, j, s, correct)
+                out.labels += 1
+                if correct and link is not None:
+                    link(i, j)
+        stored[n_stored] = i
+        n_stored += 1
+    return out
+
+
+def learner_stream(stream: Stream, sim: np.ndarray, *, scenario: str, target: float, shipped: float,
+                   signal=None, seed: int = 0, explore_share: float = 0.05, audit_share: float | None = None,
+                   link: bool = True, log: DecisionLog | None = None,
+                   tenant: str = "eval") -> tuple[StreamResult, int]:
+    """The online learner on the stream; returns its result and how many entries it demoted. ``shipped`` is the
+    static prior cut on the cosine; ``signal`` (query, candidate, cosine) -> (what the learner sees, the prior cut
+    on it) replaces the cosine (the verifier's score). With ``log``, every lookup
+    is written as the server writes it: one ``decision`` record (the nearest candidate's store and vector key and
+    its similarity; the learner's reason) and a ``label`` for every label the run reveals (explorations and refused
+    candidates); served lookups stay unlabelled, as in production."""
+    from edgecache.semantic.learner import SemanticLearner
+
+    learner = SemanticLearner(prior_cut=shipped, seed=seed, explore_share=explore_share,
+                              **({} if audit_share is None else {"audit_share": audit_share}))
+    decisions: dict[int, tuple] = {}  # query -> (the learner's decision, its log id)
+    prior_cut = signal or (lambda i, j, s: (s, shipped))
+
+    def decide(i: int, j: int, s: float) -> str:
+        value, prior = prior_cut(i, j, s)
+        decision = learner.decide(tenant, scenario, str(j), value, target, prior_cut=prior)
+        logged = None
+        if log is not None:
+            # The lookup the server's learner decider makes of it (edgecache.semantic.deciders.by_learner), logged
+            # as the server logs it.
+            refusal = None if decision.action == "serve" else (
+                refusals.EXPLORE if decision.action == "explore" else refusals.by_learner(decision.reason))
+            lookup = Lookup(vector=None, candidate=SemanticHit(similarity=s, store_key=str(j), vector_key=j),
+                            refusal=refusal, score=None if value == s else value, learned=decision)
+            logged = record_lookup(log, tenant, scenario, stream.texts[i], lookup, served=decision.action == "serve")
+        decisions[i] = (decision, logged)
+        return decision.action
+
+    def record(i: int, j: int, s: float, correct: bool) -> None:
+        value, prior = prior_cut(i, j, s)
+        decision, logged = decisions.pop(i)
+        learner.record(tenant, scenario, str(j), value, correct, prior_cut=prior, decision=decision)
+        if logged is not None:
+            log.labelled(logged, correct, "stream-truth")  # type: ignore[union-attr]
+
+    def linked(i: int, j: int) -> None:
+        if link:
+            learner.link(tenant, scenario, str(i), str(j))
+
+    def alone(i: int) -> None:
+        if log is not None:
+            record_lookup(log, tenant, scenario, stream.texts[i], Lookup(vector=None), served=False)
+
+    result = run_stream(stream, sim, decide, record, linked, alone)
+    decisions.clear()  # served lookups: never labelled
+    return result, learner.demoted
+
+
+def hindsight_cut(candidates: list[tuple[float, bool]], lookups: int, target: float) -> float | None:
+    """The lowest cut whose wrong candidates at or above it stay within ``target`` of ``lookups``, with every label
+    known: the cut a fully labelled replay of a log implies (``edgecache tune --per lookup --confidence 0``)."""
+    bad, best = 0, None
+    order = sorted(candidates, key=lambda x: -x[0])
+    k = 0
+    while k < len(order):
+        value = order[k][0]
+        while k < len(order) and order[k][0] == value:
+            bad += not order[k][1]
+            k += 1
+        if bad <= target * lookups + 1e-9:
+            best = value
+    return best
+
+
+def stream_main(args: argparse.Namespace, kind: str, path: Path) -> dict:
+    """--stream: the learner (:mod:`edgecache.semantic.learner`) against the shipped static rule and the static
+    oracle on the same stream. Rates are shares of all lookups."""
+    settings = resolve_settings(args.profile, {}, environ={})
+    scenario = settings.scenarios.get(args.scenario) or settings.scenarios["default"]
+    target = args.target if args.target is not None else 0.01
+    emb = load_embedder(args.embedder or settings.semantic.embedder, threads=1)
+    shipped = scenario.threshold if scenario.threshold is not None else default_threshold(emb.version, args.scenario)
+    rules = [] if args.rules == "none" else [r for r in args.rules.split(",") if r]
+    t0 = time.perf_counter()
+    stream = stream_of(kind, path, seed=args.seed, limit=args.limit,
+                       splits=set(args.splits.split(",")) if args.splits else None)
+    vectors = embed_all(emb, stream.texts)
+    sim = vectors @ vectors.T
+    embedded = time.perf_counter() - t0
+
+    verifier = Verifier.load(args.verifier or settings.semantic.verifier_params)
+    use_verifier = args.signal == "verifier" and verifier.embedder == emb.version
+    signal_of: dict[tuple[int, int], float] = {}
+
+    def signal(i: int, j: int, s: float) -> tuple[float, float]:
+        """What the learner sees of a candidate, and the static prior cut on it: the verifier's score (0 when a
+        hard veto refuses the pair) and its calibrated cut."""
+        if (i, j) not in signal_of:
+            judged = verifier.judge(stream.texts[i], [(stream.texts[j], s)], cut=0.0)
+            signal_of[(i, j)] = judged.score if judged.chosen is not None else 0.0
+        return signal_of[(i, j)], min(verifier.cut(target, stream.texts[i]), 0.999)
+
+    log = None
+    if args.log is not None:
+        if log_files(args.log):
+            raise SystemExit(f"error: {args.log} already holds a decision log (give an empty or new folder)")
+        log = DecisionLog(args.log, max_bytes=256 << 20, files=8)
+    try:
+        learned, demoted = learner_stream(
+            stream, sim, scenario=args.scenario, target=target, shipped=shipped,
+            signal=signal if use_verifier else None, seed=args.seed, explore_share=args.explore_share,
+            audit_share=args.audit_share, link=args.link, log=log)
+    finally:
+        if log is not None:
+            log.close()
+    learned.demoted = demoted
+    static = run_stream(stream, sim, lambda i, j, s: "serve" if s >= shipped - 1e-9 and guard.check(
+        stream.texts[i], stream.texts[j], rules).allowed else "miss")
+    cuts = np.round(np.arange(args.oracle_from, 1.0001, args.oracle_step), 4)
+    sweep = [(c, run_stream(stream, sim, lambda i, j, s, c=c: "serve" if s >= c - 1e-9 else "miss")) for c in cuts]
+    allowed = [(r.hit_rate, c, r) for c, r in sweep if r.false_hit_rate <= learned.false_hit_rate + 1e-12]
+    oracle_hit, oracle_cut, oracle = max(allowed, key=lambda x: (x[0], -x[1])) if allowed else (0.0, 1.0, None)
+    at_target = [(r.hit_rate, c) for c, r in sweep if r.false_hit_rate <= target + 1e-12]
+    oracle_target_hit, oracle_target_cut = max(at_target, key=lambda x: (x[0], -x[1])) if at_target else (0.0, 1.0)
+    ratio = learned.hit_rate / oracle_hit if oracle_hit > 0 else None
+    # The cut a fully labelled replay of the learner's own lookups implies (what `tune --per lookup --confidence 0`
+    # would find if every served lookup were labelled too): apart from the oracle's by the cache the oracle grows.
+    replay_cut = hindsight_cut(learned.candidates, learned.lookups, learned.false_hit_rate)
+    replay_target_cut = hindsight_cut(learned.candidates, learned.lookups, target)
+    tuned = tune_log(args.log, target=target, learner_rate=learned.false_hit_rate) if log is not None else None
+    elapsed = time.perf_counter() - t0
+
+    print(f"stream {stream.name}: {learned.lookups} lookups in seeded order (seed {args.seed}), cache grows on every "
+          f"lookup not served; embedder {emb.version}; target {target:.2%}")
+    print(f"{'':34}{'hit rate':>10}{'false hits':>12}{'explored':>10}")
+    print(f"{'learner':34}{learned.hit_rate:10.4f}{learned.false_hit_rate:12.4f}{learned.explorations:10d}"
+          f"   ({learned.labels} labels, {learned.demoted} entries demoted)")
+    print(f"{'shipped static (cos>=%.3f+guard)' % shipped:34}{static.hit_rate:10.4f}{static.false_hit_rate:12.4f}")
+    if oracle is not None:
+        print(f"{'static oracle (cos>=%.3f)' % oracle_cut:34}{oracle.hit_rate:10.4f}{oracle.false_hit_rate:12.4f}"
+              f"   at <= the learner's false hits; learner / oracle "
+              + ("n/a" if ratio is None else f"{ratio:.2f}x"))
+    print(f"{'static oracle at target (cos>=%.3f)' % oracle_target_cut:34}{oracle_target_hit:10.4f}")
+    print(f"fully labelled replay of the learner's lookups: cut {_cut(replay_cut)} at <= the learner's false hits, "
+          f"{_cut(replay_target_cut)} at target" + (f"; decision log written to {args.log}" if log else ""))
+    if tuned is not None:
+        print(f"edgecache tune on that log (cut, labels behind it; oracle {oracle_cut:.4f} at the learner's false "
+              f"hits, {oracle_target_cut:.4f} at target):")
+        for name, found in tuned.items():
+            print(f"  {name:34}{_cut(found['cut']):>8}  ({found['backing']} labels, effective "
+                  f"{found['effective']:.0f}, {found['unlabelled']} unlabelled)")
+    print(f"({embedded:.1f} s to embed, {elapsed:.1f} s in all)")
+    result = {
+        "n": learned.lookups,
+        "hit_rate": round(learned.hit_rate, 4),
+        "false_hit_rate": round(learned.false_hit_rate, 4),
+        "explorations": learned.explorations,
+        "exploration_share": round(learned.explorations / max(learned.lookups, 1), 4),
+        "labels": learned.labels,
+        "demoted": learned.demoted,
+        "oracle_hit_rate": round(oracle_hit, 4),
+        "oracle_threshold": float(oracle_cut),
+        "ratio_to_oracle": None if ratio is None else round(ratio, 3),
+        "oracle_hit_rate_at_target": round(oracle_target_hit, 4),
+        "static_hit_rate": round(static.hit_rate, 4),
+        "static_false_hit_rate": round(static.false_hit_rate, 4),
+        "static_threshold": shipped,
+        "target_false_hit_rate": target,
+        "embedder": emb.version,
+        "signal": "verifier" if use_verifier else "cosine",
+        "seed": args.seed,
+        "oracle_threshold_at_target": float(oracle_target_cut),
+        "replay_threshold": None if replay_cut is None else round(replay_cut, 4),
+        "replay_threshold_at_target": None if replay_target_cut is None else round(replay_target_cut, 4),
+        "log": None if log is None else str(args.log),
+        "tune": tuned,
+    }
+    print(json.dumps(result))
+    return result
+
+
+#: The `edgecache tune` variants run on a --stream --log run: (per, confidence, target: "target" or "learner", the
+#: learner's own false-hit rate, as the oracle_threshold's), and whether labels are weighted by their stratum.
+TUNE_VARIANTS = {
+    "lookup_point@learner": ("lookup", 0.0, "learner", True),
+    "lookup_point@target": ("lookup", 0.0, "target", True),
+    "lookup_95@target": ("lookup", 0.95, "target", True),
+    "served_point@target": ("served", 0.0, "target", True),
+    "served_95@target": ("served", 0.95, "target", True),
+    "plain_lookup_point@learner": ("lookup", 0.0, "learner", False),
+    "plain_lookup_point@target": ("lookup", 0.0, "target", False),
+    "plain_served_point@target": ("served", 0.0, "target", False),
+}
+
+
+def tune_log(path: Path, *, target: float, learner_rate: float) -> dict[str, dict]:
+    """What `edgecache tune PATH --target-error T [--per P] [--confidence C]` finds on the log (the pooled row;
+    ``plain_``: every label counted once, the replay without weighing audits up for the hits they stand for)."""
+    from edgecache.semantic.decision_log import read_records
+    from edgecache.semantic.tuning import ALL, tune
+
+    records = list(read_records(path))
+    out = {}
+    for name, (per, confidence, at, weigh) in TUNE_VARIANTS.items():
+        goal = learner_rate if at == "learner" else target
+        [found] = [c for c in tune(records, target=goal, confidence=confidence, per=per, weigh=weigh)  # type: ignore[arg-type]
+                   if c.tenant == ALL]
+        out[name] = {"cut": None if found.cut is None else round(found.cut, 4), "backing": found.backing,
+                     "effective": round(found.effective, 1), "unlabelled": found.unlabelled}
+    return out
+
+
+def _cut(cut: float | None) -> str:
+    return "-" if cut is None else f"{cut:.4f}"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--pairs", type=Path)
+    src.add_argument("--intents", type=Path)
+    p.add_argument("--scenario", default="default", help="whose target false-hit rate (cpu profile) to use")
+    p.add_argument("--profile", default="cpu", help="the profile whose scenarios and semantic settings apply")
+    p.add_argument("--decision", choices=("threshold", "verifier"), help="default: the profile's semantic.decision")
+    p.add_argument("--threshold", type=float, help="the threshold rule at this cosine (top-1, guard veto)")
+    p.add_argument("--target", type=float, help="override the scenario's target false-hit rate")
+    p.add_argument("--verifier", type=Path, help="a verifier parameter file (default: the shipped one)")
+    p.add_argument("--embedder", default=None, help="registered embedder name (default: the profile's)")
+    p.add_argument("--candidates", type=int, help="nearest candidates the verifier sees (default: the profile's)")
+    p.add_argument("--limit", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--per-intent", type=int, default=3)
+    p.add_argument("--splits", help="intents JSON lines: keep only these splits (comma-separated)")
+    p.add_argument("--half", type=int, choices=(0, 1), help="use one half of a seeded split (pairs protocol)")
+    p.add_argument("--rules", default=",".join(guard.DEFAULT_RULES),
+                   help="guard rules of the --threshold rule, comma-separated, or 'none'")
+    p.add_argument("--latency-lookups", type=int, default=200)
+    p.add_argument("--stream", action="store_true",
+                   help="the online learner on a stream against a growing cache (see stream_of)")
+    p.add_argument("--signal", choices=("cosine", "verifier"), default="cosine",
+                   help="--stream: what the learner sees of a candidate (the verifier's score, or plain cosine)")
+    p.add_argument("--link", action=argparse.BooleanOptionalAction, default=True,
+                   help="--stream: an entry stored after a right label shares labels with its candidate")
+    p.add_argument("--explore-share", type=float, default=0.05, help="--stream: the learner's exploration budget")
+    p.add_argument("--oracle-from", type=float, default=0.5, help="--stream: lowest cosine cut the oracle tries")
+    p.add_argument("--audit-share", type=float, default=None,
+                   help="--stream: the share of confident serves the learner audits (default: the learner's)")
+    p.add_argument("--log", type=Path, metavar="DIR",
+                   help="--stream: write the learner's run to DIR as a decision log (`edgecache tune DIR` reads it)")
+    p.add_argument("--oracle-step", type=float, default=0.005, help="--stream: the oracle's cut step")
+    args = p.parse_args(argv)
+    if args.stream:
+        return stream_main(args, *(("pairs", args.pairs) if args.pairs is not None else ("intents", args.intents)))
+    rules = [] if args.rules == "none" else [r for r in args.rules.split(",") if r]
+
+    settings = resolve_settings(args.profile, {}, environ={})
+    scenario = settings.scenarios.get(args.scenario) or settings.scenarios["default"]
+    decision = args.decision or settings.semantic.decision
+    threshold = args.threshold if args.threshold is not None else scenario.threshold
+    target = args.target if args.target is not None else scenario.target_false_hit_rate
+    k = args.candidates or settings.semantic.candidates
+    emb = load_embedder(args.embedder or settings.semantic.embedder, threads=1)
+    verifier = Verifier.load(args.verifier or settings.semantic.verifier_params)
+    use_verifier = decision == "verifier" and threshold is None and verifier.embedder == emb.version
+    if threshold is None and not use_verifier:
+        threshold = default_threshold(emb.version, args.scenario)  # as the server does
+
+    t0 = time.perf_counter()
+    kind, path = ("pairs", args.pairs) if args.pairs is not None else ("intents", args.intents)
+    splits = set(args.splits.split(",")) if args.splits else None
+    cases = load_cases(kind, path, emb, k=k if use_verifier else 1, seed=args.seed, limit=args.limit,
+                       half=args.half, per_intent=args.per_intent, splits=splits)
+    elapsed = time.perf_counter() - t0
+
+    pos = np.array([c.positive for c in cases])
+    oos = np.array([c.oos for c in cases])
+    n_pos = int(pos.sum())
+    if use_verifier:
+        ours_sim, ours_ok = verifier_decisions(verifier, cases)
+        served = ours_sim >= np.array([verifier.cut(target, c.query) for c in cases]) - 1e-12
+        sweep = np.round(np.arange(0.0, 1.0005, 0.001), 3)
+    else:
+        ours_sim, ours_ok = threshold_decisions(cases, rules)
+        served = ours_sim >= threshold - 1e-9
+        sweep = np.round(np.arange(0.0, 1.0005, 0.001), 3)
+    base_sim, base_ok = cosine_decisions(cases)
+    cos_sweep = np.round(np.arange(0.0, 1.0005, 0.001), 3)
+    hit_rate = float((served & ours_ok).sum() / max(n_pos, 1))
+    false_hit_rate = float((served & ~ours_ok).sum() / max(len(cases), 1))
+    oos_hit_rate = float((served & oos).sum() / oos.sum()) if oos.any() else None
+    ours = rates(ours_sim, ours_ok, n_pos, sweep)
+    base = rates(base_sim, base_ok, n_pos, cos_sweep)
+    ours_1, ours_t1 = best_at(*ours, sweep, 0.01)
+    base_1, base_t1 = best_at(*base, cos_sweep, 0.01)
+    latencies = measure_latency(cases, emb, verifier if use_verifier else None, k if use_verifier else 1,
+                                args.latency_lookups, target or 0.0)
+    p50 = float(np.percentile(latencies, 50)) if latencies else None
+    p99 = float(np.percentile(latencies, 99)) if latencies else None
+
+    rule = f"verifier, target {target:.2%}, {k} candidates" if use_verifier else f"cosine >= {threshold:.3f} + guard"
+    print(f"embedder {emb.version}  lookups {len(pos)} ({n_pos} with a right answer)  ours: {rule}")
+    print(f"{'':28}{'ours':>16}{'plain cosine':>16}")
+    print(f"{'at the defaults: hit rate':28}{hit_rate:16.3f}")
+    print(f"{'at the defaults: false hits':28}{false_hit_rate:16.4f}")
+    if oos_hit_rate is not None:
+        print(f"{'at the defaults: oos hits':28}{oos_hit_rate:16.4f}")
+    print(f"{'best hit rate, FHR<=1%':28}{ours_1:16.3f}{base_1:16.3f}   (cut {ours_t1:.3f} / cosine {base_t1:.3f})")
+    if p50 is not None:
+        print(f"lookup p50 {p50:.2f} ms  p99 {p99:.2f} ms  ({len(latencies)} lookups one at a time, "
+              f"second stage 0 %)   ({elapsed:.1f} s)")
+    result = {
+        "n": len(pos),
+        "hit_rate": round(hit_rate, 4),
+        "false_hit_rate": round(false_hit_rate, 4),
+        "threshold": threshold,
+        "embedder": emb.version,
+        "hit_rate_at_1pct": round(ours_1, 4),
+        "baseline_hit_rate_at_1pct": round(base_1, 4),
+        "baseline_threshold_at_1pct": base_t1,
+        "oos_hit_rate": None if oos_hit_rate is None else round(oos_hit_rate, 4),
+        "target_false_hit_rate": target if use_verifier else None,
+        "candidates": k if use_verifier else 1,
+        "lookup_p50_ms": None if p50 is None else round(p50, 3),
+        "lookup_p99_ms": None if p99 is None else round(p99, 3),
+        "second_stage_share": 0.0,
+    }
+    print(json.dumps(result))
+    return result
