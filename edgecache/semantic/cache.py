@@ -41,7 +41,7 @@ from edgecache.semantic.decision_log import DecisionRecord
 from edgecache.health import STORAGE_ERRORS, StorageFaults
 from edgecache.semantic.lookup import Lookup, MatchRule, Probe
 from edgecache.semantic.index import Candidate, SemanticIndex
-from edgecache import deciders, refusals
+from edgecache.semantic import deciders, refusals
 from edgecache.semantic.deciders import Decider
 from edgecache.semantic.learner import Decision, SemanticLearner
 from edgecache.semantic.verifier import Verifier

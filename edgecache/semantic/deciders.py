@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from edgecache import refusals
+from edgecache.semantic import refusals
 from edgecache.semantic.guard import check
 from edgecache.semantic.guard import rule_of as guard_rule_of
 from edgecache.semantic.lookup import Lookup, MatchRule, SemanticHit

@@ -13,7 +13,7 @@ import hashlib
 import msgspec
 import numpy as np
 
-from edgecache import refusals
+from edgecache.semantic import refusals
 from edgecache.semantic.decision_log import Decision as LoggedDecision
 from edgecache.semantic.decision_log import DecisionLog
 from edgecache.engines.base import GenerationRequest

@@ -38,7 +38,7 @@ import msgspec
 
 from edgecache.semantic.decision_log import DecisionRecord, LabelRecord, Record
 from edgecache.semantic.false_hits import wilson_upper
-from edgecache import refusals
+from edgecache.semantic import refusals
 from edgecache.semantic.learner import AUDIT, BUDGET
 
 ALL = "*"
