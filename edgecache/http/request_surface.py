@@ -379,6 +379,8 @@ def features_used(request: GenerationRequest) -> frozenset[str]:
 
 def check_engine_supports(used: frozenset[str], engine: Engine) -> None:
     """A 400 naming the first field the engine cannot honour (in :data:`~edgecache.engines.base.FEATURES` order)."""
+    if not used:  # the common case, and on the hit path: no set arithmetic
+        return
     missing = used - engine.features
     if missing:
         field = next(f for f in FEATURES if f in missing)
