@@ -5,7 +5,7 @@ double's key sets (``tests/sglang_double.py``) are the wheel's.
 SGLang needs CUDA to run but not to be read: the test opens the pinned wheel (``pip download --no-deps``, which
 ``.ci/run`` puts in ``.sglang-wheel/``) as a zip and parses its Python files with ``ast``, importing nothing. A new
 SGLang release that breaks the adapter fails here, in CI, instead of on a user's GPU box. Without the wheel the
-tests skip (set ``EDGECACHE_SGLANG_WHEEL_REQUIRED=1``, as CI does, to make that a failure).
+tests skip (set ``SGLANG_CONTRACT_WHEEL_REQUIRED=1``, as CI does, to make that a failure).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def wheel() -> Wheel:
     path = _find_wheel()
     if path is None:
         reason = f"no sglang wheel in {SGLANG_REQUIREMENT} under .sglang-wheel/ (fetch it: {FETCH})"
-        if os.environ.get("EDGECACHE_SGLANG_WHEEL_REQUIRED"):
+        if os.environ.get("SGLANG_CONTRACT_WHEEL_REQUIRED"):
             pytest.fail(reason)
         pytest.skip(reason)
     return Wheel(path)
