@@ -282,8 +282,8 @@ async def test_keys_by_x_api_key_or_bearer(make_settings: Any, tmp_path: Path) -
     tenants = write_tenants_file(tmp_path / "tenants.toml")
     async with serve_in_process(create_app(make_settings(tenants_file=str(tenants)), engine=FakeEngine())) as c:
         assert_anthropic_error(await c.post("/v1/messages", json=messages_body()), 401, "authentication_error")
-        assert_anthropic_error(await c.post("/v1/messages", json=messages_body(), headers={"x-api-key": "sk-nope-0000"}),
-                               401, "authentication_error")
+        unknown = await c.post("/v1/messages", json=messages_body(), headers={"x-api-key": "sk-nope-0000"})
+        assert_anthropic_error(unknown, 401, "authentication_error")
         by_sdk = await sdk_on(c, api_key=key_of("t01")).messages.with_raw_response.create(**sdk_request("k"))
         assert by_sdk.headers["x-edgecache"] == "miss"
         bearer = await c.post("/v1/messages", json=messages_body("k"), headers={

@@ -102,7 +102,7 @@ class MessageIn(msgspec.Struct, forbid_unknown_fields=True):
     content: str | list[Block]
 
 
-class ToolIn(msgspec.Struct, forbid_unknown_fields=True):
+class ClientTool(msgspec.Struct, forbid_unknown_fields=True):
     """A client tool (``type`` absent or ``custom``); server tools are refused before this is decoded."""
 
     name: Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[a-zA-Z0-9_-]+$")]
@@ -147,7 +147,7 @@ class OutputConfig(msgspec.Struct, forbid_unknown_fields=True):
     format: JsonOutputFormat | None = None
 
 
-class Metadata(msgspec.Struct, forbid_unknown_fields=True):
+class MessageMetadata(msgspec.Struct, forbid_unknown_fields=True):
     user_id: str | None = None
 
 
@@ -181,7 +181,7 @@ class MessagesRequest(_MessagesInput, kw_only=True, forbid_unknown_fields=True):
     stream: bool = False
     edgecache: CacheOptions | None = None
     # Accepted and left out of the key.
-    metadata: Metadata | None = None
+    metadata: MessageMetadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
     inference_geo: str | None = None
     diagnostics: dict[str, Any] | None = None
@@ -273,7 +273,7 @@ def _tools(raw: list[dict[str, Any]] | None) -> tuple[ToolSpec, ...]:
             raise BadRequest(f"server tools ({kind}) are not supported: this server runs no tools itself; send "
                              f"client tools (name, description, input_schema)", param=f"tools[{i}].type")
         try:
-            tool = msgspec.convert(item, ToolIn)
+            tool = msgspec.convert(item, ClientTool)
         except msgspec.ValidationError as exc:
             raise BadRequest(f"invalid request: {exc} (in tools[{i}])", param=f"tools[{i}]") from exc
         tools.append(ToolSpec(name=tool.name, description=tool.description or "",
@@ -285,6 +285,9 @@ def _tools(raw: list[dict[str, Any]] | None) -> tuple[ToolSpec, ...]:
 
 def _canonical(value: Any) -> str:
     return msgspec.json.encode(value, order="sorted").decode()
+
+
+_CHOICES: dict[type, str] = {ToolChoiceAuto: "auto", ToolChoiceAny: "required", ToolChoiceNone: "none"}
 
 
 def _tool_choice(req: _MessagesInput, tools: tuple[ToolSpec, ...]) -> tuple[str, bool]:
@@ -303,7 +306,7 @@ def _tool_choice(req: _MessagesInput, tools: tuple[ToolSpec, ...]) -> tuple[str,
             raise BadRequest(f"tool_choice names {choice.name!r}, which is not among the tools",
                              param="tool_choice.name")
         return choice.name, parallel
-    return {"auto": "auto", "any": "required", "none": "none"}[choice.__struct_config__.tag], parallel  # type: ignore[index]
+    return _CHOICES[type(choice)], parallel
 
 
 def generation(req: _MessagesInput, *, max_tokens: int, salt: str) -> GenerationRequest:
@@ -364,7 +367,7 @@ STOP_REASONS: dict[str | None, StopReason | None] = {"stop": "end_turn", "length
                                                      "tool_calls": "tool_use", None: None}
 
 
-class Usage(msgspec.Struct):
+class MessageUsage(msgspec.Struct):
     """``input_tokens`` is the prompt the engine computed; ``cache_read_input_tokens`` the prefix it did not (all
     of the prompt, for an answer served from a cache). Writing to the prefix caches here costs nothing extra, so
     ``cache_creation_input_tokens`` is 0: reporting writes would have clients count a surcharge that is not there."""
@@ -390,7 +393,7 @@ class MessageOut(msgspec.Struct, tag_field="type", tag="message"):
     model: str
     content: list[TextOut | ToolUseOut]
     stop_reason: StopReason | None
-    usage: Usage
+    usage: MessageUsage
     stop_sequence: str | None = None
     role: Literal["assistant"] = "assistant"
 
@@ -399,15 +402,15 @@ class TokenCount(msgspec.Struct):
     input_tokens: int
 
 
-class ErrorDetail(msgspec.Struct):
+class AnthropicErrorDetail(msgspec.Struct):
     type: str
     message: str
 
 
-class ErrorOut(msgspec.Struct, tag_field="type", tag="error"):
+class AnthropicError(msgspec.Struct, tag_field="type", tag="error"):
     """Anthropic's error body: ``{"type": "error", "error": {"type": ..., "message": ...}}``."""
 
-    error: ErrorDetail
+    error: AnthropicErrorDetail
 
 
 #: Anthropic's error type for each status this server answers with (its own 529 overloaded_error is our 503).
@@ -416,12 +419,13 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                504: "timeout_error"}
 
 
-def error_out(error: EdgeCacheError) -> ErrorOut:
-    return ErrorOut(ErrorDetail(type=ERROR_TYPES.get(error.status, "api_error"), message=error.message))
+def error_out(error: EdgeCacheError) -> AnthropicError:
+    return AnthropicError(AnthropicErrorDetail(type=ERROR_TYPES.get(error.status, "api_error"),
+                                               message=error.message))
 
 
-def usage(counts: Counts) -> Usage:
-    return Usage(input_tokens=max(0, counts.prompt - counts.cached), output_tokens=counts.completion,
+def usage(counts: Counts) -> MessageUsage:
+    return MessageUsage(input_tokens=max(0, counts.prompt - counts.cached), output_tokens=counts.completion,
                  cache_read_input_tokens=counts.cached)
 
 
@@ -463,7 +467,7 @@ class MessageWriter:
 
     def _message_start(self) -> bytes:
         return self._event(b"message_start", {"type": "message_start", "message": MessageOut(
-            id=self.id, model=self.model, content=[], stop_reason=None, usage=Usage(0, 0))})
+            id=self.id, model=self.model, content=[], stop_reason=None, usage=MessageUsage(0, 0))})
 
     def _block(self, index: int, block: TextOut | ToolUseOut) -> bytes:
         if isinstance(block, TextOut):

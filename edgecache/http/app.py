@@ -363,8 +363,8 @@ def create_app(settings: Settings, engine: Engine | None = None,
             lock.release()
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, messages, count_tokens, embeddings, list_models, retrieve_model, openapi_json, health,
-                        metrics, stats, admin_flush, admin_warmup],
+        route_handlers=[chat_completions, completions, messages, count_tokens, embeddings, list_models,
+                        retrieve_model, openapi_json, health, metrics, stats, admin_flush, admin_warmup],
         lifespan=[lifespan],
         state=State({"openapi": _json.encode(openapi_document(_package_version()))}),
         exception_handlers={Exception: _error_response},
