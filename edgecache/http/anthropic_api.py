@@ -445,7 +445,7 @@ class MessageWriter:
     unnamed ones. ``message_start`` carries no counts yet (a streamed miss knows them only at its end), so
     ``message_delta`` carries the whole usage; the SDKs take its counts as the totals."""
 
-    __slots__ = ("model", "id")
+    __slots__ = ("model", "id", "replay_shape")
 
     _encoder = msgspec.json.Encoder()
     _PING = b'event: ping\ndata: {"type": "ping"}\n\n'
@@ -454,6 +454,7 @@ class MessageWriter:
     def __init__(self, *, model: str, message_id: str) -> None:
         self.model = model
         self.id = message_id
+        self.replay_shape = ("anthropic", model)  # nothing else differs between two renderings (see AnswerWriter)
 
     def body(self, text: str, finish_reason: str | None, counts: Counts,
              choices: tuple[Choice, ...] | None = None) -> bytes:
