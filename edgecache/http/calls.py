@@ -40,7 +40,6 @@ class Parsed(msgspec.Struct, frozen=True, kw_only=True):
 
 def parse(chat: bool, body: bytes, tenant: Tenant, settings: Settings) -> Parsed:
     req: ChatCompletionRequest | CompletionRequest
-    salt = tenant.id
     if chat:
         req = decode_request(body, ChatCompletionRequest)  # type: ignore[assignment]
         assert isinstance(req, ChatCompletionRequest)
@@ -49,6 +48,14 @@ def parse(chat: bool, body: bytes, tenant: Tenant, settings: Settings) -> Parsed
     else:
         req = decode_request(body, CompletionRequest)  # type: ignore[assignment]
         assert isinstance(req, CompletionRequest)
+    return parsed_from(req, tenant, settings)
+
+
+def parsed_from(req: ChatCompletionRequest | CompletionRequest, tenant: Tenant, settings: Settings) -> Parsed:
+    """A decoded request as the pipeline's call. Other APIs (Responses) build a ChatCompletionRequest and come
+    through here, so the same generation asked through any of them has one key."""
+    chat = isinstance(req, ChatCompletionRequest)
+    salt = tenant.id
     generation = req.generation(settings.engine.default_max_tokens, salt)
     if req.cache_salt:
         # A caller's own salt namespaces within its tenant: the tenant always leads the engine's salt.

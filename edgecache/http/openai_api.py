@@ -204,8 +204,10 @@ class IdSource:
         self._prefix = os.urandom(8).hex()
         self._counter = itertools.count()
 
-    def next(self, kind: Literal["chat", "text"]) -> str:
-        return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{self._prefix}{next(self._counter):08x}"
+    PREFIXES = {"chat": "chatcmpl-", "text": "cmpl-", "response": "resp_"}
+
+    def next(self, kind: Literal["chat", "text", "response"]) -> str:
+        return f"{self.PREFIXES[kind]}{self._prefix}{next(self._counter):08x}"
 
 
 class ResponseWriter:
