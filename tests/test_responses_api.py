@@ -122,16 +122,32 @@ async def test_fields_that_cannot_change_the_output_stay_out_of_the_key(client: 
     base = {"model": MODEL, "input": "Say hi.", "temperature": 0}
     assert (await client.post("/v1/responses", json=base)).headers["x-edgecache"] == "miss"
     codex_like = {**base, "store": False, "stream": False, "include": ["reasoning.encrypted_content"],
-                  "reasoning": {"effort": "medium", "summary": "auto"}, "prompt_cache_key": "session-1",
+                  "reasoning": {"summary": "auto"}, "prompt_cache_key": "session-1",
                   "client_metadata": {"x-codex": "1"}, "metadata": {"run": "a"}, "user": "u1",
                   "truncation": "auto", "service_tier": "auto", "parallel_tool_calls": True,
-                  "prompt_cache_retention": "24h", "safety_identifier": "s", "text": {"verbosity": "low"},
+                  "prompt_cache_retention": "24h", "safety_identifier": "s", "text": {"format": {"type": "text"}},
                   "input": [{"type": "message", "role": "user", "id": "msg_client_1", "status": "completed",
                              "content": [{"type": "input_text", "text": "Say hi."}]},
                             {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "opaque"}]}
     resp = await client.post("/v1/responses", json=codex_like)
     assert resp.status_code == 200, resp.text
     assert resp.headers["x-edgecache"] == "exact" and engine.calls == 1
+
+
+async def test_reasoning_effort_and_verbosity_are_in_the_key_as_on_chat(client: httpx.AsyncClient,
+                                                                        engine: ToolScriptEngine) -> None:
+    chat = await client.post("/v1/chat/completions", json={
+        "model": MODEL, "temperature": 0, "messages": [{"role": "user", "content": "Plan a trip."}],
+        "reasoning_effort": "low", "verbosity": "high"})
+    assert chat.headers["x-edgecache"] == "miss"
+    body = {"model": MODEL, "input": "Plan a trip.", "temperature": 0, "reasoning": {"effort": "low",
+                                                                                     "summary": "auto"},
+            "text": {"verbosity": "high"}}
+    same = await client.post("/v1/responses", json=body)
+    assert same.headers["x-edgecache"] == "exact" and engine.calls == 1
+    assert same.json()["reasoning"] == {"effort": "low", "summary": "auto"}
+    other = await client.post("/v1/responses", json={**body, "reasoning": {"effort": "high"}})
+    assert other.headers["x-edgecache"] == "miss" and engine.requests[-1].reasoning_effort == "high"
 
 
 async def test_a_streamed_answer_is_the_sdks_event_sequence_and_matches_the_stored_one(
@@ -260,6 +276,21 @@ async def test_a_forced_function_call_and_its_output_turn(client: httpx.AsyncCli
         model=MODEL, tools=[WEATHER], temperature=0, previous_response_id=called.id,
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": "18 C and sunny"}])
     assert continued.headers["x-edgecache"] == "exact" and engine.calls == calls
+
+
+async def test_allowed_tools_is_chats_allowed_tools(client: httpx.AsyncClient, engine: ToolScriptEngine) -> None:
+    other = {**WEATHER, "name": "get_time", "description": "The time in a city"}
+    made = await sdk(client).responses.create(
+        model=MODEL, input="Weather in Paris?", tools=[other, WEATHER], temperature=0,
+        tool_choice={"type": "allowed_tools", "mode": "required", "tools": [{"type": "function",
+                                                                               "name": "get_weather"}]})
+    assert made.output[0].name == "get_weather" and made.tool_choice.mode == "required"
+    # Served as "required" over only the allowed tool, so it shares its key with a request that sends just that.
+    seen = engine.requests[-1]
+    assert [t.name for t in seen.tools] == ["get_weather"] and seen.tool_choice == "required"
+    only = await client.post("/v1/responses", json={"model": MODEL, "input": "Weather in Paris?", "temperature": 0,
+                                                    "tools": [WEATHER], "tool_choice": "required"})
+    assert only.headers["x-edgecache"] == "exact"
 
 
 class Weather(BaseModel):

@@ -18,6 +18,7 @@ from edgecache.http.openai_api import ChatCompletion, ChatCompletionChunk, Model
 from edgecache.http.request_surface import ChatCompletionRequest, CompletionRequest
 from edgecache.http.responses_api import (
     INPUT_ITEMS,
+    AllowedToolChoice,
     DeletedResponse,
     FunctionTool,
     FunctionToolChoice,
@@ -69,8 +70,10 @@ def _responses_items(components: dict[str, Any]) -> None:
     for choice in properties["tools"]["anyOf"]:
         if choice.get("type") == "array":
             choice["items"] = _ref(FunctionTool)
-    properties["tool_choice"]["anyOf"] = [_ref(FunctionToolChoice) if choice.get("type") == "object" else choice
-                                          for choice in properties["tool_choice"]["anyOf"]]
+    properties["tool_choice"]["anyOf"] = [
+        alternative for choice in properties["tool_choice"]["anyOf"]
+        for alternative in ([_ref(FunctionToolChoice), _ref(AllowedToolChoice)] if choice.get("type") == "object"
+                            else [choice])]
 
 
 def _response_id(summary: str, answer: type, *, query: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -84,7 +87,7 @@ def _response_id(summary: str, answer: type, *, query: list[dict[str, Any]] | No
 def openapi_document(version: str) -> dict[str, Any]:
     structs = (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ChatCompletion, ChatCompletionChunk,
                TextCompletion, EmbeddingList, ModelList, ModelCard, ErrorBody, WarmupBatch, ResponseCreateRequest,
-               *INPUT_ITEMS, FunctionTool, FunctionToolChoice, ResponseObject, DeletedResponse, InputItemList)
+               *INPUT_ITEMS, FunctionTool, FunctionToolChoice, AllowedToolChoice, ResponseObject, DeletedResponse, InputItemList)
     _, components = msgspec.json.schema_components(structs, ref_template=_REF)
     _responses_items(components)
     plain_json = {"200": {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}}

@@ -11,13 +11,15 @@ Responses event stream, and hands each complete answer to the :class:`~edgecache
 Each field is one of three kinds (README's table lists them):
 
 - **in the key**: ``input``, ``instructions``, ``previous_response_id`` (the conversation it brings), function
-  ``tools``, ``tool_choice``, ``parallel_tool_calls`` (with tools), ``text.format``, ``max_output_tokens``,
-  ``temperature``, ``top_p``, ``seed``;
-- **accepted, out of the key** (they cannot change what this server's model writes): ``store``, ``stream``,
+  ``tools``, ``tool_choice`` (incl. ``allowed_tools``), ``parallel_tool_calls`` (with tools), ``text.format``,
+  ``max_output_tokens``, ``temperature``, ``top_p``, ``seed``, and, as on chat, ``reasoning.effort`` and
+  ``text.verbosity`` (chat-template variables);
+- **accepted, out of the key** (they cannot change what the model writes): ``store``, ``stream``,
   ``stream_options``, ``metadata``, ``user``, ``safety_identifier``, ``prompt_cache_key``,
-  ``prompt_cache_retention``, ``include``, ``reasoning``, ``text.verbosity``, ``truncation``, ``service_tier``,
+  ``prompt_cache_retention``, ``include``, ``reasoning.summary``, ``truncation``, ``service_tier``,
   ``client_metadata``, ``max_tool_calls`` (it counts built-in tool calls), items' ``id``, ``status`` and ``phase``,
-  ``reasoning`` input items (this model writes none and reads none), ``prompt_cache_breakpoint`` on text parts;
+  ``reasoning`` input items (this model reads none), ``prompt_cache_breakpoint`` on text parts (the engine's
+  prefix cache is automatic);
 - **refused** with a 400 naming the field: built-in tools (web search, file search, computer use, code
   interpreter, MCP, shell, ...) and custom tools, ``background: true``, ``conversation``, ``prompt``,
   ``top_logprobs``, image, file and audio input, ``item_reference`` items; an unknown field, as OpenAI answers.
@@ -46,6 +48,8 @@ from edgecache.http.request_surface import (
     FunctionCallIn,
     FunctionDef,
     JsonSchemaIn,
+    AllowedTools,
+    AllowedToolsChoice,
     NamedFunction,
     NamedToolChoice,
     Probability,
@@ -154,9 +158,25 @@ class FunctionTool(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tru
     strict: bool | None = None
 
 
-class FunctionToolChoice(msgspec.Struct, forbid_unknown_fields=True):
-    type: Literal["function"]
+class FunctionToolChoice(msgspec.Struct, forbid_unknown_fields=True, tag_field="type", tag="function"):
     name: str
+
+
+class AllowedToolChoice(msgspec.Struct, forbid_unknown_fields=True, tag_field="type", tag="allowed_tools"):
+    """Only these function tools may be called, ``auto`` or ``required`` (chat's ``allowed_tools``)."""
+
+    mode: Literal["auto", "required"]
+    tools: Annotated[list[FunctionToolChoice], Meta(min_length=1, max_length=MAX_TOOLS)]
+
+
+class Reasoning(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """``effort`` is chat's ``reasoning_effort`` (a chat-template variable: in the key, as on chat); a summary is
+    accepted and left out (this model writes no reasoning to summarise)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+    context: Literal["auto", "current_turn", "all_turns"] | None = None
 
 
 class TextFormat(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, rename={"schema_": "schema"}):
@@ -169,7 +189,7 @@ class TextFormat(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True,
 
 class TextConfig(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     format: TextFormat | None = None
-    # Accepted, out of the key: this server's model has no verbosity control.
+    # Chat's verbosity: a chat-template variable, in the key (as on chat).
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
@@ -187,6 +207,7 @@ class ResponseCreateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     previous_response_id: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     tools: Annotated[list[msgspec.Raw], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    reasoning: Reasoning | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
@@ -204,7 +225,6 @@ class ResponseCreateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     include: list[str] | None = None
-    reasoning: dict[str, Any] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     service_tier: str | None = None
     client_metadata: dict[str, Any] | None = None
@@ -337,18 +357,29 @@ def _tools(request: ResponseCreateRequest) -> list[FunctionTool]:
     return tools
 
 
-def _tool_choice(choice: str | dict[str, Any] | None) -> str | NamedToolChoice | None:
+ToolChoice = Literal["none", "auto", "required"] | FunctionToolChoice | AllowedToolChoice
+
+
+def _tool_choice(request: ResponseCreateRequest) -> ToolChoice | None:
+    choice = request.tool_choice
     if not isinstance(choice, dict):
         return choice
-    if choice.get("type") != "function":
+    if choice.get("type") not in ("function", "allowed_tools"):
         raise BadRequest(f"tool_choice {choice.get('type')!r} is not supported: this server runs function tools "
-                         f"only; send 'none', 'auto', 'required' or {{\"type\": \"function\", \"name\": ...}}",
-                         param="tool_choice")
+                         f"only; send 'none', 'auto', 'required', a function or allowed_tools", param="tool_choice")
     try:
-        named = msgspec.convert(choice, FunctionToolChoice)
+        return msgspec.convert(choice, FunctionToolChoice | AllowedToolChoice)  # type: ignore[arg-type]
     except msgspec.ValidationError as exc:
         raise BadRequest(f"invalid tool_choice: {exc}", param="tool_choice") from exc
-    return NamedToolChoice(type="function", function=NamedFunction(name=named.name))
+
+
+def _chat_tool_choice(named: ToolChoice | None) -> str | NamedToolChoice | AllowedToolsChoice | None:
+    if not isinstance(named, (FunctionToolChoice, AllowedToolChoice)):
+        return named
+    if isinstance(named, AllowedToolChoice):
+        return AllowedToolsChoice(allowed_tools=AllowedTools(mode=named.mode, tools=[
+            NamedToolChoice(function=NamedFunction(name=t.name)) for t in named.tools]))
+    return NamedToolChoice(function=NamedFunction(name=named.name))
 
 
 def _response_format(text: TextConfig | None) -> ResponseFormatIn | None:
@@ -377,18 +408,20 @@ def responses_names() -> Iterator[None]:
         raise
 
 
-def chat_request(request: ResponseCreateRequest, messages: list[ChatMessageIn],
-                 tools: list[FunctionTool]) -> ChatCompletionRequest:
+def chat_request(request: ResponseCreateRequest, messages: list[ChatMessageIn], tools: list[FunctionTool],
+                 tool_choice: ToolChoice | None) -> ChatCompletionRequest:
     """The chat request that asks what ``request`` asks (its messages already include history and instructions)."""
     return ChatCompletionRequest(
         model=request.model, messages=messages, max_completion_tokens=request.max_output_tokens,
         temperature=1.0 if request.temperature is None else request.temperature,
         top_p=1.0 if request.top_p is None else request.top_p, seed=request.seed, stream=request.stream,
-        tools=[ToolIn(type="function", function=FunctionDef(
+        tools=[ToolIn(function=FunctionDef(
             name=t.name, description=t.description, parameters=t.parameters,
             strict=True if t.strict is None else t.strict)) for t in tools] or None,
-        tool_choice=_tool_choice(request.tool_choice), parallel_tool_calls=request.parallel_tool_calls,
-        response_format=_response_format(request.text), edgecache=request.edgecache)
+        tool_choice=_chat_tool_choice(tool_choice), parallel_tool_calls=request.parallel_tool_calls,
+        response_format=_response_format(request.text), edgecache=request.edgecache,
+        reasoning_effort=request.reasoning.effort if request.reasoning is not None else None,
+        verbosity=request.text.verbosity if request.text is not None else None)
 
 
 # --- what the answer looks like ------------------------------------------------------------------------------------
@@ -474,7 +507,7 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     store: bool = True
     temperature: float = 1.0
     text: TextOut = msgspec.field(default_factory=TextOut)
-    tool_choice: str | FunctionToolChoice = "auto"
+    tool_choice: str | FunctionToolChoice | AllowedToolChoice = "auto"
     tools: list[FunctionTool] = []
     top_p: float = 1.0
     truncation: str = "disabled"
@@ -711,9 +744,9 @@ class ResponsesApi:
         if len(messages) > self.settings.server.max_messages:
             raise PayloadTooLarge(f"at most {self.settings.server.max_messages} messages per request, counting "
                                   f"the stored conversation previous_response_id brings")
-        tools = _tools(request)
+        tools, choice = _tools(request), _tool_choice(request)
         with responses_names():
-            parsed = parsed_from(chat_request(request, messages, tools), tenant, self.settings)
+            parsed = parsed_from(chat_request(request, messages, tools, choice), tenant, self.settings)
         text = request.text
         template = ResponseObject(
             id="", created_at=0, status="completed", model=request.model, instructions=request.instructions,
@@ -722,12 +755,11 @@ class ResponsesApi:
             temperature=parsed.call.request.params.temperature, top_p=parsed.call.request.params.top_p,
             text=TextOut(format=text.format or TextFormat(type="text"), verbosity=text.verbosity)
             if text is not None else TextOut(),
-            tool_choice=(FunctionToolChoice(type="function", name=request.tool_choice["name"])
-                         if isinstance(request.tool_choice, dict) else request.tool_choice or "auto"),
+            tool_choice=choice or "auto",
             tools=[msgspec.structs.replace(t, strict=True if t.strict is None else t.strict) for t in tools],
             truncation=request.truncation or "disabled", user=request.user, metadata=request.metadata or {},
-            reasoning=ReasoningOut(effort=(request.reasoning or {}).get("effort"),
-                                   summary=(request.reasoning or {}).get("summary")))
+            reasoning=ReasoningOut(effort=request.reasoning.effort, summary=request.reasoning.summary)
+            if request.reasoning is not None else ReasoningOut())
         return Asked(parsed=parsed, template=template, store=request.store is not False, history=history,
                      items=conversation.items)
 
