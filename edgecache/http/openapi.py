@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from edgecache.http.anthropic_api import CountTokensRequest, AnthropicError, MessageOut, MessagesRequest, TokenCount
 from edgecache.http.embeddings import EmbeddingList, EmbeddingRequest
 from edgecache.errors import ErrorBody
 from edgecache.http.openai_api import ChatCompletion, ChatCompletionChunk, ModelCard, ModelList, TextCompletion
@@ -35,12 +36,12 @@ def _ref(struct: type) -> dict[str, str]:
     return {"$ref": _REF.format(name=struct.__name__)}
 
 
-def _errors(*statuses: int) -> dict[str, Any]:
+def _errors(*statuses: int, shape: type = ErrorBody) -> dict[str, Any]:
     reasons = {400: "Invalid request (the error's param names the field)", 401: "Missing or unknown API key",
                403: "Not allowed by the tenant's plan", 404: "Unknown model, or no such stored response",
                413: "Request too large",
                429: "Overloaded; see Retry-After", 503: "The model is loading or failed to load"}
-    return {str(s): {"description": reasons[s], "content": {"application/json": {"schema": _ref(ErrorBody)}}}
+    return {str(s): {"description": reasons[s], "content": {"application/json": {"schema": _ref(shape)}}}
             for s in statuses}
 
 
@@ -48,7 +49,7 @@ def _json_body(struct: type) -> dict[str, Any]:
     return {"required": True, "content": {"application/json": {"schema": _ref(struct)}}}
 
 
-def _generation(request: type, answer: type, summary: str) -> dict[str, Any]:
+def _generation(request: type, answer: type, summary: str, errors: type = ErrorBody) -> dict[str, Any]:
     return {"post": {
         "summary": summary,
         "requestBody": _json_body(request),
@@ -57,7 +58,7 @@ def _generation(request: type, answer: type, summary: str) -> dict[str, Any]:
                                    "says which layer served it (exact, shared, semantic, miss).",
                     "content": {"application/json": {"schema": _ref(answer)},
                                 "text/event-stream": {"schema": {"type": "string"}}}},
-            **_errors(400, 401, 403, 404, 413, 429, 503)}}}
+            **_errors(400, 401, 403, 404, 413, 429, 503, shape=errors)}}}
 
 
 def _responses_items(components: dict[str, Any]) -> None:
@@ -86,15 +87,16 @@ def _response_id(summary: str, answer: type, *, query: list[dict[str, Any]] | No
 
 def openapi_document(version: str) -> dict[str, Any]:
     structs = (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ChatCompletion, ChatCompletionChunk,
-               TextCompletion, EmbeddingList, ModelList, ModelCard, ErrorBody, WarmupBatch, ResponseCreateRequest,
-               *INPUT_ITEMS, FunctionTool, FunctionToolChoice, AllowedToolChoice, ResponseObject, DeletedResponse, InputItemList)
+               TextCompletion, EmbeddingList, ModelList, ModelCard, ErrorBody, WarmupBatch, MessagesRequest,
+               CountTokensRequest, MessageOut, TokenCount, AnthropicError, ResponseCreateRequest, *INPUT_ITEMS,
+               FunctionTool, FunctionToolChoice, AllowedToolChoice, ResponseObject, DeletedResponse, InputItemList)
     _, components = msgspec.json.schema_components(structs, ref_template=_REF)
     _responses_items(components)
     plain_json = {"200": {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}}
     return {
         "openapi": "3.1.0",
         "info": {"title": "EdgeCache", "version": version,
-                 "description": "An OpenAI-compatible inference cache. See docs/api.md."},
+                 "description": "An OpenAI- and Anthropic-compatible inference cache. See docs/api.md."},
         "paths": {
             "/v1/chat/completions": _generation(ChatCompletionRequest, ChatCompletion, "Chat completion"),
             "/v1/completions": _generation(CompletionRequest, TextCompletion, "Text completion"),
@@ -108,6 +110,14 @@ def openapi_document(version: str) -> dict[str, Any]:
                     {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
                     {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}},
                     {"name": "after", "in": "query", "schema": {"type": "string"}}])},
+            "/v1/messages": _generation(MessagesRequest, MessageOut, "Anthropic Messages (errors in Anthropic's "
+                                        "shape; the key may also come as x-api-key)", errors=AnthropicError),
+            "/v1/messages/count_tokens": {"post": {
+                "summary": "The prompt's tokens as the engine counts them (chat template and tools included)",
+                "requestBody": _json_body(CountTokensRequest),
+                "responses": {"200": {"description": "The count",
+                                      "content": {"application/json": {"schema": _ref(TokenCount)}}},
+                              **_errors(400, 401, 404, 413, 503, shape=AnthropicError)}}},
             "/v1/embeddings": {"post": {
                 "summary": "Embeddings from the co-hosted sentence embedder",
                 "requestBody": _json_body(EmbeddingRequest),
