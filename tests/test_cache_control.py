@@ -14,7 +14,7 @@ from litestar import Litestar
 
 from edgecache.call import CACHE_CONTROL, POLICIES
 from edgecache.http.app import create_app
-from edgecache.http.calls import CacheControl, parse_cache_control
+from edgecache.http.calls import RequestCacheControl, parse_cache_control
 from edgecache.errors import BadRequest
 from edgecache.keys import request_key
 from edgecache.runtime import Runtime
@@ -151,10 +151,10 @@ async def test_unknown_directives_are_ignored_and_lines_are_joined(app_client: t
 
 
 def test_parse_cache_control() -> None:
-    assert parse_cache_control("No-Cache, max-age=60, max-age=30") == CacheControl(("no-cache",), 30.0)
-    assert parse_cache_control("only-if-cached, no-store") == CacheControl(("bypass", "only-if-cached"), None)
+    assert parse_cache_control("No-Cache, max-age=60, max-age=30") == RequestCacheControl(("no-cache",), 30.0)
+    assert parse_cache_control("only-if-cached, no-store") == RequestCacheControl(("bypass", "only-if-cached"), None)
     assert parse_cache_control("max-age=99999999999999").max_age_s == 2.0**31
-    assert parse_cache_control("") == CacheControl()
+    assert parse_cache_control("") == RequestCacheControl()
     with pytest.raises(BadRequest):
         parse_cache_control("max-age=٣")  # a digit to Python, not to HTTP
     assert set(CACHE_CONTROL.values()) <= set(POLICIES)
@@ -193,3 +193,19 @@ async def test_hits_carry_age_json_and_streamed_and_misses_do_not(app_client: tu
     assert "age" not in completion.headers
     again = await c.post("/v1/completions", json={"model": "fake-model", "prompt": "p", "temperature": 0})
     assert again.headers["x-edgecache"] == "exact" and int(again.headers["age"]) >= 0
+
+
+async def test_every_api_reads_cache_control_messages_too(app_client: tuple[Litestar, httpx.AsyncClient],
+                                                          fake_engine: FakeEngine) -> None:
+    _, c = app_client
+    body = {"model": "fake-model", "max_tokens": 16, "temperature": 0,
+            "messages": [{"role": "user", "content": "via messages"}]}
+    refused = await c.post("/v1/messages", json=body, headers={"Cache-Control": "only-if-cached"})
+    assert refused.status_code == 504 and refused.json()["type"] == "error"  # Anthropic's error shape
+    assert "only-if-cached" in refused.json()["error"]["message"] and fake_engine.calls == 0
+    assert (await c.post("/v1/messages", json=body)).headers["x-edgecache"] == "miss"
+    hit = await c.post("/v1/messages", json=body, headers={"Cache-Control": "only-if-cached"})
+    assert hit.headers["x-edgecache"] == "exact" and int(hit.headers["age"]) >= 0
+    fresh = await c.post("/v1/messages", json=body, headers={"Cache-Control": "no-cache"})
+    assert fresh.headers["x-edgecache"] == "miss" and "age" not in fresh.headers
+    assert fake_engine.calls == 2

@@ -1,6 +1,7 @@
 """The HTTP front: an app factory that builds the litestar app from one :class:`~edgecache.settings.Settings`.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (OpenAI), ``GET /health``
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (OpenAI), ``POST /v1/messages``
+and ``POST /v1/messages/count_tokens`` (Anthropic, whose errors come in Anthropic's shape), ``GET /health``
 (503 while the model loads), ``GET /metrics`` (Prometheus), ``GET /stats`` (JSON), ``POST /admin/flush`` and
 ``POST /admin/warmup`` (admin key when there is a tenants file). The state they share is a
 :class:`~edgecache.runtime.Runtime`.
@@ -46,6 +47,7 @@ from edgecache.errors import (
     NotReady,
     error_body,
 )
+from edgecache.http import anthropic_api
 from edgecache.http.openai_api import ModelCard, ModelList, ResponseWriter
 from edgecache.http.replies import RawAnswer, respond
 from edgecache.http.embeddings import EmbeddingRequest, embed
@@ -80,16 +82,17 @@ def _check_ready(rt: Runtime, model: str) -> None:
                             f"{rt.engine.model_id!r}", param="model")
 
 
-def _authorization(request: Request[Any, Any, Any]) -> str | None:
-    """The Authorization header by the one rule every route follows (sent twice: 400)."""
-    return read_headers(request.scope["headers"]).authorization
+def _credentials(request: Request[Any, Any, Any]) -> tuple[str | None, str | None]:
+    """The Authorization and x-api-key headers by the one rule every route follows (sent twice: 400)."""
+    headers = read_headers(request.scope["headers"])
+    return headers.authorization, headers.api_key
 
 
 async def _generate(request: Request[Any, Any, Any], chat: bool) -> ASGIApp:
     started = time.perf_counter()
     rt = _runtime(request.app.state)
     headers = read_headers(request.scope["headers"])
-    tenant = rt.tenants.authenticate(headers.authorization)                            # 401 on an unknown key
+    tenant = rt.tenants.authenticate(headers.authorization, headers.api_key)           # 401 on an unknown key
     request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]  # for the access log
     parsed = _front(request.app.state).parsed.parse(chat, await request.body(), tenant)                     # 400 / 413
     _check_ready(rt, parsed.model)                                                     # 503 / 404
@@ -108,6 +111,42 @@ async def chat_completions(request: Request[Any, Any, Any]) -> ASGIApp:
 @post("/v1/completions", status_code=200)
 async def completions(request: Request[Any, Any, Any]) -> ASGIApp:
     return await _generate(request, chat=False)
+
+
+def _anthropic_error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    """Errors on the Messages routes, in Anthropic's shape (the other routes keep OpenAI's)."""
+    err, headers = _as_error(exc)
+    return Response(_json.encode(anthropic_api.error_out(err)), status_code=err.status, media_type=JSON,
+                    headers=headers)
+
+
+@post("/v1/messages", status_code=200, exception_handlers={Exception: _anthropic_error_response})
+async def messages(request: Request[Any, Any, Any]) -> ASGIApp:
+    """Anthropic's Messages API, onto the same Call a chat request builds (:mod:`edgecache.http.anthropic_api`)."""
+    started = time.perf_counter()
+    rt = _runtime(request.app.state)
+    headers = read_headers(request.scope["headers"])
+    tenant = rt.tenants.authenticate(headers.authorization, headers.api_key)
+    request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]
+    front = _front(request.app.state)
+    parsed = front.parsed.recall("messages", await request.body(), tenant, anthropic_api.parse_messages)
+    _check_ready(rt, parsed.model)
+    check_engine_supports(parsed.features, rt.engine)
+    parsed = apply_headers(parsed, headers, tenant, rt.settings)
+    writer = anthropic_api.MessageWriter(model=rt.engine.model_id, message_id=front.ids.next("message"))
+    return await respond(rt, request, parsed.call, parsed.stream, writer, started)
+
+
+@post("/v1/messages/count_tokens", status_code=200, exception_handlers={Exception: _anthropic_error_response})
+async def count_tokens(request: Request[Any, Any, Any]) -> ASGIApp:
+    """The prompt's tokens as the engine counts them: its chat template and tools included."""
+    rt = _runtime(request.app.state)
+    tenant = rt.tenants.authenticate(*_credentials(request))
+    request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]
+    model, generation = anthropic_api.parse_count_tokens(await request.body(), tenant, rt.settings)
+    _check_ready(rt, model)
+    count = await rt.engine.count_tokens(generation)
+    return RawAnswer(_json.encode(anthropic_api.TokenCount(input_tokens=count)), [])
 
 
 def _model_cards(rt: Runtime) -> list[ModelCard]:
@@ -136,7 +175,7 @@ async def retrieve_model(state: State, model_id: Annotated[str, PathParameter()]
 @post("/v1/embeddings", status_code=200)
 async def embeddings(request: Request[Any, Any, Any]) -> ASGIApp:
     rt = _runtime(request.app.state)
-    tenant = rt.tenants.authenticate(_authorization(request))
+    tenant = rt.tenants.authenticate(*_credentials(request))
     body = decode_body(await request.body(), EmbeddingRequest)
     if not rt.ready:
         raise NotReady("the server is still loading; retry shortly")
@@ -185,14 +224,14 @@ PROMETHEUS_TEXT = b"text/plain; version=0.0.4; charset=utf-8"
 @get("/metrics")
 async def metrics(request: Request[Any, Any, Any]) -> ASGIApp:
     rt = _runtime(request.app.state)
-    rt.tenants.authenticate_metrics(_authorization(request))  # it names every tenant with its traffic
+    rt.tenants.authenticate_metrics(*_credentials(request))  # it names every tenant with its traffic
     return RawAnswer(rt.metrics.render(), [], content_type=PROMETHEUS_TEXT)
 
 
 @get("/stats")
 async def stats(request: Request[Any, Any, Any]) -> Response[Any]:
     rt = _runtime(request.app.state)
-    rt.tenants.authenticate_admin(_authorization(request))
+    rt.tenants.authenticate_admin(*_credentials(request))
     stores = await rt.refresh_gauges()
     body = rt.metrics.snapshot()
     body["stores"] = stores
@@ -219,7 +258,7 @@ class FlushRequest(msgspec.Struct, forbid_unknown_fields=True):
 async def admin_flush(request: Request[Any, Any, Any]) -> Response[Any]:
     """Drop cached entries across all layers: ``{"tenant": T}``, ``{"scenario": S}``, both, or ``{"all": true}``."""
     rt = _runtime(request.app.state)
-    rt.tenants.authenticate_admin(_authorization(request))
+    rt.tenants.authenticate_admin(*_credentials(request))
     try:
         body = msgspec.json.decode(await request.body() or b"{}", type=FlushRequest)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -243,7 +282,7 @@ async def admin_flush(request: Request[Any, Any, Any]) -> Response[Any]:
 async def admin_warmup(request: Request[Any, Any, Any]) -> Response[Any]:
     """Warm the caches with a batch of prompts-file lines (see :mod:`edgecache.warmup`); one result per line."""
     rt = _runtime(request.app.state)
-    rt.tenants.authenticate_admin(_authorization(request))
+    rt.tenants.authenticate_admin(*_credentials(request))
     try:
         batch = msgspec.json.decode(await request.body(), type=WarmupBatch)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -256,7 +295,8 @@ async def admin_warmup(request: Request[Any, Any, Any]) -> Response[Any]:
     return Response(_json.encode({"results": results}), media_type=JSON)
 
 
-def _error_response(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+def _as_error(exc: Exception) -> tuple[EdgeCacheError, dict[str, str]]:
+    """Any exception as the EdgeCacheError it answers with, and that answer's headers."""
     if isinstance(exc, EdgeCacheError):
         err = exc
     elif isinstance(exc, HTTPException):
@@ -271,6 +311,11 @@ def _error_response(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     headers = err.headers()
     if isinstance(exc, HTTPException) and exc.headers:
         headers = {**exc.headers, **headers}  # 405 names the allowed methods (Allow)
+    return err, headers
+
+
+def _error_response(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    err, headers = _as_error(exc)
     return Response(_json.encode(error_body(err)), status_code=err.status, media_type=JSON, headers=headers)
 
 
@@ -318,8 +363,8 @@ def create_app(settings: Settings, engine: Engine | None = None,
             lock.release()
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, embeddings, list_models, retrieve_model, openapi_json, health,
-                        metrics, stats, admin_flush, admin_warmup],
+        route_handlers=[chat_completions, completions, messages, count_tokens, embeddings, list_models,
+                        retrieve_model, openapi_json, health, metrics, stats, admin_flush, admin_warmup],
         lifespan=[lifespan],
         state=State({"openapi": _json.encode(openapi_document(_package_version()))}),
         exception_handlers={Exception: _error_response},

@@ -204,8 +204,11 @@ class IdSource:
         self._prefix = os.urandom(8).hex()
         self._counter = itertools.count()
 
-    def next(self, kind: Literal["chat", "text"]) -> str:
-        return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{self._prefix}{next(self._counter):08x}"
+    # Each API's own spelling: OpenAI's chatcmpl-/cmpl-, Anthropic's msg_.
+    _KINDS = {"chat": "chatcmpl-", "text": "cmpl-", "message": "msg_"}
+
+    def next(self, kind: Literal["chat", "text", "message"]) -> str:
+        return f"{self._KINDS[kind]}{self._prefix}{next(self._counter):08x}"
 
 
 class ResponseWriter:
@@ -215,7 +218,7 @@ class ResponseWriter:
     ``chat`` picks the chat or the text-completion shape; every frame of one response shares one id.
     """
 
-    __slots__ = ("chat", "model", "id", "created", "include_usage", "_encoder")
+    __slots__ = ("chat", "model", "id", "created", "include_usage", "replay_shape", "_encoder")
 
     # Encoders hold no per-call state; one per class saves building one per response.
     _shared_encoder = msgspec.json.Encoder()
@@ -226,6 +229,7 @@ class ResponseWriter:
         self.id = response_id
         self.created = int(time.time())
         self.include_usage = include_usage
+        self.replay_shape = (chat, model, include_usage, self.created)  # all but the id (see AnswerWriter)
         self._encoder = self._shared_encoder
 
     def body(self, text: str, finish_reason: str | None, counts: Counts,

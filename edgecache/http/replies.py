@@ -10,8 +10,10 @@ hanging up, the ``X-EdgeCache`` headers, and counting the outcome in the metrics
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Hashable
 from contextlib import aclosing
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -24,6 +26,7 @@ from edgecache.engines.base import Choice, Chunk
 from edgecache.errors import ClientGone, EdgeCacheError, Overloaded
 from edgecache.pipeline import Reply
 from edgecache.runtime import Runtime
+from edgecache.stores import CachedAnswer
 
 T = TypeVar("T")
 
@@ -37,9 +40,17 @@ class Counts(NamedTuple):
 
 
 class AnswerWriter(Protocol):
-    """How one API renders one answer, for one request. ``id`` names the response (every frame of it)."""
+    """How one API renders one answer, for one request. ``id`` names the response (every frame of it).
+
+    ``replay_shape`` is what, besides ``id``, makes this writer's rendering differ from another's: the API, chat or
+    text, the model, options such as ``include_usage``, the response's timestamp. Two writers of equal shape
+    render a stored answer to the same bytes but for the id, so a hit writes a rendering made once with its own id
+    put in (:class:`Renderings`). Every other per-response value must therefore be derived from ``id`` when
+    rendering (or be in the shape). A writer without the attribute, or None, renders each hit afresh.
+    """
 
     id: str
+    replay_shape: Hashable | None
 
     def body(self, text: str, finish_reason: str | None, counts: Counts,
              choices: tuple[Choice, ...] | None = None) -> bytes: ...
@@ -81,6 +92,74 @@ class RawAnswer:
         await send({"type": "http.response.body", "body": self.body})
 
 
+class Renderings:
+    """Stored answers rendered once per writer shape (a JSON body, or the whole SSE stream of a streamed hit), with
+    the response id left out: a hit joins the pieces with its own id, which costs a copy instead of an encode.
+
+    Keyed by the answer object: the memory tier hands a hot answer out as the same object on every hit, and an
+    entry holds its answer, so an id is never reused while its entry lives. Bounded by count and by bytes; an
+    answer whose rendering is over an eighth of the bytes is rendered each time.
+    """
+
+    def __init__(self, max_entries: int = 4096, max_bytes: int = 32 << 20) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[tuple[int, bool, Hashable], tuple[CachedAnswer, list[bytes], int]] = OrderedDict()
+        # Stands for the id while a rendering is made: random, so no answer's text can hold it.
+        self._slot = f"edgecache-replay-{os.urandom(12).hex()}"
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def render(self, writer: AnswerWriter, answer: CachedAnswer, stream: bool) -> bytes:
+        shape = getattr(writer, "replay_shape", None)
+        if shape is None:
+            return render_answer(writer, answer, stream)
+        key = (id(answer), stream, shape)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0] is answer:
+            self._entries.move_to_end(key)
+            return writer.id.encode().join(entry[1])
+        own_id, writer.id = writer.id, self._slot
+        try:
+            pieces = render_answer(writer, answer, stream).split(self._slot.encode())
+        finally:
+            writer.id = own_id
+        size = sum(map(len, pieces))
+        if size <= self.max_bytes // 8:
+            if entry is not None:
+                self._drop(key)
+            self._entries[key] = (answer, pieces, size)
+            self.bytes += size
+            while self.bytes > self.max_bytes or len(self._entries) > self.max_entries:
+                self._drop(next(iter(self._entries)))
+        return own_id.encode().join(pieces)
+
+    def _drop(self, key: tuple[int, bool, Hashable]) -> None:
+        self.bytes -= self._entries.pop(key)[2]
+
+
+def render_answer(writer: AnswerWriter, answer: CachedAnswer, stream: bool) -> bytes:
+    """A stored answer, whole: its JSON body, or every SSE frame a stream of it carries (what :func:`_sse` writes
+    for the stored answer's replay: start, its text, end; or a whole answer at once)."""
+    counts = Counts(answer.prompt_tokens, answer.completion_tokens, answer.prompt_tokens)  # a hit computed nothing
+    if not stream:
+        return writer.body(answer.text, answer.finish_reason, counts, answer.choices)
+    if answer.choices is not None:
+        return writer.sse_whole(answer.choices, counts)
+    return (writer.sse_start() + (writer.sse_delta(answer.text) if answer.text else b"")
+            + writer.sse_end(answer.finish_reason, counts))
+
+
+SSE_HEADERS = [(b"cache-control", b"no-cache")]
+SSE = b"text/event-stream; charset=utf-8"
+
+
 def reply_headers(reply: Reply) -> list[tuple[bytes, bytes]]:
     headers = [(b"x-edgecache", reply.served.encode())]
     if reply.answer is not None:
@@ -106,12 +185,12 @@ async def respond(rt: Runtime, request: Request[Any, Any, Any], call: Call, stre
         raise
     metrics = rt.metrics
     answer = reply.answer
-    if answer is not None and not stream:
-        # The hot path: a stored answer, rendered straight from the store's copy.
+    if answer is not None:
+        # The hot path: a stored answer, its JSON body or its whole SSE stream made once and sent as one body.
         metrics.observe_request(call.tenant, call.scenario, reply.served, time.perf_counter() - started)
-        body = writer.body(answer.text, answer.finish_reason,
-                           Counts(answer.prompt_tokens, answer.completion_tokens, answer.prompt_tokens),
-                           answer.choices)
+        body = request.app.state.front.renderings.render(writer, answer, stream)
+        if stream:
+            return RawAnswer(body, reply_headers(reply) + SSE_HEADERS, content_type=SSE)
         return RawAnswer(body, reply_headers(reply))
     chunks = reply.stream()
     try:
