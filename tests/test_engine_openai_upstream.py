@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 
 from edgecache.engines.base import Chunk, Engine, GenerationRequest, Message, OutputFormat, SamplingParams, ToolSpec
@@ -391,3 +392,23 @@ async def test_a_failed_usage_probe_leaves_the_answer_whole() -> None:
     await engine.close()
     assert "".join(c.text for c in chunks) == "Blue"
     assert (chunks[-1].finish_reason, chunks[-1].prompt_tokens, chunks[-1].completion_tokens) == ("stop", 0, 1)
+
+
+async def test_output_controls_and_vllm_extras_are_sent_as_is_and_only_when_set() -> None:
+    seen: list[dict[str, object]] = []
+
+    def respond(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        done = {"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+        return httpx.Response(200, content=_sse(done, b"[DONE]"), headers={"content-type": "text/event-stream"})
+
+    engine = OpenAIUpstreamEngine("http://vllm:8000/v1", model="m", transport=httpx.MockTransport(respond))
+    await engine.start()
+    extras = {"reasoning_effort": "none", "verbosity": "low", "min_tokens": 2, "ignore_eos": True,
+              "stop_token_ids": (7,), "skip_special_tokens": False}
+    await collect(engine, msgspec.structs.replace(CHAT, **extras))
+    await collect(engine, CHAT)
+    assert {k: seen[0][k] for k in extras} == {**extras, "stop_token_ids": [7]}
+    assert not set(extras) & set(seen[1])
+    await engine.close()

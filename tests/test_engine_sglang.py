@@ -643,3 +643,28 @@ async def test_a_mistral_common_tokenizer_encodes_the_chat_to_ids_itself() -> No
     assert ids == [MistralCommonTokenizer.BOS, MistralCommonTokenizer.INST, *tokenizer.encode("[INST]obey[/INST]"),
                    MistralCommonTokenizer.END_INST]
     await engine.close()
+
+
+async def test_vllm_stopping_controls_go_in_sglang_names_and_output_controls_reach_the_template() -> None:
+    seen: list[dict[str, object]] = []
+    engine, factory = await started()
+    tokenizer = factory.fake.tokenizer_manager.tokenizer
+    render = tokenizer.apply_chat_template
+
+    def recording(messages: list[dict[str, object]], **kwargs: object) -> object:
+        seen.append(kwargs)
+        return render(messages, **kwargs)
+
+    tokenizer.apply_chat_template = recording
+    request = msgspec.structs.replace(chat("Hi"), min_tokens=2, ignore_eos=True, stop_token_ids=(5, 9),
+                                      skip_special_tokens=False, reasoning_effort="low", verbosity="high")
+    await collect(engine, request)
+    sampling = factory.fake.calls[0]["sampling_params"]
+    assert {k: sampling[k] for k in ("min_new_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens")} == \
+        {"min_new_tokens": 2, "ignore_eos": True, "stop_token_ids": [5, 9], "skip_special_tokens": False}
+    assert seen[0]["reasoning_effort"] == "low" and seen[0]["verbosity"] == "high"
+    await collect(engine, chat("Hi"))
+    plain = factory.fake.calls[1]["sampling_params"]
+    assert not {"min_new_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens"} & set(plain)
+    assert "reasoning_effort" not in seen[-1]
+    await engine.close()

@@ -175,3 +175,46 @@ def test_completions_logprobs_and_echo(server: Server) -> None:
     assert all(len(top) == 2 for top in logprobs.top_logprobs)
     echoed = c.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, temperature=0, echo=True)
     assert echoed.choices[0].text.startswith("The sky is")
+
+
+SKY = [{"role": "user", "content": "Answer with one word. What colour is the sky?"}]
+
+
+def test_vllm_stopping_controls_run_on_the_cpu_engine(server: Server) -> None:
+    """ignore_eos runs to max_tokens, min_tokens holds the end back, a stop token id ends the answer before its
+    text; each is in the key (a repeat is exact)."""
+    import llama_cpp
+
+    from edgecache.engines.llamacpp import resolve_model_path
+
+    c = sdk(server)
+    base = c.chat.completions.create(model=MODEL, messages=SKY, max_tokens=40, temperature=0)
+    assert base.choices[0].finish_reason == "stop" and base.usage.completion_tokens < 30
+    ignored = c.chat.completions.create(model=MODEL, messages=SKY, max_tokens=40, temperature=0,
+                                        extra_body={"ignore_eos": True})
+    assert ignored.choices[0].finish_reason == "length" and ignored.usage.completion_tokens == 40
+    at_least = base.usage.completion_tokens + 6
+    longer = c.chat.completions.with_raw_response.create(model=MODEL, messages=SKY, max_tokens=40, temperature=0,
+                                                         extra_body={"min_tokens": at_least})
+    assert longer.headers["x-edgecache"] == "miss" and longer.parse().usage.completion_tokens >= at_least
+    vocab = llama_cpp.Llama(str(resolve_model_path("smollm2")[0]), vocab_only=True, verbose=False)
+    ids = vocab.tokenize(base.choices[0].message.content.encode(), add_bos=False, special=False)
+    stop_at = ids.index(ids[2])  # the first place the third token's id comes out
+    stopped = c.chat.completions.with_raw_response.create(model=MODEL, messages=SKY, max_tokens=40, temperature=0,
+                                                          extra_body={"stop_token_ids": [ids[2]]})
+    assert stopped.parse().choices[0].finish_reason == "stop"
+    assert stopped.parse().choices[0].message.content == vocab.detokenize(ids[:stop_at]).decode()
+    again = c.chat.completions.with_raw_response.create(model=MODEL, messages=SKY, max_tokens=40, temperature=0,
+                                                        extra_body={"stop_token_ids": [ids[2]]})
+    assert (stopped.headers["x-edgecache"], again.headers["x-edgecache"]) == ("miss", "exact")
+
+
+def test_what_recent_sdks_send_is_accepted_and_custom_tools_name_the_engine(server: Server) -> None:
+    c = sdk(server)
+    answer = c.chat.completions.create(model=MODEL, messages=SKY, max_tokens=4, temperature=0,
+                                       reasoning_effort="none", verbosity="low", prompt_cache_retention="24h")
+    assert answer.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model=MODEL, messages=SKY, max_tokens=4, tools=[
+            {"type": "custom", "custom": {"name": "sql", "description": "runs a query"}}])
+    assert "custom tools" in str(info.value) and "llamacpp" in str(info.value)

@@ -30,7 +30,10 @@ async def test_fields_that_cannot_change_the_output_are_accepted_and_share_the_k
                   {"stream_options": {"include_usage": True}}, {"prompt_cache_key": "k"},
                   {"safety_identifier": "s"}, {"modalities": ["text"]}, {"chat_template_kwargs": {}},
                   {"top_k": -1}, {"top_k": 0}, {"min_p": 0.0}, {"repetition_penalty": 1.0},
-                  {"prediction": {"type": "content", "content": "x"}}, {"tools": []}):
+                  {"prediction": {"type": "content", "content": "x"}}, {"tools": []},
+                  {"prompt_cache_retention": "24h"}, {"prompt_cache_retention": "in-memory"},
+                  {"min_tokens": 0}, {"ignore_eos": False}, {"stop_token_ids": []}, {"skip_special_tokens": True},
+                  {"audio": None}, {"function_call": None}):
         resp = await client.post("/v1/chat/completions", json=chat_body("no-ops", **extra))
         assert resp.status_code == 200, (extra, resp.text)
         assert resp.headers["x-edgecache"] == "exact", extra
@@ -47,6 +50,10 @@ async def test_fields_that_cannot_change_the_output_are_accepted_and_share_the_k
     ({"repetition_penalty": 1.1}, "repetition_penalty"),
     ({"logit_bias": {"42": 5}}, "logit_bias"),
     ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ({"min_tokens": 4}, "min_tokens"),
+    ({"ignore_eos": True}, "ignore_eos"),
+    ({"stop_token_ids": [2]}, "stop_token_ids"),
+    ({"skip_special_tokens": False}, "skip_special_tokens"),
 ])
 async def test_a_field_the_engine_cannot_honour_is_a_400_naming_it_and_the_engine(
         client: httpx.AsyncClient, fake_engine: FakeEngine, extra: dict[str, Any], field: str) -> None:
@@ -69,7 +76,27 @@ async def test_a_field_the_engine_cannot_honour_is_a_400_naming_it_and_the_engin
     ("/v1/chat/completions", chat_body("x", tool_choice="required"), "tool_choice"),
     ("/v1/chat/completions", chat_body("x", tool_choice={"type": "function", "function": {"name": "nope"}},
                                        tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
-    ("/v1/chat/completions", chat_body("x", reasoning_effort="high"), "reasoning_effort"),
+    ("/v1/chat/completions", chat_body("x", reasoning_effort="maximal"), "reasoning_effort"),
+    ("/v1/chat/completions", chat_body("x", verbosity="none"), "verbosity"),
+    ("/v1/chat/completions", chat_body("x", prompt_cache_retention="1h"), "prompt_cache_retention"),
+    ("/v1/chat/completions", chat_body("x", reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"}),
+     "reasoning_effort"),
+    ("/v1/chat/completions", chat_body("x", min_tokens=20, max_tokens=8), "min_tokens"),
+    ("/v1/completions", {"model": "fake-model", "prompt": "hi", "min_tokens": 20, "max_tokens": 8}, "min_tokens"),
+    ("/v1/chat/completions", chat_body("x", stop_token_ids=[-1]), "stop_token_ids[0]"),
+    ("/v1/chat/completions", chat_body("x", web_search_options={}), "web_search_options"),
+    ("/v1/chat/completions", chat_body("x", function_call="auto"), "function_call"),
+    ("/v1/chat/completions", {"model": "fake-model", "messages": [
+        {"role": "user", "content": "hi", "reasoning_content": "hmm"}]}, "messages[0].reasoning_content"),
+    ("/v1/chat/completions", {"model": "fake-model", "messages": [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "custom", "custom": {"name": "sql", "input": "select 1"}}]},
+        {"role": "user", "content": "and?"}]}, "messages[0].tool_calls[0]"),
+    ("/v1/chat/completions", chat_body("x", tools=[{"type": "function", "function": {"name": "f"}}],
+                                       tool_choice={"type": "allowed_tools", "allowed_tools": {
+                                           "mode": "auto", "tools": [{"type": "function",
+                                                                      "function": {"name": "g"}}]}}),
+     "tool_choice.allowed_tools.tools"),
     ("/v1/chat/completions", chat_body("x", audio={"voice": "alloy", "format": "mp3"}), "audio"),
     ("/v1/chat/completions", chat_body("x", modalities=["text", "audio"]), "modalities"),
     ("/v1/chat/completions", chat_body("x", functions=[{"name": "f"}]), "functions"),
@@ -86,6 +113,78 @@ async def test_bad_fields_are_400s_naming_the_field(client: httpx.AsyncClient, f
     error = assert_openai_error(await client.post(route, json=body), 400)
     assert error["param"] == param, error
     assert fake_engine.calls == 0
+
+
+@pytest.mark.parametrize("extra", [
+    {"reasoning_effort": "none"}, {"reasoning_effort": "minimal"}, {"reasoning_effort": "xhigh"},
+    {"verbosity": "low"}, {"reasoning_effort": "high", "verbosity": "high"},
+])
+async def test_reasoning_effort_and_verbosity_are_accepted_and_in_the_key(
+        client: httpx.AsyncClient, fake_engine: FakeEngine, extra: dict[str, Any]) -> None:
+    """Every OpenAI value is accepted (the Agents SDK sends "none"); each is a template variable, so in the key."""
+    plain = await client.post("/v1/chat/completions", json=chat_body("effort"))
+    first = await client.post("/v1/chat/completions", json=chat_body("effort", **extra))
+    again = await client.post("/v1/chat/completions", json=chat_body("effort", **extra))
+    assert [r.headers["x-edgecache"] for r in (plain, first, again)] == ["miss", "miss", "exact"]
+    request = fake_engine.requests[-1]
+    assert (request.reasoning_effort, request.verbosity) == (extra.get("reasoning_effort", ""),
+                                                             extra.get("verbosity", ""))
+
+
+async def test_echoed_assistant_reasoning_and_annotations_are_accepted_and_left_out_of_the_key(
+        client: httpx.AsyncClient, fake_engine: FakeEngine) -> None:
+    def body(**assistant_extra: Any) -> dict[str, Any]:
+        return {"model": "fake-model", "temperature": 0, "max_tokens": 8, "messages": [
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4", **assistant_extra},
+            {"role": "user", "content": "and 3+3?"}]}
+
+    assert (await client.post("/v1/chat/completions", json=body())).headers["x-edgecache"] == "miss"
+    for extra in ({"reasoning_content": "adding"}, {"reasoning": "adding"},
+                  {"reasoning_details": [{"type": "reasoning.text", "text": "adding"}]},
+                  {"annotations": [{"type": "url_citation", "url_citation": {"url": "https://example.invalid"}}]}):
+        resp = await client.post("/v1/chat/completions", json=body(**extra))
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-edgecache"] == "exact", extra
+    assert fake_engine.calls == 1
+
+
+async def test_custom_tools_are_a_400_naming_them_and_the_engine(client: httpx.AsyncClient,
+                                                                  fake_engine: FakeEngine) -> None:
+    custom = {"type": "custom", "custom": {"name": "sql", "description": "runs SQL",
+                                          "format": {"type": "text"}}}
+    for choice in (None, {"type": "custom", "custom": {"name": "sql"}}):
+        error = assert_openai_error(await client.post("/v1/chat/completions", json=chat_body(
+            "x", tools=[custom], **({"tool_choice": choice} if choice else {}))), 400)
+        assert error["param"] == "tools"
+        assert "custom tools" in error["message"] and "FakeEngine" in error["message"]
+        assert "unknown" not in error["message"].lower() and "invalid value" not in error["message"].lower()
+    assert fake_engine.calls == 0
+
+
+async def test_an_upstream_engine_refuses_custom_tools_and_takes_everything_else(make_settings: Any) -> None:
+    from edgecache.engines.openai_upstream import OpenAIUpstreamEngine
+    from edgecache.http.request_surface import check_engine_supports
+    from edgecache.errors import BadRequest
+
+    engine = OpenAIUpstreamEngine("http://upstream.invalid/v1", model="m")
+    every = frozenset(("min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens", "logit_bias"))
+    check_engine_supports(every, engine)
+    with pytest.raises(BadRequest, match="custom tools"):
+        check_engine_supports(frozenset({"tools", "custom_tools"}), engine)
+
+
+async def test_allowed_tools_is_its_mode_over_only_the_allowed_tools(whole_client: httpx.AsyncClient) -> None:
+    """allowed_tools narrows the tools the model sees: the same key as sending only those tools."""
+    other = {"type": "function", "function": {"name": "stocks", "parameters": {"type": "object"}}}
+    allowed = await whole_client.post("/v1/chat/completions", json=chat_body("a", tools=[other, *TOOLS], tool_choice={
+        "type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+            {"type": "function", "function": {"name": "weather"}}]}}))
+    assert allowed.status_code == 200, allowed.text
+    assert allowed.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "weather"
+    direct = await whole_client.post("/v1/chat/completions", json=chat_body("a", tools=TOOLS,
+                                                                             tool_choice="required"))
+    assert (allowed.headers["x-edgecache"], direct.headers["x-edgecache"]) == ("miss", "exact")
 
 
 async def test_an_image_part_says_the_model_is_text_only(client: httpx.AsyncClient) -> None:

@@ -88,6 +88,11 @@ def test_the_fallback_schema_is_usable() -> None:
     assert len([r.ok() for r in schema.get_all_operations()]) == 2
 
 
+def test_every_api_is_fuzzed(server_url: str) -> None:
+    paths = {operation.path for operation in operations(server_url)}
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens"} <= paths
+
+
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 def test_no_request_gets_a_5xx(server_url: str, mode: GenerationMode) -> None:
     ops = operations(server_url)

@@ -30,6 +30,7 @@ from edgecache.engines.sglang import (
     SGLangOptions,
     _constraint,
     _sampling_params,
+    _stopping,
     sglang_version_supported,
 )
 from tests import sglang_double
@@ -180,7 +181,9 @@ def adapter_sampling_keys() -> set[str]:
                             frequency_penalty=0.1, top_k=5, min_p=0.1, repetition_penalty=1.1)
     request = GenerationRequest(messages=(Message(role="user", content="x"),),
                                 response_format=OutputFormat(kind="json_schema", schema='{"type":"object"}'))
-    return set(_sampling_params(params)) | set(_constraint(request))
+    stopping = GenerationRequest(prompt="x", min_tokens=1, ignore_eos=True, stop_token_ids=(2,),
+                                 skip_special_tokens=False)
+    return set(_sampling_params(params)) | set(_constraint(request)) | set(_stopping(stopping))
 
 
 # --- the contract ------------------------------------------------------------------------------------------------

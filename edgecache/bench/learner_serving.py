@@ -104,6 +104,9 @@ class ClassAnswers:
     async def check_prompt(self, request: GenerationRequest) -> None:
         return None
 
+    async def count_tokens(self, request: GenerationRequest) -> int:
+        return len((request.messages[-1].content if request.messages else (request.prompt or "")).split())
+
     async def flush(self) -> None:
         return None
 

@@ -46,12 +46,17 @@ class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_def
 
 class ToolSpec(msgspec.Struct, frozen=True, omit_defaults=True):
     """A function the model may call. ``parameters`` is its JSON schema as canonical JSON text (sorted keys), so
-    the same tool always hashes the same."""
+    the same tool always hashes the same.
+
+    ``kind`` ``custom`` is OpenAI's free-form tool: its input is text, shaped by ``format`` (canonical JSON text:
+    plain text or a grammar) instead of ``parameters``. No engine here honours it yet (feature ``custom_tools``)."""
 
     name: str
     description: str = ""
     parameters: str = "{}"
     strict: bool = False
+    kind: Literal["function", "custom"] = "function"
+    format: str = ""
 
 
 class OutputFormat(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -95,6 +100,13 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     ``tool_choice``: ``auto``, ``none``, ``required`` or the name of the one function to call.
     ``logprobs``: None for none; k >= 0 for each token's logprob and its k most likely alternatives.
     ``template_kwargs``: extra chat-template variables (``chat_template_kwargs``) as canonical JSON text.
+    ``reasoning_effort`` / ``verbosity``: OpenAI's output controls, handed to the chat template as variables of
+    those names (an upstream gets them as sent). Empty: not asked for.
+    ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``skip_special_tokens``: vLLM's (and SGLang's) stopping
+    controls. Before ``min_tokens`` tokens nothing ends the answer (neither the end-of-sequence token, a stop token
+    id nor a stop string); with ``ignore_eos`` only ``max_tokens`` does; a stop token id ends it like the
+    end-of-sequence token (its text is not part of the answer); ``skip_special_tokens: false`` writes the special
+    tokens the model generates as their text.
     """
 
     messages: tuple[Message, ...] | None = None
@@ -109,6 +121,12 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     logprobs: int | None = None
     echo: bool = False
     template_kwargs: str = ""
+    reasoning_effort: str = ""
+    verbosity: str = ""
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    skip_special_tokens: bool = True
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -156,9 +174,11 @@ class Chunk(msgspec.Struct, kw_only=True):
 
 
 #: The request fields, beyond messages/prompt and plain sampling, that an engine may or may not honour; each engine
-#: lists those it does in :attr:`Engine.features`, and a request that uses another is refused naming the field.
-FEATURES = ("tools", "tool_choice", "response_format", "n", "logprobs", "top_logprobs", "echo", "top_k", "min_p",
-            "repetition_penalty", "logit_bias", "chat_template_kwargs")
+#: lists those it does in :attr:`Engine.features`, and a request that uses another is refused naming the field (the
+#: first missing one in this order: custom_tools leads, being the more precise word for a request with custom tools).
+FEATURES = ("custom_tools", "tools", "tool_choice", "response_format", "n", "logprobs", "top_logprobs", "echo",
+            "top_k", "min_p", "repetition_penalty", "logit_bias", "chat_template_kwargs", "min_tokens", "ignore_eos",
+            "stop_token_ids", "skip_special_tokens")
 
 
 @runtime_checkable
@@ -184,6 +204,11 @@ class Engine(Protocol):
     async def check_prompt(self, request: GenerationRequest) -> None:
         """Raise BadRequest (``context_length_exceeded``) for a prompt the context cannot hold. Called before the
         request queues for the engine or is embedded, so it must not wait behind a running generation."""
+
+    async def count_tokens(self, request: GenerationRequest) -> int:
+        """The prompt's tokens as the engine would feed them (the chat template and the tools included): what
+        Anthropic's ``count_tokens`` answers. Raises BadRequest where :meth:`generate` would refuse the prompt."""
+        ...
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         """Stream one generation. Closing the iterator early aborts the generation."""

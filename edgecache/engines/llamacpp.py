@@ -39,6 +39,7 @@ from edgecache.engines.structured_output import (
     chat_for_template,
     grammar_source,
     parse_tool_calls,
+    template_controls,
     template_message,
     tool_call_id,
 )
@@ -183,14 +184,22 @@ class LlamaCppEngine:
     Beyond plain sampling it honours tools (rendered by the chat template when it knows tools, otherwise described
     in the system prompt; ``required`` or a named function constrained by a grammar, so the call always parses and
     its arguments match the schema), ``response_format`` (a JSON or JSON-schema grammar), logprobs, ``n`` (choice
-    i samples with seed + i), ``echo`` without logprobs, ``top_k``, ``min_p``, ``repetition_penalty`` and
-    ``chat_template_kwargs``. ``logit_bias`` is refused: llama-cpp-python's custom-sampler hook for it is marked
-    broken in its own source.
+    i samples with seed + i), ``echo`` without logprobs, ``top_k``, ``min_p``, ``repetition_penalty``,
+    ``chat_template_kwargs`` (and ``reasoning_effort`` / ``verbosity`` as template variables), and vLLM's
+    ``min_tokens``, ``ignore_eos``, ``stop_token_ids`` and ``skip_special_tokens``. ``logit_bias`` is refused:
+    llama-cpp-python's custom-sampler hook for it is marked broken in its own source.
+
+    ``min_tokens`` and ``ignore_eos`` use that hook too, but only to set the end-of-generation tokens' (and stop
+    token ids') logits to minus infinity, which is what llama.cpp's own server does for ``ignore_eos``: the hook is
+    the first sampler of the chain, where the candidates are still the whole vocabulary in token-id order, so
+    masking by id is sound there (tests/test_e2e.py checks that the answer really runs past its end). A grammar
+    (tools forced, ``response_format``) ends with the end-of-generation token, so neither is taken with one.
     """
 
     kind = "llamacpp"
     features = frozenset({"tools", "tool_choice", "response_format", "n", "logprobs", "top_logprobs", "echo",
-                          "top_k", "min_p", "repetition_penalty", "chat_template_kwargs"})
+                          "top_k", "min_p", "repetition_penalty", "chat_template_kwargs", "min_tokens", "ignore_eos",
+                          "stop_token_ids", "skip_special_tokens"})
 
     def __init__(self, *, model: str, model_id: str | None = None, context_tokens: int = 4096, threads: int = 0,
                  batch_tokens: int = 512, prefix_cache_bytes: int = 256 << 20,
@@ -215,6 +224,7 @@ class LlamaCppEngine:
         self._stop_token_text = ""
         self._salt_in_context: str | None = None
         self._template_knows_tools = False
+        self._end_tokens: np.ndarray | None = None  # the vocabulary's end-of-generation ids, once asked for
         self._closed = False
 
     # --- lifecycle --------------------------------------------------------------------------------------------
@@ -319,6 +329,12 @@ class LlamaCppEngine:
             return
         await asyncio.to_thread(self._check_prompt_sync, request)
 
+    async def count_tokens(self, request: GenerationRequest) -> int:
+        """Tokenizing reads only the vocabulary, so it runs off the generation thread, as check_prompt does."""
+        if self._llm is None:
+            raise EngineError("the model is not loaded")
+        return await asyncio.to_thread(lambda: len(self._prompt_tokens(request)))
+
     def _check_prompt_sync(self, request: GenerationRequest) -> None:
         # First a bound that costs little whatever the prompt's size: the texts' own tokens (the template only
         # adds to them), each counted on a prefix just long enough to overflow the context. Tokenizing a whole
@@ -357,6 +373,7 @@ class LlamaCppEngine:
         format_chat = self._format_chat
         messages, tools = chat_for_template(request, template_knows_tools=self._template_knows_tools)
         kwargs = json.loads(request.template_kwargs) if request.template_kwargs else {}
+        kwargs.update(template_controls(request))
 
         def render(texts: list[str]) -> str:
             rendered = [template_message(m, text) for m, text in zip(messages, texts, strict=True)]
@@ -419,8 +436,13 @@ class LlamaCppEngine:
             raise BadRequest(f"the prompt has {n_prompt} tokens; this model's context holds "
                              f"{self._context_tokens}", code="context_length_exceeded")
         max_tokens = min(params.max_tokens, room)
-        cached = self._restore_best_prefix(request.salt, tokens)
         source = grammar_source(request)
+        if source and (request.min_tokens or request.ignore_eos):
+            field = "min_tokens" if request.min_tokens else "ignore_eos"
+            raise BadRequest(f"{field} together with tools or response_format is not supported by the llamacpp "
+                             "engine: the grammar that shapes the answer ends it with the end-of-sequence token",
+                             param=field)
+        cached = self._restore_best_prefix(request.salt, tokens)
         grammar = self._llama_cpp.LlamaGrammar.from_string(source, verbose=False) if source else None
         whole = bool(request.tools) and request.tool_choice != "none" or request.n > 1 or \
             request.logprobs is not None
@@ -477,24 +499,29 @@ class LlamaCppEngine:
         logprobs: list[TokenLogprob] | None = [] if top_k is not None else None
         ends: list[int] = []  # the text length after each token, to cut logprobs at a stop string
         finish = "length"
+        stop_ids = frozenset(request.stop_token_ids)
+        stop_text_from: int | None = 0 if not request.min_tokens else None  # where stop strings may begin
         stream = llm.generate(tokens, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
                               temp=params.temperature, repeat_penalty=params.repetition_penalty,
                               presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-                              grammar=grammar)
+                              grammar=grammar, logits_processor=self._end_mask(request, generated))
         try:
             for token in stream:
                 if cancelled.is_set():
                     return None
-                if self._llama_cpp.llama_vocab_is_eog(self._vocab, token):
+                if token in stop_ids or self._llama_cpp.llama_vocab_is_eog(self._vocab, token):
                     finish = "stop"
                     break
                 generated.append(token)
-                piece = llm.detokenize([token], prev_tokens=tokens + generated[:-1])
+                piece = llm.detokenize([token], prev_tokens=tokens + generated[:-1],
+                                       special=not request.skip_special_tokens)
                 if logprobs is not None:
                     logprobs.append(self._token_logprob(token, piece, top_k or 0))
                 text += decoder.decode(piece)
                 ends.append(len(text))
-                cut = _first_stop(text, stops, sent)
+                if stop_text_from is None and len(generated) >= request.min_tokens:
+                    stop_text_from = len(text)  # the first min_tokens tokens' text is never cut
+                cut = _first_stop(text, stops, sent, stop_text_from) if stop_text_from is not None else None
                 if cut is not None:
                     text, finish = text[:cut], "stop"
                     break
@@ -515,6 +542,27 @@ class LlamaCppEngine:
             # Tokens wholly inside a stop string are not part of the answer.
             logprobs = [lp for lp, end in zip(logprobs, ends, strict=False) if end - len(lp.token) < len(text)]
         return _Generated(text, finish, len(generated), logprobs)
+
+    def _end_mask(self, request: GenerationRequest, generated: list[int]) -> list[Callable[..., Any]] | None:
+        """A logits processor that keeps the answer from ending (``ignore_eos``: ever; ``min_tokens``: before
+        ``generated`` holds that many tokens), by making every end-of-generation token and stop token id
+        impossible. None when neither is asked for."""
+        if not (request.ignore_eos or request.min_tokens):
+            return None
+        if self._end_tokens is None:
+            eog = self._llama_cpp.llama_vocab_is_eog
+            self._end_tokens = np.array([t for t in range(self._llm.n_vocab()) if eog(self._vocab, t)],
+                                        dtype=np.intp)
+        ends = self._end_tokens
+        stop_ids = np.array([t for t in request.stop_token_ids if 0 <= t < self._llm.n_vocab()], dtype=np.intp)
+        before_min = np.concatenate([ends, stop_ids])
+        always = ends if request.ignore_eos else np.array([], dtype=np.intp)
+
+        def mask(_: Any, scores: np.ndarray) -> np.ndarray:
+            scores[before_min if len(generated) < request.min_tokens else always] = -np.inf
+            return scores
+
+        return [mask]
 
     def _token_logprob(self, token: int, piece: bytes, top_k: int) -> TokenLogprob:
         """The model's logprob of the sampled token (from the logits it was sampled from: the last decode's) and
@@ -560,11 +608,12 @@ def llama_class(llama_cpp: Any) -> type:
     return Llama
 
 
-def _first_stop(text: str, stops: tuple[str, ...], sent: int) -> int | None:
-    """Where the earliest stop string starts in ``text`` (searching from what may still be held back)."""
+def _first_stop(text: str, stops: tuple[str, ...], sent: int, floor: int = 0) -> int | None:
+    """Where the earliest stop string starts in ``text`` (searching from what may still be held back, and never
+    before ``floor``)."""
     if not stops:
         return None
-    start = max(0, sent - max(len(s) for s in stops))
+    start = max(floor, sent - max(len(s) for s in stops))
     hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(hits) if hits else None
 

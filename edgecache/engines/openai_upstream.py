@@ -10,8 +10,10 @@ content events (such servers send one per token), and the prompt tokens come fro
 unstreamed with ``max_tokens: 1`` (the upstream's prefix cache makes it cheap; its answer is discarded).
 
 Every request field passes through (tools, tool_choice, response_format, logprobs, n, echo, top_k, min_p,
-repetition_penalty, logit_bias, chat_template_kwargs): the upstream honours it or refuses it, and its refusal (a
-4xx) reaches the client as a 400 naming the upstream. A whole answer (tool calls, logprobs, several choices) is asked
+repetition_penalty, logit_bias, chat_template_kwargs, reasoning_effort, verbosity, and vLLM's min_tokens, ignore_eos,
+stop_token_ids, skip_special_tokens): the upstream honours it or refuses it, and its refusal (a 4xx) reaches the
+client as a 400 naming the upstream. Custom tools are the exception: the upstream's answer would carry custom tool
+calls (``type: custom`` with a text ``input``), which the answers here have no shape for yet, so they are refused. A whole answer (tool calls, logprobs, several choices) is asked
 for unstreamed and kept with every choice. Every failure (connection, timeout, an HTTP
 error status, an ``error`` event in the stream, a malformed body) becomes one :class:`EngineError` whose message
 names the upstream and the reason, never a traceback.
@@ -50,8 +52,8 @@ class OpenAIUpstreamEngine:
     """The :class:`~edgecache.engines.base.Engine` backed by an OpenAI-compatible HTTP server."""
 
     kind = "openai (upstream)"
-    # Everything passes through; the upstream decides, and says so with a 4xx.
-    features = frozenset(FEATURES)
+    # Everything passes through; the upstream decides, and says so with a 4xx. Custom tools excepted (see above).
+    features = frozenset(FEATURES) - {"custom_tools"}
 
     def __init__(
         self,
@@ -159,6 +161,12 @@ class OpenAIUpstreamEngine:
                 payload[name] = value
         if params.logit_bias:
             payload["logit_bias"] = {str(token): bias for token, bias in params.logit_bias}
+        # vLLM's names; only when asked for (an upstream that refuses unknown fields takes a plain request).
+        for name, value, off in (("min_tokens", request.min_tokens, 0), ("ignore_eos", request.ignore_eos, False),
+                                 ("stop_token_ids", list(request.stop_token_ids), []),
+                                 ("skip_special_tokens", request.skip_special_tokens, True)):
+            if value != off:
+                payload[name] = value
         if stream:
             payload["stream_options"] = {"include_usage": True}
         if request.salt and self._salt_field:
@@ -185,6 +193,9 @@ class OpenAIUpstreamEngine:
                     payload["top_logprobs"] = request.logprobs
             if request.template_kwargs:
                 payload["chat_template_kwargs"] = json.loads(request.template_kwargs)
+            for name, value in (("reasoning_effort", request.reasoning_effort), ("verbosity", request.verbosity)):
+                if value:
+                    payload[name] = value
             return "chat/completions", payload
         payload["prompt"] = request.prompt or ""
         if request.logprobs is not None:
@@ -346,6 +357,20 @@ class OpenAIUpstreamEngine:
 
     async def check_prompt(self, request: GenerationRequest) -> None:
         """Nothing before the call: the upstream knows its own context and refuses an over-long prompt itself."""
+
+    async def count_tokens(self, request: GenerationRequest) -> int:
+        """The upstream's own count: the request unstreamed with max_tokens 1 (the OpenAI API has no count route),
+        so the upstream's template and tokenizer count, and its prefix cache then holds the prompt."""
+        client = self._running()
+        path, payload = self._payload(request, stream=False)
+        payload.update(max_tokens=1, n=1)
+        for unneeded in ("logprobs", "top_logprobs"):
+            payload.pop(unneeded, None)
+        body = await self._request_json(client, "POST", path, payload)
+        usage = body.get("usage") if isinstance(body, Mapping) else None
+        if not isinstance(usage, Mapping) or not usage.get("prompt_tokens"):
+            raise EngineError(f"upstream {self.base_url} reported no prompt token count")
+        return int(usage["prompt_tokens"])
 
     async def flush(self) -> None:
         """Nothing to do: the OpenAI API has no cache flush, and an upstream's prefix cache is exact (it can make

@@ -73,6 +73,7 @@ from edgecache.engines.structured_output import (
     chat_for_template,
     output_schema,
     parse_tool_calls,
+    template_controls,
     template_message,
     tool_call_id,
 )
@@ -89,7 +90,7 @@ reports as ``sglang_<key>``, beside every number in its ``memory_usage`` as ``sg
 state repeats the server arguments."""
 
 # SGLang's sampling parameter names -> the request field a client set (for the 400 naming it).
-_REQUEST_FIELD = {"max_new_tokens": "max_tokens", "min_new_tokens": "max_tokens", "sampling_seed": "seed",
+_REQUEST_FIELD = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed",
                   "json_schema": "response_format"}
 _REFUSED_FIELD = re.compile(r"^(\w+) must ")
 
@@ -288,6 +289,21 @@ def _sampling_params(params: SamplingParams) -> dict[str, object]:
     return out
 
 
+def _stopping(request: GenerationRequest) -> dict[str, object]:
+    """vLLM's stopping controls in SGLang's names (each only when asked for). SGLang trims a stop token's text
+    (``no_stop_trim`` off), as the other engines do."""
+    out: dict[str, object] = {}
+    if request.min_tokens:
+        out["min_new_tokens"] = request.min_tokens
+    if request.ignore_eos:
+        out["ignore_eos"] = True
+    if request.stop_token_ids:
+        out["stop_token_ids"] = list(request.stop_token_ids)
+    if not request.skip_special_tokens:
+        out["skip_special_tokens"] = False
+    return out
+
+
 def _constraint(request: GenerationRequest) -> dict[str, object]:
     """The structured-output sampling parameter for this request, if any (SGLang's ``json_schema``)."""
     schema = output_schema(request)
@@ -397,7 +413,8 @@ class SGLangEngine:
 
     kind = "sglang"
     features = frozenset({"tools", "tool_choice", "response_format", "top_k", "min_p", "repetition_penalty",
-                          "chat_template_kwargs"})
+                          "chat_template_kwargs", "min_tokens", "ignore_eos", "stop_token_ids",
+                          "skip_special_tokens"})
 
     def __init__(self, options: SGLangOptions, *, engine_factory: EngineFactory = load_sglang_engine) -> None:
         self.options = options
@@ -476,6 +493,7 @@ class SGLangEngine:
             raise EngineError("the SGLang engine has no tokenizer, so it cannot apply a chat template")
         messages, tools = chat_for_template(request, template_knows_tools=self._template_knows_tools)
         extra: dict[str, Any] = json.loads(request.template_kwargs) if request.template_kwargs else {}
+        extra.update(template_controls(request))
         if tools is not None:
             extra["tools"] = tools
         if self.options.chat_template is not None:
@@ -520,7 +538,8 @@ class SGLangEngine:
             try:
                 stream = await engine.async_generate(
                     **inputs,
-                    sampling_params={**_sampling_params(request.params), **_constraint(request)},
+                    sampling_params={**_sampling_params(request.params), **_stopping(request),
+                                     **_constraint(request)},
                     stream=True,
                     rid=rid,
                     cache_salt=request.salt or None,
@@ -590,6 +609,16 @@ class SGLangEngine:
     async def check_prompt(self, request: GenerationRequest) -> None:
         """Nothing before the call: SGLang tokenizes on its own workers and refuses an over-long prompt itself,
         without holding up other requests."""
+
+    async def count_tokens(self, request: GenerationRequest) -> int:
+        """The ids generate would send, counted (rendered on the loop thread, as generate renders them)."""
+        engine = self._running()
+        if request.messages is not None:
+            return len(self._chat_input_ids(engine, request))
+        tokenizer = engine.tokenizer_manager.tokenizer
+        if tokenizer is None:
+            raise EngineError("the SGLang engine has no tokenizer to count with")
+        return len(tokenizer.encode(request.prompt or ""))
 
     async def flush(self) -> None:
         """Drop the radix prefix cache. SGLang refuses while requests are running; that refusal is an error."""

@@ -72,6 +72,13 @@ def chat_for_template(request: GenerationRequest, *,
     return messages, None
 
 
+def template_controls(request: GenerationRequest) -> dict[str, str]:
+    """OpenAI's output controls the request sets, as chat-template variables of the same names (gpt-oss's template
+    reads ``reasoning_effort``; a template that reads neither renders as without them)."""
+    return {name: value for name, value in (("reasoning_effort", request.reasoning_effort),
+                                            ("verbosity", request.verbosity)) if value}
+
+
 def call_schema(tool: ToolSpec) -> dict[str, Any]:
     """The JSON schema of one call of ``tool``."""
     return {"type": "object", "properties": {"name": {"const": tool.name},

@@ -1,10 +1,13 @@
 """The HTTP front: an app factory that builds the litestar app from one :class:`~edgecache.settings.Settings`.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (OpenAI), ``GET /health``
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (OpenAI), ``POST /v1/messages``
+and ``POST /v1/messages/count_tokens`` (Anthropic, whose errors come in Anthropic's shape), ``GET /health``
 (503 while the model loads), ``GET /metrics`` (Prometheus), ``GET /stats`` (JSON), ``POST /admin/flush`` and
 ``POST /admin/warmup`` (admin key when there is a tenants file). The state they share is a
 :class:`~edgecache.runtime.Runtime`.
 
+Each API route authenticates, parses its body into the pipeline's :class:`~edgecache.call.Call` and picks its answer
+writer; :func:`edgecache.http.replies.respond` serves the call and renders the reply, the same way for every API.
 Handlers take the raw body and decode it with msgspec themselves: the strict request structs are the validation,
 and skipping litestar's signature modelling keeps the cache-hit path short. Every error leaves through one handler
 that renders the OpenAI error shape; a bug becomes a logged traceback and a plain 500, never a traceback on the wire.
@@ -20,36 +23,33 @@ import asyncio
 import importlib.metadata
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import aclosing, asynccontextmanager
-from typing import Annotated, Any, TypeVar
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 from litestar.params import PathParameter
-from litestar.response import Stream
 from litestar.types import ASGIApp
 
 from edgecache.http.access_log import TENANT_SCOPE_KEY, AccessLog, AccessLogMiddleware
-from edgecache.http.calls import Parsed, apply_headers, read_headers
+from edgecache.http.calls import apply_headers, read_headers
 from edgecache.canary import CanaryReport
 from edgecache.data_dir import DataDirLock
-from edgecache.engines.base import Chunk, Engine
+from edgecache.engines.base import Engine
 from edgecache.errors import (
     BadRequest,
-    ClientGone,
     EdgeCacheError,
     ModelNotFound,
     NotFound,
     NotReady,
-    Overloaded,
     error_body,
 )
-from edgecache.http.openai_api import ModelCard, ModelList, ResponseWriter, usage
-from edgecache.call import Call
-from edgecache.pipeline import Reply
+from edgecache.http import anthropic_api
+from edgecache.http.openai_api import ModelCard, ModelList, ResponseWriter
+from edgecache.http.replies import RawAnswer, respond
 from edgecache.http.embeddings import EmbeddingRequest, embed
 from edgecache.http.front import Front
 from edgecache.http.openapi import openapi_document
@@ -60,7 +60,6 @@ from edgecache.tenants import TenantDirectory
 from edgecache.http.warmup_lines import WarmupBatch, warm_lines
 
 log = logging.getLogger("edgecache")
-T = TypeVar("T")
 
 _json = msgspec.json.Encoder()
 JSON = "application/json"
@@ -83,163 +82,25 @@ def _check_ready(rt: Runtime, model: str) -> None:
                             f"{rt.engine.model_id!r}", param="model")
 
 
-class RawAnswer:
-    """A complete response as a bare ASGI app, its headers already bytes, sent exactly as given.
-
-    A hit costs little beyond writing its response, so the response's own cost shows: litestar's ``Response``
-    rebuilds a case-insensitive header map and re-checks every header per response, which measured about a third
-    of our hit path's time above a bare endpoint. The answers here need none of that. It also leaves a media type
-    alone: litestar appends ``; charset=utf-8`` to any ``text/*`` type, which gave /metrics a duplicate charset
-    parameter that strict parsers (Prometheus 3's Go ``mime.ParseMediaType``) reject.
-    """
-
-    __slots__ = ("body", "headers")
-
-    def __init__(self, body: bytes, headers: list[tuple[bytes, bytes]], content_type: bytes = b"application/json"
-                 ) -> None:
-        self.body = body
-        self.headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *headers]
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-        await send({"type": "http.response.body", "body": self.body})
-
-
-def _authorization(request: Request[Any, Any, Any]) -> str | None:
-    """The Authorization header by the one rule every route follows (sent twice: 400)."""
-    return read_headers(request.scope["headers"]).authorization
-
-
-def _reply_headers(reply: Reply) -> list[tuple[bytes, bytes]]:
-    headers = [(b"x-edgecache", reply.served.encode())]
-    if reply.ttl_s is not None:
-        headers.append((b"x-edgecache-ttl", str(max(0, int(reply.ttl_s))).encode()))
-    if reply.similarity is not None:
-        headers.append((b"x-edgecache-similarity", f"{reply.similarity:.3f}".encode()))
-    return headers
-
-
-async def _respond(rt: Runtime, request: Request[Any, Any, Any], parsed: Parsed, started: float) -> ASGIApp:
-    call, stream, chat, include_usage = parsed.call, parsed.stream, parsed.chat, parsed.include_usage
-    assert rt.pipeline is not None  # _check_ready ran
-    try:
-        reply = await rt.pipeline.serve(call)
-    except Overloaded:
-        rt.metrics.observe_request(call.tenant, call.scenario, "rejected", None)
-        raise
-    writer = ResponseWriter(chat=chat, model=rt.engine.model_id, include_usage=include_usage,
-                            response_id=_front(request.app.state).ids.next("chat" if chat else "text"))
-    metrics = rt.metrics
-    answer = reply.answer
-    if answer is not None and not stream:
-        # The hot path: a stored answer, rendered straight from the store's copy.
-        metrics.observe_request(call.tenant, call.scenario, reply.served, time.perf_counter() - started)
-        body = writer.body(answer.text, answer.finish_reason,
-                           usage(answer.prompt_tokens, answer.completion_tokens, answer.prompt_tokens),
-                           answer.choices)
-        return RawAnswer(body, _reply_headers(reply))
-    chunks = reply.stream()
-    try:
-        # The first chunk is awaited before any byte is sent, so an error before the first token (a bad prompt,
-        # a failed engine) still gets its real HTTP status instead of a 200 stream carrying an error. Nothing is
-        # sent while it waits, so the client's hanging up is watched for meanwhile.
-        first = await _unless_client_gone(request, anext(chunks))
-    except BaseException as exc:
-        await chunks.aclose()
-        if not isinstance(exc, ClientGone):
-            metrics.observe_request(call.tenant, call.scenario,
-                                    "rejected" if isinstance(exc, Overloaded) else "error", None)
-        raise
-    ttft = time.perf_counter() - started
-
-    if not stream:
-        async def rest() -> tuple[list[str], Chunk]:
-            texts, final = [first.text], first
-            async for chunk in chunks:
-                texts.append(chunk.text)
-                final = chunk
-            return texts, final
-
-        try:
-            texts, final = await _unless_client_gone(request, rest())
-        except BaseException as exc:
-            if not isinstance(exc, ClientGone):
-                metrics.observe_request(call.tenant, call.scenario, "error", None)
-            raise
-        finally:
-            await chunks.aclose()
-        metrics.observe_request(call.tenant, call.scenario, reply.served, ttft)
-        body = writer.body("".join(texts), final.finish_reason,
-                           usage(final.prompt_tokens, final.completion_tokens, final.cached_tokens), final.choices)
-        return RawAnswer(body, _reply_headers(reply))
-
-    headers = {name.decode(): value.decode() for name, value in _reply_headers(reply)}
-    return Stream(content=_sse(rt, call, reply.served, writer, first, chunks, ttft), media_type="text/event-stream",
-                  headers={**headers, "Cache-Control": "no-cache"}).to_asgi_response(None, request)
-
-
-async def _unless_client_gone(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:
-    """``work``'s result, unless the client hangs up first: then ``work`` is cancelled (which releases what it
-    holds: the flight listener, and with the last listener the engine call and its admission slot) and ClientGone
-    is raised. The request body has been read, so the next ASGI message can only be the disconnect."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.wait([task])
-            if watcher.done():
-                raise ClientGone("the client closed the connection before its answer was ready")
-        watcher.cancel()
-    return task.result()
-
-
-async def _disconnected(request: Request[Any, Any, Any]) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _sse(rt: Runtime, call: Call, served: str, writer: ResponseWriter, first: Chunk,
-               chunks: AsyncIterator[Chunk], ttft: float) -> AsyncIterator[bytes]:
-    outcome = "error"
-    try:
-        async with aclosing(chunks):
-            if first.choices is not None:
-                # A whole answer (tool calls, logprobs, several choices) arrives as one final chunk.
-                yield writer.sse_whole(first.choices, usage(first.prompt_tokens, first.completion_tokens,
-                                                            first.cached_tokens))
-                outcome = served
-                return
-            yield writer.sse_start()
-            chunk: Chunk | None = first
-            while chunk is not None:
-                if chunk.text:
-                    yield writer.sse_delta(chunk.text)
-                if chunk.finish_reason is not None:
-                    yield writer.sse_end(chunk.finish_reason,
-                                         usage(chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_tokens))
-                    outcome = served
-                    return
-                chunk = await anext(chunks, None)
-    except EdgeCacheError as exc:
-        # Headers are gone already: the error travels as an SSE event in the OpenAI error shape.
-        yield writer.sse_error(_json.encode(error_body(exc)))
-    finally:
-        rt.metrics.observe_request(call.tenant, call.scenario, outcome, ttft if outcome != "error" else None)
+def _credentials(request: Request[Any, Any, Any]) -> tuple[str | None, str | None]:
+    """The Authorization and x-api-key headers by the one rule every route follows (sent twice: 400)."""
+    headers = read_headers(request.scope["headers"])
+    return headers.authorization, headers.api_key
 
 
 async def _generate(request: Request[Any, Any, Any], chat: bool) -> ASGIApp:
     started = time.perf_counter()
     rt = _runtime(request.app.state)
     headers = read_headers(request.scope["headers"])
-    tenant = rt.tenants.authenticate(headers.authorization)                            # 401 on an unknown key
+    tenant = rt.tenants.authenticate(headers.authorization, headers.api_key)           # 401 on an unknown key
     request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]  # for the access log
     parsed = _front(request.app.state).parsed.parse(chat, await request.body(), tenant)                     # 400 / 413
     _check_ready(rt, parsed.model)                                                     # 503 / 404
     check_engine_supports(parsed.features, rt.engine)                                  # 400 naming field+engine
-    return await _respond(rt, request, apply_headers(parsed, headers, tenant, rt.settings), started)
+    parsed = apply_headers(parsed, headers, tenant, rt.settings)
+    writer = ResponseWriter(chat=chat, model=rt.engine.model_id, include_usage=parsed.include_usage,
+                            response_id=_front(request.app.state).ids.next("chat" if chat else "text"))
+    return await respond(rt, request, parsed.call, parsed.stream, writer, started)
 
 
 @post("/v1/chat/completions", status_code=200)
@@ -250,6 +111,42 @@ async def chat_completions(request: Request[Any, Any, Any]) -> ASGIApp:
 @post("/v1/completions", status_code=200)
 async def completions(request: Request[Any, Any, Any]) -> ASGIApp:
     return await _generate(request, chat=False)
+
+
+def _anthropic_error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    """Errors on the Messages routes, in Anthropic's shape (the other routes keep OpenAI's)."""
+    err, headers = _as_error(exc)
+    return Response(_json.encode(anthropic_api.error_out(err)), status_code=err.status, media_type=JSON,
+                    headers=headers)
+
+
+@post("/v1/messages", status_code=200, exception_handlers={Exception: _anthropic_error_response})
+async def messages(request: Request[Any, Any, Any]) -> ASGIApp:
+    """Anthropic's Messages API, onto the same Call a chat request builds (:mod:`edgecache.http.anthropic_api`)."""
+    started = time.perf_counter()
+    rt = _runtime(request.app.state)
+    headers = read_headers(request.scope["headers"])
+    tenant = rt.tenants.authenticate(headers.authorization, headers.api_key)
+    request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]
+    front = _front(request.app.state)
+    parsed = front.parsed.recall("messages", await request.body(), tenant, anthropic_api.parse_messages)
+    _check_ready(rt, parsed.model)
+    check_engine_supports(parsed.features, rt.engine)
+    parsed = apply_headers(parsed, headers, tenant, rt.settings)
+    writer = anthropic_api.MessageWriter(model=rt.engine.model_id, message_id=front.ids.next("message"))
+    return await respond(rt, request, parsed.call, parsed.stream, writer, started)
+
+
+@post("/v1/messages/count_tokens", status_code=200, exception_handlers={Exception: _anthropic_error_response})
+async def count_tokens(request: Request[Any, Any, Any]) -> ASGIApp:
+    """The prompt's tokens as the engine counts them: its chat template and tools included."""
+    rt = _runtime(request.app.state)
+    tenant = rt.tenants.authenticate(*_credentials(request))
+    request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]
+    model, generation = anthropic_api.parse_count_tokens(await request.body(), tenant, rt.settings)
+    _check_ready(rt, model)
+    count = await rt.engine.count_tokens(generation)
+    return RawAnswer(_json.encode(anthropic_api.TokenCount(input_tokens=count)), [])
 
 
 def _model_cards(rt: Runtime) -> list[ModelCard]:
@@ -278,7 +175,7 @@ async def retrieve_model(state: State, model_id: Annotated[str, PathParameter()]
 @post("/v1/embeddings", status_code=200)
 async def embeddings(request: Request[Any, Any, Any]) -> ASGIApp:
     rt = _runtime(request.app.state)
-    tenant = rt.tenants.authenticate(_authorization(request))
+    tenant = rt.tenants.authenticate(*_credentials(request))
     body = decode_body(await request.body(), EmbeddingRequest)
     if not rt.ready:
         raise NotReady("the server is still loading; retry shortly")
@@ -327,14 +224,14 @@ PROMETHEUS_TEXT = b"text/plain; version=0.0.4; charset=utf-8"
 @get("/metrics")
 async def metrics(request: Request[Any, Any, Any]) -> ASGIApp:
     rt = _runtime(request.app.state)
-    rt.tenants.authenticate_metrics(_authorization(request))  # it names every tenant with its traffic
+    rt.tenants.authenticate_metrics(*_credentials(request))  # it names every tenant with its traffic
     return RawAnswer(rt.metrics.render(), [], content_type=PROMETHEUS_TEXT)
 
 
 @get("/stats")
 async def stats(request: Request[Any, Any, Any]) -> Response[Any]:
     rt = _runtime(request.app.state)
-    rt.tenants.authenticate_admin(_authorization(request))
+    rt.tenants.authenticate_admin(*_credentials(request))
     stores = await rt.refresh_gauges()
     body = rt.metrics.snapshot()
     body["stores"] = stores
@@ -361,7 +258,7 @@ class FlushRequest(msgspec.Struct, forbid_unknown_fields=True):
 async def admin_flush(request: Request[Any, Any, Any]) -> Response[Any]:
     """Drop cached entries across all layers: ``{"tenant": T}``, ``{"scenario": S}``, both, or ``{"all": true}``."""
     rt = _runtime(request.app.state)
-    rt.tenants.authenticate_admin(_authorization(request))
+    rt.tenants.authenticate_admin(*_credentials(request))
     try:
         body = msgspec.json.decode(await request.body() or b"{}", type=FlushRequest)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -385,7 +282,7 @@ async def admin_flush(request: Request[Any, Any, Any]) -> Response[Any]:
 async def admin_warmup(request: Request[Any, Any, Any]) -> Response[Any]:
     """Warm the caches with a batch of prompts-file lines (see :mod:`edgecache.warmup`); one result per line."""
     rt = _runtime(request.app.state)
-    rt.tenants.authenticate_admin(_authorization(request))
+    rt.tenants.authenticate_admin(*_credentials(request))
     try:
         batch = msgspec.json.decode(await request.body(), type=WarmupBatch)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -398,7 +295,8 @@ async def admin_warmup(request: Request[Any, Any, Any]) -> Response[Any]:
     return Response(_json.encode({"results": results}), media_type=JSON)
 
 
-def _error_response(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+def _as_error(exc: Exception) -> tuple[EdgeCacheError, dict[str, str]]:
+    """Any exception as the EdgeCacheError it answers with, and that answer's headers."""
     if isinstance(exc, EdgeCacheError):
         err = exc
     elif isinstance(exc, HTTPException):
@@ -413,6 +311,11 @@ def _error_response(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     headers = err.headers()
     if isinstance(exc, HTTPException) and exc.headers:
         headers = {**exc.headers, **headers}  # 405 names the allowed methods (Allow)
+    return err, headers
+
+
+def _error_response(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    err, headers = _as_error(exc)
     return Response(_json.encode(error_body(err)), status_code=err.status, media_type=JSON, headers=headers)
 
 
@@ -460,8 +363,8 @@ def create_app(settings: Settings, engine: Engine | None = None,
             lock.release()
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, embeddings, list_models, retrieve_model, openapi_json, health,
-                        metrics, stats, admin_flush, admin_warmup],
+        route_handlers=[chat_completions, completions, messages, count_tokens, embeddings, list_models,
+                        retrieve_model, openapi_json, health, metrics, stats, admin_flush, admin_warmup],
         lifespan=[lifespan],
         state=State({"openapi": _json.encode(openapi_document(_package_version()))}),
         exception_handlers={Exception: _error_response},

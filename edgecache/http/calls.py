@@ -9,14 +9,16 @@ the body instead of a decode, a validation and the building of a call.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import msgspec
 
 from edgecache.errors import BadRequest, Forbidden, PayloadTooLarge
 from edgecache.call import POLICIES, Call
+from edgecache.engines.base import GenerationRequest
 from edgecache.http.request_surface import (
+    CacheOptions,
     ChatCompletionRequest,
     CompletionRequest,
     decode_request,
@@ -53,16 +55,21 @@ def parse(chat: bool, body: bytes, tenant: Tenant, settings: Settings) -> Parsed
     if req.cache_salt:
         # A caller's own salt namespaces within its tenant: the tenant always leads the engine's salt.
         generation = msgspec.structs.replace(generation, salt=f"{tenant.id}:{req.cache_salt}")
-    options = req.edgecache
+    return Parsed(call=build_call(generation, req.edgecache, tenant, settings), model=req.model, chat=chat,
+                  stream=req.stream, include_usage=req.include_usage(), features=features_used(generation))
+
+
+def build_call(generation: GenerationRequest, options: CacheOptions | None, tenant: Tenant,
+               settings: Settings) -> Call:
+    """The pipeline's Call for a generation, under the caller's cache options (the body's ``edgecache`` field) and
+    the tenant's plan: the same for every API, so one generation asked through any of them is one call."""
     if options is not None and options.ttl is not None and options.ttl > longest_ttl_s(settings):
         raise BadRequest(f"edgecache.ttl is {options.ttl:g} s; the longest this server keeps an answer is "
                          f"{longest_ttl_s(settings):g} s (its longest TTL tier)", param="edgecache.ttl")
-    call = Call(request=generation, tenant=tenant.id, tenant_limit=tenant.plan.max_concurrent_misses,
+    return Call(request=generation, tenant=tenant.id, tenant_limit=tenant.plan.max_concurrent_misses,
                 scenario=(options.scenario if options else None) or "default",
                 policy=(options.policy if options else None) or "default",
                 ttl_s=options.ttl if options else None, ttl_tier=options.ttl_tier if options else None)
-    return Parsed(call=call, model=req.model, chat=chat, stream=req.stream, include_usage=req.include_usage(),
-                  features=features_used(generation))
 
 
 def longest_ttl_s(settings: Settings) -> float:
@@ -78,19 +85,20 @@ class CallHeaders(NamedTuple):
     authorization: str | None = None
     scenario: str | None = None
     policy: str | None = None
+    api_key: str | None = None  # x-api-key, Anthropic's clients' way to send the key (see tenants.presented_key)
 
 
-_HEADER_FIELDS = {b"authorization": 0, b"x-edgecache-scenario": 1, b"x-edgecache-policy": 2}
+_HEADER_FIELDS = {b"authorization": 0, b"x-edgecache-scenario": 1, b"x-edgecache-policy": 2, b"x-api-key": 3}
 
 
 def read_headers(raw: Iterable[tuple[bytes, bytes]]) -> CallHeaders:
-    """One pass over the ASGI scope's raw headers for the three that matter (names arrive lower-cased). Cheaper
+    """One pass over the ASGI scope's raw headers for the few that matter (names arrive lower-cased). Cheaper
     than building a full case-insensitive header map on every request, which showed on the hit path.
 
     One rule for every route: a header that matters, sent twice, is a 400. Taking the first or the last copy is
     what let two ``Authorization`` headers name different tenants on different routes (each framework layer
     picked its own copy)."""
-    found: list[str | None] = [None, None, None]
+    found: list[str | None] = [None] * len(_HEADER_FIELDS)
     for name, value in raw:
         index = _HEADER_FIELDS.get(name)
         if index is not None:
@@ -132,7 +140,8 @@ class ParsedRequests:
     def __init__(self, settings: Settings, max_entries: int = 4096) -> None:
         self.settings = settings
         self.max_entries = max_entries
-        self._entries: OrderedDict[tuple[str, bool, bytes], Parsed] = OrderedDict()
+        # (tenant, route, body): the route is chat (True) or text (False) for OpenAI's, a name for another API's.
+        self._entries: OrderedDict[tuple[str, bool | str, bytes], Parsed] = OrderedDict()
 
     def clear(self) -> None:
         self._entries.clear()
@@ -144,8 +153,23 @@ class ParsedRequests:
             self._entries.move_to_end(key)
             return parsed
         parsed = parse(chat, body, tenant, self.settings)
+        self._keep(key, body, parsed)
+        return parsed
+
+    def recall(self, route: str, body: bytes, tenant: Tenant,
+               parse_body: Callable[[bytes, Tenant, Settings], Parsed]) -> Parsed:
+        """Another API's parsed request: ``parse_body`` runs only for a body not seen recently on ``route``."""
+        key = (tenant.id, route, body)
+        parsed = self._entries.get(key)
+        if parsed is not None:
+            self._entries.move_to_end(key)
+            return parsed
+        parsed = parse_body(body, tenant, self.settings)
+        self._keep(key, body, parsed)
+        return parsed
+
+    def _keep(self, key: tuple[str, bool | str, bytes], body: bytes, parsed: Parsed) -> None:
         if len(body) <= self.MAX_BODY_BYTES:
             self._entries[key] = parsed
             if len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
-        return parsed

@@ -1,5 +1,5 @@
 """What only the HTTP front holds for one running server: response ids, the memo of parsed request bodies, the
-access log, and the system prompts ``/admin/warmup`` has prefilled.
+renderings of stored answers, the access log, and the system prompts ``/admin/warmup`` has prefilled.
 
 The runtime (:mod:`edgecache.runtime`) holds the layers and knows nothing of HTTP; the app factory builds one
 :class:`Front` beside it, puts it on ``app.state.front``, and has the runtime call :meth:`Front.after_flush` when
@@ -13,6 +13,7 @@ from collections.abc import Callable
 from edgecache.http.access_log import AccessLog
 from edgecache.http.calls import ParsedRequests
 from edgecache.http.openai_api import IdSource
+from edgecache.http.replies import Renderings
 from edgecache.settings import Settings
 from edgecache.warmup import Prefilled
 
@@ -23,13 +24,15 @@ class Front:
     def __init__(self, settings: Settings, count_refusal: Callable[[str], None]) -> None:
         self.ids = IdSource()
         self.parsed = ParsedRequests(settings)
+        self.renderings = Renderings()  # stored answers rendered once per writer shape, for hits
         self.access_log = AccessLog(enabled=settings.server.access_log, count_refusal=count_refusal)
         self.warm_prefilled: Prefilled = set()  # system prompts /admin/warmup has prefilled (see edgecache.warmup)
 
     def after_flush(self, tenant: str | None, scenario: str | None) -> None:
-        """Entries were dropped: forget the parsed bodies, and (everything flushed, the engine's prefix cache with
-        it) which system prompts were prefilled."""
+        """Entries were dropped: forget the parsed bodies and the answers' renderings, and (everything flushed, the
+        engine's prefix cache with it) which system prompts were prefilled."""
         self.parsed.clear()
+        self.renderings.clear()
         if tenant is None and scenario is None:
             self.warm_prefilled.clear()
 

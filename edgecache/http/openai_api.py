@@ -17,6 +17,8 @@ from typing import Literal
 import msgspec
 
 from edgecache.engines.base import Choice, TokenLogprob
+from edgecache.errors import EdgeCacheError, error_body
+from edgecache.http.replies import Counts
 from edgecache.http.request_surface import (
     CacheOptions,
     ChatCompletionRequest,
@@ -189,10 +191,10 @@ class ModelList(msgspec.Struct):
     object: str = "list"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+def usage(counts: Counts) -> Usage:
+    return Usage(prompt_tokens=counts.prompt, completion_tokens=counts.completion,
+                 total_tokens=counts.prompt + counts.completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=counts.cached))
 
 
 class IdSource:
@@ -202,17 +204,21 @@ class IdSource:
         self._prefix = os.urandom(8).hex()
         self._counter = itertools.count()
 
-    def next(self, kind: Literal["chat", "text"]) -> str:
-        return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{self._prefix}{next(self._counter):08x}"
+    # Each API's own spelling: OpenAI's chatcmpl-/cmpl-, Anthropic's msg_.
+    _KINDS = {"chat": "chatcmpl-", "text": "cmpl-", "message": "msg_"}
+
+    def next(self, kind: Literal["chat", "text", "message"]) -> str:
+        return f"{self._KINDS[kind]}{self._prefix}{next(self._counter):08x}"
 
 
 class ResponseWriter:
-    """Renders one answer, for one request, as a JSON body or as SSE frames.
+    """Renders one answer, for one request, as a JSON body or as SSE frames (an
+    :class:`~edgecache.http.replies.AnswerWriter` for OpenAI's Chat Completions and Completions).
 
     ``chat`` picks the chat or the text-completion shape; every frame of one response shares one id.
     """
 
-    __slots__ = ("chat", "model", "id", "created", "include_usage", "_encoder")
+    __slots__ = ("chat", "model", "id", "created", "include_usage", "replay_shape", "_encoder")
 
     # Encoders hold no per-call state; one per class saves building one per response.
     _shared_encoder = msgspec.json.Encoder()
@@ -223,10 +229,12 @@ class ResponseWriter:
         self.id = response_id
         self.created = int(time.time())
         self.include_usage = include_usage
+        self.replay_shape = (chat, model, include_usage, self.created)  # all but the id (see AnswerWriter)
         self._encoder = self._shared_encoder
 
-    def body(self, text: str, finish_reason: str | None, use: Usage,
+    def body(self, text: str, finish_reason: str | None, counts: Counts,
              choices: tuple[Choice, ...] | None = None) -> bytes:
+        use = usage(counts)
         if choices is not None:
             return self._whole_body(choices, use)
         if self.chat:
@@ -252,7 +260,7 @@ class ResponseWriter:
             choices=[TextChoice(index=c.index, text=c.text, finish_reason=c.finish_reason,
                                 logprobs=_text_logprobs(c.logprobs)) for c in choices]))
 
-    def sse_whole(self, choices: tuple[Choice, ...], use: Usage) -> bytes:
+    def sse_whole(self, choices: tuple[Choice, ...], counts: Counts) -> bytes:
         """A whole answer as one SSE stream: per choice its content (with its logprobs), its tool calls as
         OpenAI's tool-call deltas (index, id, name, arguments), its finish; then usage if asked, then [DONE]."""
         frames = []
@@ -274,7 +282,7 @@ class ResponseWriter:
                     index=c.index, text=c.text, finish_reason=c.finish_reason,
                     logprobs=_text_logprobs(c.logprobs))])))
         if self.include_usage:
-            frames.append(self._usage_frame(use))
+            frames.append(self._usage_frame(usage(counts)))
         return b"".join(frames) + b"data: [DONE]\n\n"
 
     def _usage_frame(self, use: Usage) -> bytes:
@@ -301,7 +309,7 @@ class ResponseWriter:
         return self._frame(TextCompletion(id=self.id, created=self.created, model=self.model,
                                           choices=[TextChoice(index=0, text=text, finish_reason=None)]))
 
-    def sse_end(self, finish_reason: str | None, use: Usage) -> bytes:
+    def sse_end(self, finish_reason: str | None, counts: Counts) -> bytes:
         # Usage travels only in OpenAI's separate usage frame (no choices), and only when the caller asked for it
         # with stream_options.include_usage: a client that did not ask may not expect a choiceless frame.
         if self.chat:
@@ -312,8 +320,8 @@ class ResponseWriter:
             out = self._frame(TextCompletion(id=self.id, created=self.created, model=self.model,
                                              choices=[TextChoice(index=0, text="", finish_reason=finish_reason)]))
         if self.include_usage:
-            out += self._usage_frame(use)
+            out += self._usage_frame(usage(counts))
         return out + b"data: [DONE]\n\n"
 
-    def sse_error(self, body: bytes) -> bytes:
-        return b"data: " + body + b"\n\ndata: [DONE]\n\n"
+    def sse_error(self, error: EdgeCacheError) -> bytes:
+        return b"data: " + self._encoder.encode(error_body(error)) + b"\n\ndata: [DONE]\n\n"

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from edgecache.http.anthropic_api import CountTokensRequest, AnthropicError, MessageOut, MessagesRequest, TokenCount
 from edgecache.http.embeddings import EmbeddingList, EmbeddingRequest
 from edgecache.errors import ErrorBody
 from edgecache.http.openai_api import ChatCompletion, ChatCompletionChunk, ModelCard, ModelList, TextCompletion
@@ -25,11 +26,11 @@ def _ref(struct: type) -> dict[str, str]:
     return {"$ref": _REF.format(name=struct.__name__)}
 
 
-def _errors(*statuses: int) -> dict[str, Any]:
+def _errors(*statuses: int, shape: type = ErrorBody) -> dict[str, Any]:
     reasons = {400: "Invalid request (the error's param names the field)", 401: "Missing or unknown API key",
                403: "Not allowed by the tenant's plan", 404: "Unknown model", 413: "Request too large",
                429: "Overloaded; see Retry-After", 503: "The model is loading or failed to load"}
-    return {str(s): {"description": reasons[s], "content": {"application/json": {"schema": _ref(ErrorBody)}}}
+    return {str(s): {"description": reasons[s], "content": {"application/json": {"schema": _ref(shape)}}}
             for s in statuses}
 
 
@@ -37,7 +38,7 @@ def _json_body(struct: type) -> dict[str, Any]:
     return {"required": True, "content": {"application/json": {"schema": _ref(struct)}}}
 
 
-def _generation(request: type, answer: type, summary: str) -> dict[str, Any]:
+def _generation(request: type, answer: type, summary: str, errors: type = ErrorBody) -> dict[str, Any]:
     return {"post": {
         "summary": summary,
         "requestBody": _json_body(request),
@@ -46,21 +47,30 @@ def _generation(request: type, answer: type, summary: str) -> dict[str, Any]:
                                    "says which layer served it (exact, shared, semantic, miss).",
                     "content": {"application/json": {"schema": _ref(answer)},
                                 "text/event-stream": {"schema": {"type": "string"}}}},
-            **_errors(400, 401, 403, 404, 413, 429, 503)}}}
+            **_errors(400, 401, 403, 404, 413, 429, 503, shape=errors)}}}
 
 
 def openapi_document(version: str) -> dict[str, Any]:
     structs = (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ChatCompletion, ChatCompletionChunk,
-               TextCompletion, EmbeddingList, ModelList, ModelCard, ErrorBody, WarmupBatch)
+               TextCompletion, EmbeddingList, ModelList, ModelCard, ErrorBody, WarmupBatch, MessagesRequest,
+               CountTokensRequest, MessageOut, TokenCount, AnthropicError)
     _, components = msgspec.json.schema_components(structs, ref_template=_REF)
     plain_json = {"200": {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}}
     return {
         "openapi": "3.1.0",
         "info": {"title": "EdgeCache", "version": version,
-                 "description": "An OpenAI-compatible inference cache. See docs/api.md."},
+                 "description": "An OpenAI- and Anthropic-compatible inference cache. See docs/api.md."},
         "paths": {
             "/v1/chat/completions": _generation(ChatCompletionRequest, ChatCompletion, "Chat completion"),
             "/v1/completions": _generation(CompletionRequest, TextCompletion, "Text completion"),
+            "/v1/messages": _generation(MessagesRequest, MessageOut, "Anthropic Messages (errors in Anthropic's "
+                                        "shape; the key may also come as x-api-key)", errors=AnthropicError),
+            "/v1/messages/count_tokens": {"post": {
+                "summary": "The prompt's tokens as the engine counts them (chat template and tools included)",
+                "requestBody": _json_body(CountTokensRequest),
+                "responses": {"200": {"description": "The count",
+                                      "content": {"application/json": {"schema": _ref(TokenCount)}}},
+                              **_errors(400, 401, 404, 413, 503, shape=AnthropicError)}}},
             "/v1/embeddings": {"post": {
                 "summary": "Embeddings from the co-hosted sentence embedder",
                 "requestBody": _json_body(EmbeddingRequest),

@@ -8,9 +8,13 @@ Each field is one of three kinds:
   running engine must honour it; an engine that cannot is named in a 400 (:func:`check_engine_supports`), because
   ignoring the field would serve an answer the caller did not ask for, and cache it under a key that says it did;
 - **cannot change the output** (``store``, ``metadata``, ``service_tier``, ``user``, ``stream``,
-  ``stream_options``, ``prediction``, ``prompt_cache_key``, ``safety_identifier``, and "off" values such as
-  ``logprobs: false``, ``response_format: {"type": "text"}``, ``logit_bias: {}``, ``n: 1``, ``tool_choice:
-  "none"`` without tools): accepted and left out of the key, so it never splits the cache;
+  ``stream_options``, ``prediction``, ``prompt_cache_key``, ``prompt_cache_retention``, ``safety_identifier``, the
+  assistant history's ``reasoning_content`` / ``reasoning`` / ``annotations`` that other servers echo back, and
+  "off" values such as ``logprobs: false``, ``response_format: {"type": "text"}``, ``logit_bias: {}``, ``n: 1``,
+  ``tool_choice: "none"`` without tools): accepted and left out of the key, so it never splits the cache;
+- **refused when set** (:data:`REFUSED_WHEN_SET`): a field OpenAI defines that no engine here can honour (audio
+  output, web search, the deprecated ``functions``). The OpenAPI document says such a field may only be null, so
+  the schema and the server agree;
 - **unknown**: a 400 naming it, as OpenAI answers. A typo (``max_token``) must not pass as a default.
 
 Normalisation happens here once: a field's "off" value and its absence build the same request, so they share a key.
@@ -18,6 +22,7 @@ Normalisation happens here once: a field's "off" value and its absence build the
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -32,11 +37,32 @@ from edgecache.ttl_tiers import Tier
 T = TypeVar("T")
 Probability = Annotated[float, Meta(ge=0.0, le=2.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+NonEmpty = Annotated[str, Meta(min_length=1)]
 # Work grows with these, so they are bounded before anything runs.
 MAX_CHOICES = 8
 MAX_TOOLS = 128
 MAX_STOPS = 4
+MAX_STOP_TOKEN_IDS = 64
 
+#: The fields OpenAI defines that are refused when set (any value but null), each with why.
+REFUSED_WHEN_SET: dict[str, str] = {
+    "audio": "audio output needs an audio model; this server's model is text-only",
+    "web_search_options": "this server does not search the web",
+    "functions": "functions is deprecated and not supported; send tools",
+    "function_call": "function_call is deprecated and not supported; send tool_choice",
+}
+
+
+def refused_when_set(name: str) -> Meta:
+    """The schema of a :data:`REFUSED_WHEN_SET` field: null only, and why."""
+    return Meta(extra_json_schema={"anyOf": [{"type": "null"}],
+                                   "description": f"Refused when set: {REFUSED_WHEN_SET[name]}."})
+
+
+def _refuse_if_set(request: msgspec.Struct, names: tuple[str, ...], at: str = "") -> None:
+    for name in names:
+        if getattr(request, name) is not None:
+            raise BadRequest(f"{name} is not supported: {REFUSED_WHEN_SET[name]}", param=at + name)
 
 
 def _canonical(value: Any) -> str:
@@ -63,35 +89,55 @@ class FunctionCallIn(msgspec.Struct, forbid_unknown_fields=True):
     arguments: str
 
 
-class ToolCallIn(msgspec.Struct, forbid_unknown_fields=True):
+class ToolCallIn(msgspec.Struct, forbid_unknown_fields=True, tag_field="type", tag="function"):
     id: str
     function: FunctionCallIn
-    type: Literal["function"] = "function"
+
+
+class CustomCallIn(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    input: str
+
+
+class CustomToolCallIn(msgspec.Struct, forbid_unknown_fields=True, tag_field="type", tag="custom"):
+    """A custom tool's call in the history: accepted in shape, refused (no engine here takes custom tools)."""
+
+    id: str
+    custom: CustomCallIn
 
 
 class ChatMessageIn(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCallIn] | None = None
+    tool_calls: list[ToolCallIn | CustomToolCallIn] | None = None
     tool_call_id: str | None = None
     refusal: str | None = None
-    # Refused below when set: audio replies and the deprecated function_call need what a text model lacks.
-    audio: dict[str, Any] | None = None
-    function_call: dict[str, Any] | None = None
+    # What other servers put in an assistant turn and clients echo back (vLLM's and DeepSeek's reasoning_content,
+    # vLLM's newer reasoning, OpenRouter's reasoning_details, OpenAI's annotations of web citations): accepted and
+    # left out of the key, since no engine here renders them into the prompt.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    reasoning_details: list[dict[str, Any]] | None = None
+    annotations: list[dict[str, Any]] | None = None
+    # Refused when set: audio replies and the deprecated function_call need what a text model lacks.
+    audio: Annotated[dict[str, Any] | None, refused_when_set("audio")] = None
+    function_call: Annotated[dict[str, Any] | None, refused_when_set("function_call")] = None
 
     def to_message(self, index: int) -> Message:
         at = f"messages[{index}]"
-        if self.audio is not None:
-            raise BadRequest("audio in the history needs an audio model; this server's model is text-only",
-                             param=f"{at}.audio")
-        if self.function_call is not None:
-            raise BadRequest("function_call is deprecated and not supported; send tool_calls",
-                             param=f"{at}.function_call")
+        _refuse_if_set(self, ("audio", "function_call"), at=f"{at}.")
         if self.role == "tool" and not self.tool_call_id:
             raise BadRequest("a tool message needs the tool_call_id it answers", param=f"{at}.tool_call_id")
         if self.tool_calls and self.role != "assistant":
             raise BadRequest("only assistant messages carry tool_calls", param=f"{at}.tool_calls")
+        for name in ("reasoning_content", "reasoning", "reasoning_details", "annotations"):
+            if getattr(self, name) is not None and self.role != "assistant":
+                raise BadRequest(f"only assistant messages carry {name}", param=f"{at}.{name}")
+        for j, call in enumerate(self.tool_calls or ()):
+            if isinstance(call, CustomToolCallIn):
+                raise BadRequest("custom tool calls are not supported: this server's engines call function tools "
+                                 "only", param=f"{at}.tool_calls[{j}]")
         if isinstance(self.content, list):
             texts = []
             for j, part in enumerate(self.content):
@@ -108,7 +154,7 @@ class ChatMessageIn(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
         if self.content is None and not self.tool_calls and self.refusal is None:
             raise BadRequest("a message needs content (or, from the assistant, tool_calls)", param=f"{at}.content")
         calls = tuple(ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
-                      for c in self.tool_calls or ())
+                      for c in self.tool_calls or () if isinstance(c, ToolCallIn))
         return Message(role=self.role, content=text, name=self.name, tool_calls=calls,
                        tool_call_id=self.tool_call_id)
 
@@ -123,18 +169,54 @@ class FunctionDef(msgspec.Struct, forbid_unknown_fields=True):
     strict: bool | None = None
 
 
-class ToolIn(msgspec.Struct, forbid_unknown_fields=True):
-    type: Literal["function"]
+class ToolIn(msgspec.Struct, forbid_unknown_fields=True, tag_field="type", tag="function"):
     function: FunctionDef
+
+    def spec(self) -> ToolSpec:
+        f = self.function
+        return ToolSpec(name=f.name, description=f.description or "", strict=bool(f.strict),
+                        parameters=_canonical(f.parameters or {"type": "object", "properties": {}}))
+
+
+class CustomToolDef(msgspec.Struct, forbid_unknown_fields=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
+    description: str | None = None
+    format: dict[str, Any] | None = None  # {"type": "text"} or {"type": "grammar", "grammar": {...}}
+
+
+class CustomToolIn(msgspec.Struct, forbid_unknown_fields=True, tag_field="type", tag="custom"):
+    """OpenAI's free-form tool (its input is text). Carried into the request (feature ``custom_tools``) so the
+    engine check names it: no engine here takes one yet."""
+
+    custom: CustomToolDef
+
+    def spec(self) -> ToolSpec:
+        c = self.custom
+        return ToolSpec(name=c.name, description=c.description or "", kind="custom",
+                        format=_canonical(c.format or {"type": "text"}))
 
 
 class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
     name: str
 
 
-class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
-    type: Literal["function"]
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True, tag_field="type", tag="function"):
     function: NamedFunction
+
+
+class NamedCustomToolChoice(msgspec.Struct, forbid_unknown_fields=True, tag_field="type", tag="custom"):
+    custom: NamedFunction
+
+
+class AllowedTools(msgspec.Struct, forbid_unknown_fields=True):
+    mode: Literal["auto", "required"]
+    tools: Annotated[list[NamedToolChoice | NamedCustomToolChoice], Meta(min_length=1, max_length=MAX_TOOLS)]
+
+
+class AllowedToolsChoice(msgspec.Struct, forbid_unknown_fields=True, tag_field="type", tag="allowed_tools"):
+    """Only these tools may be called, ``auto`` or ``required``: served as that mode over only these tools."""
+
+    allowed_tools: AllowedTools
 
 
 class JsonSchemaIn(msgspec.Struct, forbid_unknown_fields=True, rename={"schema_": "schema"}):
@@ -187,6 +269,11 @@ class _CommonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # SGLang's and vLLM's per-request prefix-cache namespace. Accepted so that an EdgeCache (or any client that
     # salts) can sit in front of this one; it namespaces within the tenant, never across tenants.
     cache_salt: Annotated[str, Meta(max_length=256)] | None = None
+    # vLLM's stopping controls (SGLang's too, as min_new_tokens): see GenerationRequest.
+    min_tokens: Annotated[int, Meta(ge=0)] | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    skip_special_tokens: bool | None = None
     edgecache: CacheOptions | None = None
 
     def sampling(self, default_max_tokens: int, max_tokens_override: int | None = None) -> SamplingParams:
@@ -213,12 +300,22 @@ class _CommonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def stopping(self, max_tokens: int) -> dict[str, Any]:
+        """The vLLM stopping controls as :class:`GenerationRequest` fields ("off" values left at their defaults)."""
+        if self.min_tokens and self.min_tokens > max_tokens:
+            raise BadRequest(f"min_tokens ({self.min_tokens}) is more than max_tokens ({max_tokens})",
+                             param="min_tokens")
+        return {"min_tokens": self.min_tokens or 0, "ignore_eos": bool(self.ignore_eos),
+                "stop_token_ids": tuple(sorted(set(self.stop_token_ids or ()))),
+                "skip_special_tokens": self.skip_special_tokens is not False}
+
 
 class ChatCompletionRequest(_CommonRequest, kw_only=True, forbid_unknown_fields=True):
     messages: Annotated[list[ChatMessageIn], Meta(min_length=1)]
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
-    tools: Annotated[list[ToolIn], Meta(max_length=MAX_TOOLS)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tools: Annotated[list[ToolIn | CustomToolIn], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: (Literal["none", "auto", "required"] | NamedToolChoice | NamedCustomToolChoice | AllowedToolsChoice
+                  | None) = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormatIn | None = None
     logprobs: bool | None = None
@@ -230,62 +327,74 @@ class ChatCompletionRequest(_CommonRequest, kw_only=True, forbid_unknown_fields=
     service_tier: str | None = None
     prediction: dict[str, Any] | None = None
     prompt_cache_key: str | None = None
+    # OpenAI's reference spells it "in-memory", its Python SDK "in_memory".
+    prompt_cache_retention: Literal["in-memory", "in_memory", "24h"] | None = None
     safety_identifier: str | None = None
     modalities: list[Literal["text", "audio"]] | None = None
+    # Output controls, handed to the chat template as variables (an upstream gets them as sent): in the key.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
     # Accepted only when unset: each changes the output in a way no engine here can honour.
-    audio: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
-    verbosity: str | None = None
-    web_search_options: dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: str | dict[str, Any] | None = None
+    audio: Annotated[dict[str, Any] | None, refused_when_set("audio")] = None
+    web_search_options: Annotated[dict[str, Any] | None, refused_when_set("web_search_options")] = None
+    functions: Annotated[list[dict[str, Any]] | None, refused_when_set("functions")] = None
+    function_call: Annotated[str | dict[str, Any] | None, refused_when_set("function_call")] = None
 
     def generation(self, default_max_tokens: int, salt: str) -> GenerationRequest:
-        for name, hint in (("audio", "audio output needs an audio model"),
-                           ("reasoning_effort", "this server's model has no reasoning-effort control; for a "
-                                                "model with a thinking switch send chat_template_kwargs"),
-                           ("verbosity", "this server's model has no verbosity control"),
-                           ("web_search_options", "this server does not search the web"),
-                           ("functions", "functions is deprecated and not supported; send tools"),
-                           ("function_call", "function_call is deprecated and not supported; send tool_choice")):
-            if getattr(self, name) is not None:
-                raise BadRequest(f"{name} is not supported: {hint}", param=name)
+        _refuse_if_set(self, ("audio", "web_search_options", "functions", "function_call"))
         if self.modalities and "audio" in self.modalities:
             raise BadRequest("audio output needs an audio model; this server's model is text-only",
                              param="modalities")
         messages = tuple(m.to_message(i) for i, m in enumerate(self.messages))
-        tools = tuple(ToolSpec(name=t.function.name, description=t.function.description or "",
-                               parameters=_canonical(t.function.parameters or {"type": "object", "properties": {}}),
-                               strict=bool(t.function.strict)) for t in self.tools or ())
+        tools = tuple(t.spec() for t in self.tools or ())
         if len({t.name for t in tools}) != len(tools):
             raise BadRequest("two tools share a name", param="tools")
-        choice = self._tool_choice(tools)
+        tools, choice = self._tool_choice(tools)
         if self.top_logprobs is not None and not self.logprobs:
             raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
         fmt = self._output_format()
         if fmt is not None and tools and choice != "none":
             raise BadRequest("response_format together with tools is not supported: the answer would have to be "
                              "either a tool call or the format; send one of them", param="response_format")
+        for name in ("reasoning_effort", "verbosity"):
+            value = getattr(self, name)
+            if value is not None and name in (self.chat_template_kwargs or {}) and \
+                    self.chat_template_kwargs[name] != value:  # type: ignore[index]
+                raise BadRequest(f"{name} and chat_template_kwargs.{name} disagree; send one of them", param=name)
+        params = self.sampling(default_max_tokens, self.max_completion_tokens)
         return GenerationRequest(
-            messages=messages, params=self.sampling(default_max_tokens, self.max_completion_tokens), salt=salt,
+            messages=messages, params=params, salt=salt,
             tools=tools, tool_choice=choice if tools else "auto",
             # Without tools it cannot matter; with them, true is OpenAI's default.
             parallel_tool_calls=self.parallel_tool_calls is not False or not tools,
             response_format=fmt, n=self.n,
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             template_kwargs=_canonical(self.chat_template_kwargs) if self.chat_template_kwargs else "",
+            reasoning_effort=self.reasoning_effort or "", verbosity=self.verbosity or "",
+            **self.stopping(params.max_tokens),
         )
 
-    def _tool_choice(self, tools: tuple[ToolSpec, ...]) -> str:
+    def _tool_choice(self, tools: tuple[ToolSpec, ...]) -> tuple[tuple[ToolSpec, ...], str]:
+        """The tools the model sees and the choice among them: ``auto``, ``none``, ``required`` or a name.
+        ``allowed_tools`` becomes its mode over only the allowed tools (in their order in ``tools``), so it shares
+        its key with a request that sends just those tools."""
         choice = self.tool_choice
-        if isinstance(choice, NamedToolChoice):
-            if choice.function.name not in {t.name for t in tools}:
-                raise BadRequest(f"tool_choice names {choice.function.name!r}, which is not among the tools",
-                                 param="tool_choice")
-            return choice.function.name
+        names = {t.name for t in tools}
+        if isinstance(choice, (NamedToolChoice, NamedCustomToolChoice)):
+            name = choice.function.name if isinstance(choice, NamedToolChoice) else choice.custom.name
+            if name not in names:
+                raise BadRequest(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
+            return tools, name
+        if isinstance(choice, AllowedToolsChoice):
+            allowed = {t.function.name if isinstance(t, NamedToolChoice) else t.custom.name
+                       for t in choice.allowed_tools.tools}
+            if unknown := sorted(allowed - names):
+                raise BadRequest(f"tool_choice.allowed_tools names {unknown[0]!r}, which is not among the tools",
+                                 param="tool_choice.allowed_tools.tools")
+            return tuple(t for t in tools if t.name in allowed), choice.allowed_tools.mode
         if choice == "required" and not tools:
             raise BadRequest("tool_choice 'required' needs tools", param="tool_choice")
-        return choice or "auto"
+        return tools, choice or "auto"
 
     def _output_format(self) -> OutputFormat | None:
         fmt = self.response_format
@@ -301,7 +410,7 @@ class ChatCompletionRequest(_CommonRequest, kw_only=True, forbid_unknown_fields=
 
 
 class CompletionRequest(_CommonRequest, kw_only=True, forbid_unknown_fields=True):
-    prompt: str | Annotated[list[str], Meta(min_length=1, max_length=1)]
+    prompt: NonEmpty | Annotated[list[NonEmpty], Meta(min_length=1, max_length=1)]
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
     echo: bool = False
     best_of: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None
@@ -316,8 +425,9 @@ class CompletionRequest(_CommonRequest, kw_only=True, forbid_unknown_fields=True
                              "does not compute", param="best_of")
         if self.suffix:
             raise BadRequest("suffix (fill-in-the-middle) is not supported", param="suffix")
-        return GenerationRequest(prompt=prompt, params=self.sampling(default_max_tokens), salt=salt, n=self.n,
-                                 logprobs=self.logprobs, echo=self.echo)
+        params = self.sampling(default_max_tokens)
+        return GenerationRequest(prompt=prompt, params=params, salt=salt, n=self.n, logprobs=self.logprobs,
+                                 echo=self.echo, **self.stopping(params.max_tokens))
 
 
 def decode_request(body: bytes, request_type: type[_CommonRequest]) -> _CommonRequest:
@@ -332,9 +442,47 @@ def decode_body(body: bytes, request_type: type[T]) -> T:
     try:
         return msgspec.json.decode(body, type=request_type)
     except msgspec.ValidationError as exc:
+        if _INTEGRAL_FLOAT in str(exc):
+            return _decode_integral_floats(body, request_type, exc)
         raise BadRequest(f"invalid request: {exc}", param=_param_of(str(exc))) from exc
     except msgspec.DecodeError as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
+
+
+_INTEGRAL_FLOAT = "got `float`"
+_PATH_STEP = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]")
+# Each integer field of a request is at most one retry; no request struct has this many.
+_MAX_INTEGRAL_FLOATS = 32
+
+
+def _decode_integral_floats(body: bytes, request_type: type[T], first: msgspec.ValidationError) -> T:
+    """The decode again, with each integer field that holds an integral float (``2.0``, ``2348117.0``) given that
+    integer. JSON Schema counts such a number as an integer (the OpenAPI document says ``integer``, and a client
+    that writes every number as a float is valid); msgspec's strict decode does not. Its non-strict mode would also
+    take ``"5"`` for 5, which the schema forbids, so only the fields the strict decode names are changed, one at a
+    time: only a body that was refused pays for this."""
+    value = msgspec.json.decode(body)
+    error = first
+    for _ in range(_MAX_INTEGRAL_FLOATS):
+        message = str(error)
+        if _INTEGRAL_FLOAT not in message or "`int" not in message.split(", got", 1)[0]:
+            break
+        path = message.rsplit("at `$", 1)[-1].rstrip("`") if "at `$" in message else ""
+        steps = [name or int(index) for name, index in _PATH_STEP.findall(path)]
+        holder, at = None, value
+        try:
+            for step in steps:
+                holder, at = at, at[step]
+        except (KeyError, IndexError, TypeError):
+            break
+        if holder is None or not isinstance(at, float) or not at.is_integer():
+            break
+        holder[steps[-1]] = int(at)
+        try:
+            return msgspec.convert(value, type=request_type)
+        except msgspec.ValidationError as again:
+            error = again
+    raise BadRequest(f"invalid request: {error}", param=_param_of(str(error))) from first
 
 
 def _param_of(message: str) -> str | None:
@@ -357,6 +505,8 @@ def features_used(request: GenerationRequest) -> frozenset[str]:
     used = set()
     if request.tools:
         used.update(("tools", "tool_choice"))
+        if any(t.kind == "custom" for t in request.tools):
+            used.add("custom_tools")
     if request.response_format is not None:
         used.add("response_format")
     if request.n != 1:
@@ -369,6 +519,11 @@ def features_used(request: GenerationRequest) -> frozenset[str]:
         used.add("echo")
     if request.template_kwargs:
         used.add("chat_template_kwargs")
+    for name, on in (("min_tokens", request.min_tokens), ("ignore_eos", request.ignore_eos),
+                     ("stop_token_ids", request.stop_token_ids),
+                     ("skip_special_tokens", not request.skip_special_tokens)):
+        if on:
+            used.add(name)
     p = request.params
     for name, on in (("top_k", p.top_k), ("min_p", p.min_p), ("repetition_penalty", p.repetition_penalty != 1.0),
                      ("logit_bias", p.logit_bias)):
@@ -377,11 +532,17 @@ def features_used(request: GenerationRequest) -> frozenset[str]:
     return frozenset(used)
 
 
+#: How a feature that is not a request field of its own is named in a refusal: (words, the field it lives in).
+_FEATURE_IN_FIELD = {"custom_tools": ('custom tools (tools[].type "custom")', "tools")}
+
+
 def check_engine_supports(used: frozenset[str], engine: Engine) -> None:
     """A 400 naming the first field the engine cannot honour (in :data:`~edgecache.engines.base.FEATURES` order)."""
     if not used:  # the common case, and on the hit path: no set arithmetic
         return
     missing = used - engine.features
     if missing:
-        field = next(f for f in FEATURES if f in missing)
-        raise BadRequest(f"{field} is not supported by the {engine.kind} engine this server runs", param=field)
+        feature = next(f for f in FEATURES if f in missing)
+        words, field = _FEATURE_IN_FIELD.get(feature, (feature, feature))
+        raise BadRequest(f"{words} {'are' if words != feature else 'is'} not supported by the {engine.kind} engine "
+                         "this server runs", param=field)

@@ -1,0 +1,202 @@
+"""The token path at the limit: how many tokens a second EdgeCache's miss path relays from an engine that produces
+them as fast as it can, against the same engine served bare.
+
+Three servers, each in its own process (uvicorn, uvloop, httptools, like ``edgecache serve``):
+
+- **bare**: a litestar endpoint that streams :class:`TokenEngine`'s tokens as OpenAI SSE frames, rendered by the
+  same :class:`~edgecache.http.openai_api.ResponseWriter` EdgeCache uses, with no cache, no de-duplication and no
+  admission. It is also the SSE upstream double of the ``--upstream`` path.
+- **in-process**: EdgeCache (every layer but the semantic one, which embeds a prompt once per miss, not per token)
+  with :class:`TokenEngine` as its engine.
+- **upstream**: EdgeCache with :class:`~edgecache.engines.openai_upstream.OpenAIUpstreamEngine` in front of the
+  bare server.
+
+A client (:func:`drive`, raw asyncio sockets, so the client costs little next to the servers) keeps N streams
+going, each a new prompt (a miss), for a fixed time, and counts the tokens of the streams that completed. The
+ratio through EdgeCache over bare is the share of the engine's token rate the miss path keeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from litestar import Litestar, Request, post
+from litestar.response import Stream
+
+from edgecache.engines.base import Chunk, GenerationRequest, Message, SamplingParams
+from edgecache.errors import BadRequest
+from edgecache.http.openai_api import IdSource, ResponseWriter
+from edgecache.http.replies import Counts
+
+MODEL = "token-double"
+
+
+class TokenEngine:
+    """An engine double that yields ``max_tokens`` one-token chunks as fast as it can: one per turn of the event
+    loop (an engine in the process gives the loop a turn between tokens; one that never did would starve every
+    other request)."""
+
+    kind = "TokenEngine"
+    features: frozenset[str] = frozenset()
+    model_id = MODEL
+    version = "token-double@1"
+    token = "tok "
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def check_prompt(self, request: GenerationRequest) -> None:
+        pass
+
+    async def flush(self) -> None:
+        pass
+
+    async def stats(self) -> dict[str, float | int | str]:
+        return {"engine": "token-double"}
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        n = request.params.max_tokens
+        for _ in range(n):
+            await asyncio.sleep(0)
+            yield Chunk(text=self.token)
+        yield Chunk(finish_reason="length", prompt_tokens=8, completion_tokens=n, cached_tokens=0)
+
+
+class _StreamRequest(msgspec.Struct):
+    model: str
+    max_tokens: int = 16
+    stream: bool = False
+
+
+def bare_app() -> Litestar:
+    """The engine double behind nothing but litestar: every request is a generation, streamed as OpenAI SSE."""
+    engine, ids = TokenEngine(), IdSource()
+
+    @post("/v1/chat/completions", status_code=200)
+    async def generate(request: Request[Any, Any, Any]) -> Stream:
+        try:
+            body = msgspec.json.decode(await request.body(), type=_StreamRequest)
+        except msgspec.DecodeError as exc:
+            raise BadRequest(str(exc)) from exc
+        writer = ResponseWriter(chat=True, model=body.model, response_id=ids.next("chat"),
+                                include_usage=True)
+        generation = GenerationRequest(messages=(Message(role="user", content="-"),),
+                                       params=SamplingParams(max_tokens=body.max_tokens))
+
+        async def frames() -> AsyncIterator[bytes]:
+            yield writer.sse_start()
+            async for chunk in engine.generate(generation):
+                if chunk.text:
+                    yield writer.sse_delta(chunk.text)
+                if chunk.finish_reason is not None:
+                    yield writer.sse_end(chunk.finish_reason, Counts(chunk.prompt_tokens, chunk.completion_tokens,
+                                                                     chunk.cached_tokens))
+
+        return Stream(frames(), media_type="text/event-stream")
+
+    return Litestar([generate], openapi_config=None, logging_config=None)
+
+
+def edgecache_app(data_dir: Path, upstream: str | None) -> Any:
+    """EdgeCache with the engine double in process, or in front of the bare server at ``upstream``."""
+    from edgecache.engines.openai_upstream import OpenAIUpstreamEngine
+    from edgecache.http.app import create_app
+    from edgecache.settings import resolve_settings
+
+    settings = resolve_settings("cpu", {
+        "data_dir": str(data_dir), "semantic.enabled": False,
+        # Every stream computes at once, as on an engine that batches them all (the admission gate is not measured).
+        "admission.max_concurrent_misses": 256, "admission.max_queue": 256}, environ={})
+    engine = OpenAIUpstreamEngine(upstream, model=MODEL) if upstream else TokenEngine()
+    return create_app(settings, engine=engine)  # type: ignore[arg-type]
+
+
+def serve(app: Any, port: int) -> None:
+    import uvicorn
+
+    uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", log_level="warning",
+                access_log=False)
+
+
+_TERMINATOR = b"\r\n0\r\n\r\n"
+
+
+class Tally(msgspec.Struct):
+    streams: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    sample: bytes = b""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+async def drive(port: int, streams: int, seconds: float, tokens: int) -> Tally:
+    """``streams`` connections, each asking for one streamed miss of ``tokens`` tokens after another for
+    ``seconds``; the tokens that arrived in that time (those of a stream cut off at the end too), per second.
+    Each complete stream must be a 200 that ends in ``[DONE]``; the last complete one is kept in ``sample``, for
+    the caller to check its text."""
+    tally = Tally()
+    counter = itertools.count()
+    marker = TokenEngine.token.encode()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+
+    async def worker() -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        buf = bytearray()
+        try:
+            while loop.time() < deadline:
+                body = msgspec.json.encode({"model": MODEL, "max_tokens": tokens, "stream": True,
+                                            "messages": [{"role": "user", "content": f"stream {next(counter)}"}]})
+                writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\n"
+                             b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                buf = bytearray()
+                while not buf.endswith(_TERMINATOR):
+                    data = await asyncio.wait_for(reader.read(1 << 16), deadline - loop.time())
+                    if not data:
+                        raise RuntimeError(f"the server closed the stream: {bytes(buf[-300:])!r}")
+                    buf += data
+                if not buf.startswith(b"HTTP/1.1 200") or b"data: [DONE]" not in buf:
+                    raise RuntimeError(f"a stream failed: {bytes(buf[:300])!r} ... {bytes(buf[-300:])!r}")
+                tally.sample = bytes(buf)
+                tally.streams += 1
+                tally.tokens += buf.count(marker)
+                buf = bytearray()
+        except (TimeoutError, asyncio.TimeoutError):
+            tally.tokens += buf.count(marker)  # the stream the end of the run cut off
+        finally:
+            writer.close()
+
+    await asyncio.gather(*(worker() for _ in range(streams)))
+    tally.seconds = seconds
+    return tally
+
+
+def sample_text(raw: bytes) -> str:
+    """The content a chunked SSE response carried (to check a stream relayed every token)."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    out, rest = bytearray(), body
+    while rest:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        out += rest[:size]
+        rest = rest[size + 2:]
+    text = []
+    for frame in bytes(out).split(b"\n\n"):
+        if frame.startswith(b"data: {"):
+            event = msgspec.json.decode(frame[6:])
+            for choice in event.get("choices") or ():
+                text.append((choice.get("delta") or {}).get("content") or "")
+    return "".join(text)

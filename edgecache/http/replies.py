@@ -1,0 +1,279 @@
+"""From the pipeline's :class:`~edgecache.pipeline.Reply` to the wire, for every API.
+
+Each API (OpenAI Chat and Completions in :mod:`edgecache.http.openai_api`, and any other the front speaks) only says
+how one answer looks: an :class:`AnswerWriter` renders a JSON body, or SSE frames (start, text deltas, end; a whole
+answer at once; an error after the headers are gone). Everything else is the same for every API and lives here:
+the hot path for a stored answer, waiting for the first chunk before any byte is sent, watching for the client
+hanging up, the ``X-EdgeCache`` headers, and counting the outcome in the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Hashable
+from contextlib import aclosing
+from typing import Any, NamedTuple, Protocol, TypeVar
+
+from litestar import Request
+from litestar.response import Stream
+from litestar.types import ASGIApp
+
+from edgecache.call import Call
+from edgecache.engines.base import Choice, Chunk
+from edgecache.errors import ClientGone, EdgeCacheError, Overloaded
+from edgecache.pipeline import Reply
+from edgecache.runtime import Runtime
+from edgecache.stores import CachedAnswer
+
+T = TypeVar("T")
+
+
+class Counts(NamedTuple):
+    """An answer's token counts; ``cached`` is the part of the prompt nobody computed (all of it, for a hit)."""
+
+    prompt: int
+    completion: int
+    cached: int
+
+
+class AnswerWriter(Protocol):
+    """How one API renders one answer, for one request. ``id`` names the response (every frame of it).
+
+    ``replay_shape`` is what, besides ``id``, makes this writer's rendering differ from another's: the API, chat or
+    text, the model, options such as ``include_usage``, the response's timestamp. Two writers of equal shape
+    render a stored answer to the same bytes but for the id, so a hit writes a rendering made once with its own id
+    put in (:class:`Renderings`). Every other per-response value must therefore be derived from ``id`` when
+    rendering (or be in the shape). A writer without the attribute, or None, renders each hit afresh.
+    """
+
+    id: str
+    replay_shape: Hashable | None
+
+    def body(self, text: str, finish_reason: str | None, counts: Counts,
+             choices: tuple[Choice, ...] | None = None) -> bytes: ...
+
+    def sse_start(self) -> bytes: ...
+
+    def sse_delta(self, text: str) -> bytes: ...
+
+    def sse_end(self, finish_reason: str | None, counts: Counts) -> bytes: ...
+
+    def sse_whole(self, choices: tuple[Choice, ...], counts: Counts) -> bytes:
+        """A whole answer (tool calls, logprobs, several choices), streamed at once."""
+        ...
+
+    def sse_error(self, error: EdgeCacheError) -> bytes:
+        """An error once the stream has begun (the status is sent already): the API's own error event."""
+        ...
+
+
+class RawAnswer:
+    """A complete response as a bare ASGI app, its headers already bytes, sent exactly as given.
+
+    A hit costs little beyond writing its response, so the response's own cost shows: litestar's ``Response``
+    rebuilds a case-insensitive header map and re-checks every header per response, which measured about a third
+    of our hit path's time above a bare endpoint. The answers here need none of that. It also leaves a media type
+    alone: litestar appends ``; charset=utf-8`` to any ``text/*`` type, which gave /metrics a duplicate charset
+    parameter that strict parsers (Prometheus 3's Go ``mime.ParseMediaType``) reject.
+    """
+
+    __slots__ = ("body", "headers")
+
+    def __init__(self, body: bytes, headers: list[tuple[bytes, bytes]], content_type: bytes = b"application/json"
+                 ) -> None:
+        self.body = body
+        self.headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode()), *headers]
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+class Renderings:
+    """Stored answers rendered once per writer shape (a JSON body, or the whole SSE stream of a streamed hit), with
+    the response id left out: a hit joins the pieces with its own id, which costs a copy instead of an encode.
+
+    Keyed by the answer object: the memory tier hands a hot answer out as the same object on every hit, and an
+    entry holds its answer, so an id is never reused while its entry lives. Bounded by count and by bytes; an
+    answer whose rendering is over an eighth of the bytes is rendered each time.
+    """
+
+    def __init__(self, max_entries: int = 4096, max_bytes: int = 32 << 20) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[tuple[int, bool, Hashable], tuple[CachedAnswer, list[bytes], int]] = OrderedDict()
+        # Stands for the id while a rendering is made: random, so no answer's text can hold it.
+        self._slot = f"edgecache-replay-{os.urandom(12).hex()}"
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def render(self, writer: AnswerWriter, answer: CachedAnswer, stream: bool) -> bytes:
+        shape = getattr(writer, "replay_shape", None)
+        if shape is None:
+            return render_answer(writer, answer, stream)
+        key = (id(answer), stream, shape)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0] is answer:
+            self._entries.move_to_end(key)
+            return writer.id.encode().join(entry[1])
+        own_id, writer.id = writer.id, self._slot
+        try:
+            pieces = render_answer(writer, answer, stream).split(self._slot.encode())
+        finally:
+            writer.id = own_id
+        size = sum(map(len, pieces))
+        if size <= self.max_bytes // 8:
+            if entry is not None:
+                self._drop(key)
+            self._entries[key] = (answer, pieces, size)
+            self.bytes += size
+            while self.bytes > self.max_bytes or len(self._entries) > self.max_entries:
+                self._drop(next(iter(self._entries)))
+        return own_id.encode().join(pieces)
+
+    def _drop(self, key: tuple[int, bool, Hashable]) -> None:
+        self.bytes -= self._entries.pop(key)[2]
+
+
+def render_answer(writer: AnswerWriter, answer: CachedAnswer, stream: bool) -> bytes:
+    """A stored answer, whole: its JSON body, or every SSE frame a stream of it carries (what :func:`_sse` writes
+    for the stored answer's replay: start, its text, end; or a whole answer at once)."""
+    counts = Counts(answer.prompt_tokens, answer.completion_tokens, answer.prompt_tokens)  # a hit computed nothing
+    if not stream:
+        return writer.body(answer.text, answer.finish_reason, counts, answer.choices)
+    if answer.choices is not None:
+        return writer.sse_whole(answer.choices, counts)
+    return (writer.sse_start() + (writer.sse_delta(answer.text) if answer.text else b"")
+            + writer.sse_end(answer.finish_reason, counts))
+
+
+SSE_HEADERS = [(b"cache-control", b"no-cache")]
+SSE = b"text/event-stream; charset=utf-8"
+
+
+def reply_headers(reply: Reply) -> list[tuple[bytes, bytes]]:
+    headers = [(b"x-edgecache", reply.served.encode())]
+    if reply.ttl_s is not None:
+        headers.append((b"x-edgecache-ttl", str(max(0, int(reply.ttl_s))).encode()))
+    if reply.similarity is not None:
+        headers.append((b"x-edgecache-similarity", f"{reply.similarity:.3f}".encode()))
+    return headers
+
+
+async def respond(rt: Runtime, request: Request[Any, Any, Any], call: Call, stream: bool, writer: AnswerWriter,
+                  started: float) -> ASGIApp:
+    """Serve ``call`` through the pipeline and render the reply with ``writer``: a JSON body, or an SSE stream."""
+    assert rt.pipeline is not None  # the route checked readiness
+    try:
+        reply = await rt.pipeline.serve(call)
+    except Overloaded:
+        rt.metrics.observe_request(call.tenant, call.scenario, "rejected", None)
+        raise
+    metrics = rt.metrics
+    answer = reply.answer
+    if answer is not None:
+        # The hot path: a stored answer, its JSON body or its whole SSE stream made once and sent as one body.
+        metrics.observe_request(call.tenant, call.scenario, reply.served, time.perf_counter() - started)
+        body = request.app.state.front.renderings.render(writer, answer, stream)
+        if stream:
+            return RawAnswer(body, reply_headers(reply) + SSE_HEADERS, content_type=SSE)
+        return RawAnswer(body, reply_headers(reply))
+    chunks = reply.stream()
+    try:
+        # The first chunk is awaited before any byte is sent, so an error before the first token (a bad prompt,
+        # a failed engine) still gets its real HTTP status instead of a 200 stream carrying an error. Nothing is
+        # sent while it waits, so the client's hanging up is watched for meanwhile.
+        first = await unless_client_gone(request, anext(chunks))
+    except BaseException as exc:
+        await chunks.aclose()
+        if not isinstance(exc, ClientGone):
+            metrics.observe_request(call.tenant, call.scenario,
+                                    "rejected" if isinstance(exc, Overloaded) else "error", None)
+        raise
+    ttft = time.perf_counter() - started
+
+    if not stream:
+        async def rest() -> tuple[list[str], Chunk]:
+            texts, final = [first.text], first
+            async for chunk in chunks:
+                texts.append(chunk.text)
+                final = chunk
+            return texts, final
+
+        try:
+            texts, final = await unless_client_gone(request, rest())
+        except BaseException as exc:
+            if not isinstance(exc, ClientGone):
+                metrics.observe_request(call.tenant, call.scenario, "error", None)
+            raise
+        finally:
+            await chunks.aclose()
+        metrics.observe_request(call.tenant, call.scenario, reply.served, ttft)
+        body = writer.body("".join(texts), final.finish_reason,
+                           Counts(final.prompt_tokens, final.completion_tokens, final.cached_tokens), final.choices)
+        return RawAnswer(body, reply_headers(reply))
+
+    headers = {name.decode(): value.decode() for name, value in reply_headers(reply)}
+    return Stream(content=_sse(rt, call, reply.served, writer, first, chunks, ttft), media_type="text/event-stream",
+                  headers={**headers, "Cache-Control": "no-cache"}).to_asgi_response(None, request)
+
+
+async def unless_client_gone(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:
+    """``work``'s result, unless the client hangs up first: then ``work`` is cancelled (which releases what it
+    holds: the flight listener, and with the last listener the engine call and its admission slot) and ClientGone
+    is raised. The request body has been read, so the next ASGI message can only be the disconnect."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait([task])
+            if watcher.done():
+                raise ClientGone("the client closed the connection before its answer was ready")
+        watcher.cancel()
+    return task.result()
+
+
+async def _disconnected(request: Request[Any, Any, Any]) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _sse(rt: Runtime, call: Call, served: str, writer: AnswerWriter, first: Chunk,
+               chunks: AsyncIterator[Chunk], ttft: float) -> AsyncIterator[bytes]:
+    outcome = "error"
+    try:
+        async with aclosing(chunks):
+            if first.choices is not None:
+                # A whole answer (tool calls, logprobs, several choices) arrives as one final chunk.
+                yield writer.sse_whole(first.choices, Counts(first.prompt_tokens, first.completion_tokens,
+                                                             first.cached_tokens))
+                outcome = served
+                return
+            yield writer.sse_start()
+            chunk: Chunk | None = first
+            while chunk is not None:
+                if chunk.text:
+                    yield writer.sse_delta(chunk.text)
+                if chunk.finish_reason is not None:
+                    yield writer.sse_end(chunk.finish_reason,
+                                         Counts(chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_tokens))
+                    outcome = served
+                    return
+                chunk = await anext(chunks, None)
+    except EdgeCacheError as exc:
+        # Headers are gone already: the error travels as an event in the API's own error shape.
+        yield writer.sse_error(exc)
+    finally:
+        rt.metrics.observe_request(call.tenant, call.scenario, outcome, ttft if outcome != "error" else None)
