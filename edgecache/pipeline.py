@@ -28,10 +28,10 @@ import msgspec
 import numpy as np
 
 from edgecache.admission import AdmissionGate
-from edgecache.call import POLICIES, Call, CachePolicy, Served
+from edgecache.call import Call, CachePolicy, Served
 from edgecache.semantic.decision_log import DecisionLog
 from edgecache.engines.base import Chunk, Engine
-from edgecache.errors import EngineError
+from edgecache.errors import EngineError, NotCached
 from edgecache.semantic.guard import rule_of as guard_rule_of
 from edgecache.inflight import FlightTable, SharedFlight
 from edgecache.keys import is_cacheable, request_key
@@ -117,8 +117,12 @@ class SemanticAnswer(msgspec.Struct, frozen=True, kw_only=True):
 
 def _fresh_enough(answer: CachedAnswer, call: Call) -> bool:
     """A caller's explicit TTL is also the oldest answer it accepts: the first computation's TTL must not decide
-    for everyone (an answer stored for a day is not an answer for a caller who asked for a minute)."""
-    return call.ttl_s is None or time.time() - answer.created_at <= call.ttl_s
+    for everyone (an answer stored for a day is not an answer for a caller who asked for a minute). So is its
+    ``Cache-Control: max-age``, which changes nothing else."""
+    if call.ttl_s is None and call.max_age_s is None:
+        return True
+    age = time.time() - answer.created_at
+    return (call.ttl_s is None or age <= call.ttl_s) and (call.max_age_s is None or age <= call.max_age_s)
 
 
 class RequestPipeline:
@@ -147,8 +151,13 @@ class RequestPipeline:
         self.semantic = semantic
 
     async def serve(self, call: Call) -> Reply:
-        policy = POLICIES[call.policy]
-        if not (is_cacheable(call.request) or policy.sampled):
+        policy = call.cache_policy()
+        cacheable = is_cacheable(call.request) or policy.sampled
+        if not policy.compute and not (cacheable and policy.read):
+            raise NotCached("only-if-cached, and this request can have no cached answer: " +
+                            ("sampling without a seed is never cached (send a seed or temperature 0)" if not cacheable
+                             else "its cache policy reads no cache"))
+        if not cacheable:
             # Sampling without a seed: every call should differ, so no layer may share or keep it.
             return await self._uncached(call)
         if not (policy.read or policy.write):
@@ -171,8 +180,12 @@ class RequestPipeline:
                 return Reply(served="shared", chunks=flight.follow(), key=key)
 
         # Bounds before any work that grows with the prompt or waits: a prompt the context cannot hold is refused
-        # (400) and a full engine queue refuses at once (429), before the prompt is embedded.
-        await self._refuse_early(call)
+        # (400) and a full engine queue refuses at once (429), before the prompt is embedded. A call that will not
+        # reach the engine (only-if-cached) is not refused for the engine's queue.
+        if policy.compute:
+            await self._refuse_early(call)
+        else:
+            await self.engine.check_prompt(call.request)
 
         if policy.read:
             # 3. semantic cache: first-turn chat prompts only, the nearest candidates, accepted by threshold + guard or the verifier
@@ -192,6 +205,8 @@ class RequestPipeline:
                 if flight is not None:
                     return Reply(served="shared", chunks=flight.follow(), key=key)
 
+        if not policy.compute:
+            raise NotCached("only-if-cached, and no cached answer matches this request; nothing was computed")
         if not policy.write:
             return Reply(served="miss", chunks=self._engine_stream(call), lookup=lookup,
                          decision_id=decision_id)  # no-store: compute, keep nothing

@@ -1,6 +1,7 @@
 """The HTTP front: an app factory that builds the litestar app from one :class:`~edgecache.settings.Settings`.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (OpenAI), ``POST /v1/messages``
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``POST /v1/responses`` with
+``GET``/``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` (OpenAI), ``POST /v1/messages``
 and ``POST /v1/messages/count_tokens`` (Anthropic, whose errors come in Anthropic's shape), ``GET /health``
 (503 while the model loads), ``GET /metrics`` (Prometheus), ``GET /stats`` (JSON), ``POST /admin/flush`` and
 ``POST /admin/warmup`` (admin key when there is a tenants file), ``POST /v1/feedback`` (a caller marks a response
@@ -26,13 +27,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, Response, delete, get, post
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
-from litestar.params import PathParameter
+from litestar.params import PathParameter, QueryParameter
 from litestar.types import ASGIApp
 
 from edgecache.http.access_log import TENANT_SCOPE_KEY, AccessLog, AccessLogMiddleware
@@ -51,6 +52,7 @@ from edgecache.errors import (
 from edgecache.http import anthropic_api
 from edgecache.http.openai_api import ModelCard, ModelList, ResponseWriter
 from edgecache.http.replies import RawAnswer, respond
+from edgecache.http.responses_api import responses_names
 from edgecache.http.embeddings import EmbeddingRequest, embed
 from edgecache.http.feedback import FeedbackRequest, apply_feedback
 from edgecache.http.front import Front
@@ -115,6 +117,52 @@ async def completions(request: Request[Any, Any, Any]) -> ASGIApp:
     return await _generate(request, chat=False)
 
 
+@post("/v1/responses", status_code=200)
+async def create_response(request: Request[Any, Any, Any]) -> ASGIApp:
+    """The Responses API (:mod:`edgecache.http.responses_api`): the same call as chat, rendered as a Response."""
+    started = time.perf_counter()
+    rt, front = _runtime(request.app.state), _front(request.app.state)
+    headers = read_headers(request.scope["headers"])
+    tenant = rt.tenants.authenticate(headers.authorization, headers.api_key)           # 401 on an unknown key
+    request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]  # for the access log
+    asked = await front.responses.parse(await request.body(), tenant)                 # 400 / 413 / 404
+    _check_ready(rt, asked.parsed.model)                                               # 503 / 404
+    with responses_names():
+        check_engine_supports(asked.parsed.features, rt.engine)                        # 400 naming field+engine
+    parsed = apply_headers(asked.parsed, headers, tenant, rt.settings)
+    writer = front.responses.writer(asked, front.ids.next("response"), rt.engine.model_id, tenant.id)
+    return await respond(rt, request, parsed.call, parsed.stream, writer, started)
+
+
+@get("/v1/responses/{response_id:str}")
+async def retrieve_response(request: Request[Any, Any, Any],
+                            response_id: Annotated[str, PathParameter()]) -> ASGIApp:
+    rt = _runtime(request.app.state)
+    tenant = rt.tenants.authenticate(*_credentials(request))
+    stored = await _front(request.app.state).responses.stored(tenant.id, response_id)   # another tenant's: 404
+    return RawAnswer(stored.body, [])
+
+
+@delete("/v1/responses/{response_id:str}", status_code=200)
+async def delete_response(request: Request[Any, Any, Any],
+                          response_id: Annotated[str, PathParameter()]) -> ASGIApp:
+    rt = _runtime(request.app.state)
+    tenant = rt.tenants.authenticate(*_credentials(request))
+    return RawAnswer(await _front(request.app.state).responses.delete(tenant.id, response_id), [])
+
+
+@get("/v1/responses/{response_id:str}/input_items")
+async def response_input_items(
+        request: Request[Any, Any, Any], response_id: Annotated[str, PathParameter()],
+        limit: Annotated[int, QueryParameter(ge=1, le=100)] = 20,
+        order: Annotated[Literal["asc", "desc"], QueryParameter()] = "desc",
+        after: Annotated[str | None, QueryParameter()] = None) -> ASGIApp:
+    rt = _runtime(request.app.state)
+    tenant = rt.tenants.authenticate(*_credentials(request))
+    return RawAnswer(await _front(request.app.state).responses.input_items(
+        tenant.id, response_id, limit=limit, order=order, after=after), [])
+
+
 def _anthropic_error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     """Errors on the Messages routes, in Anthropic's shape (the other routes keep OpenAI's)."""
     err, headers = _as_error(exc)
@@ -166,7 +214,7 @@ async def feedback(request: Request[Any, Any, Any]) -> ASGIApp:
     tenant = rt.tenants.authenticate(*_credentials(request))
     request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]  # for the access log
     mark = decode_body(await request.body(), FeedbackRequest)
-    done = await apply_feedback(rt, _front(request.app.state).responses, tenant.id, mark)
+    done = await apply_feedback(rt, _front(request.app.state).ledger, tenant.id, mark)
     return RawAnswer(_json.encode(done), [])
 
 
@@ -377,7 +425,8 @@ def create_app(settings: Settings, engine: Engine | None = None,
             lock.release()
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, messages, count_tokens, feedback, embeddings, list_models,
+        route_handlers=[chat_completions, completions, create_response, retrieve_response, delete_response,
+                        response_input_items, messages, count_tokens, feedback, embeddings, list_models,
                         retrieve_model, openapi_json, health, metrics, stats, admin_flush, admin_warmup],
         lifespan=[lifespan],
         state=State({"openapi": _json.encode(openapi_document(_package_version()))}),

@@ -22,7 +22,7 @@ What a mark does depends on what served the response (its ``X-EdgeCache``):
 Every mark is counted in ``edgecache_feedback_total{tenant, served, verdict}``. A response is marked once; a second
 mark answers ``already_marked`` and changes nothing.
 
-Which response was what (:class:`Responses`): the last ``server.feedback_responses`` responses, by id, in memory
+Which response was what (:class:`ResponseLedger`): the last ``server.feedback_responses`` responses, by id, in memory
 (about 200 bytes each), and for each copy a semantic hit stored, the hit it came from. Written to
 ``<data_dir>/feedback/responses.msgpack`` at a clean shutdown and read at start, so a restart forgets none of them
 (a crash forgets the responses of that run: marks of them get 404; the labels already given stay in the decision
@@ -96,7 +96,7 @@ class _Saved(msgspec.Struct, array_like=True):
     copies: list[tuple[str, str, str]]  # tenant, key, the response id of the semantic hit that stored it
 
 
-class Responses:
+class ResponseLedger:
     """The last ``max_entries`` responses by id, and the copies semantic hits stored (bounded alike)."""
 
     def __init__(self, path: Path | None = None, max_entries: int = 65_536) -> None:
@@ -177,7 +177,7 @@ class Responses:
                 self._copies[(tenant, key)] = entry
 
 
-async def apply_feedback(rt: Runtime, responses: Responses, tenant: str, mark: FeedbackRequest) -> FeedbackReply:
+async def apply_feedback(rt: Runtime, responses: ResponseLedger, tenant: str, mark: FeedbackRequest) -> FeedbackReply:
     """Apply ``tenant``'s mark (see the module); 404 when the response is not that tenant's or not remembered."""
     found = responses.find(tenant, mark.response_id)
     if found is None:
