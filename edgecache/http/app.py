@@ -4,7 +4,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 ``GET``/``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` (OpenAI), ``POST /v1/messages``
 and ``POST /v1/messages/count_tokens`` (Anthropic, whose errors come in Anthropic's shape), ``GET /health``
 (503 while the model loads), ``GET /metrics`` (Prometheus), ``GET /stats`` (JSON), ``POST /admin/flush`` and
-``POST /admin/warmup`` (admin key when there is a tenants file). The state they share is a
+``POST /admin/warmup`` (admin key when there is a tenants file), ``POST /v1/feedback`` (a caller marks a response
+right or wrong: :mod:`edgecache.http.feedback`). The state they share is a
 :class:`~edgecache.runtime.Runtime`.
 
 Each API route authenticates, parses its body into the pipeline's :class:`~edgecache.call.Call` and picks its answer
@@ -53,6 +54,7 @@ from edgecache.http.openai_api import ModelCard, ModelList, ResponseWriter
 from edgecache.http.replies import RawAnswer, respond
 from edgecache.http.responses_api import responses_names
 from edgecache.http.embeddings import EmbeddingRequest, embed
+from edgecache.http.feedback import FeedbackRequest, apply_feedback
 from edgecache.http.front import Front
 from edgecache.http.openapi import openapi_document
 from edgecache.http.request_surface import check_engine_supports, decode_body
@@ -205,6 +207,17 @@ def _model_cards(rt: Runtime) -> list[ModelCard]:
     return cards
 
 
+@post("/v1/feedback", status_code=200)
+async def feedback(request: Request[Any, Any, Any]) -> ASGIApp:
+    """A caller marks a response it received right or wrong (:mod:`edgecache.http.feedback`)."""
+    rt = _runtime(request.app.state)
+    tenant = rt.tenants.authenticate(*_credentials(request))
+    request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]  # for the access log
+    mark = decode_body(await request.body(), FeedbackRequest)
+    done = await apply_feedback(rt, _front(request.app.state).ledger, tenant.id, mark)
+    return RawAnswer(_json.encode(done), [])
+
+
 @get("/v1/models")
 async def list_models(state: State) -> Response[Any]:
     return Response(_json.encode(ModelList(data=_model_cards(_runtime(state)))), media_type=JSON)
@@ -285,6 +298,7 @@ async def stats(request: Request[Any, Any, Any]) -> Response[Any]:
     body["stores"] = stores
     if rt.semantic is not None and (learned := rt.semantic.learned()) is not None:
         body["semantic"]["learner"] = learned  # type: ignore[index]
+    body["semantic"]["labelling"]["judge"] = rt.judge_status()  # type: ignore[index]
     body["store"] = {field: sum(s[field] for s in stores.values())
                      for field in ("entries", "bytes", "budget_bytes", "memory_entries", "memory_bytes")}
     body["admission"] = {"running": rt.admission.running, "queued": rt.admission.queued,
@@ -412,8 +426,8 @@ def create_app(settings: Settings, engine: Engine | None = None,
 
     app = Litestar(
         route_handlers=[chat_completions, completions, create_response, retrieve_response, delete_response,
-                        response_input_items, messages, count_tokens, embeddings, list_models, retrieve_model,
-                        openapi_json, health, metrics, stats, admin_flush, admin_warmup],
+                        response_input_items, messages, count_tokens, feedback, embeddings, list_models,
+                        retrieve_model, openapi_json, health, metrics, stats, admin_flush, admin_warmup],
         lifespan=[lifespan],
         state=State({"openapi": _json.encode(openapi_document(_package_version()))}),
         exception_handlers={Exception: _error_response},

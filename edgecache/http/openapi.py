@@ -14,6 +14,7 @@ import msgspec
 
 from edgecache.http.anthropic_api import CountTokensRequest, AnthropicError, MessageOut, MessagesRequest, TokenCount
 from edgecache.http.embeddings import EmbeddingList, EmbeddingRequest
+from edgecache.http.feedback import FeedbackReply, FeedbackRequest
 from edgecache.errors import ErrorBody
 from edgecache.http.openai_api import ChatCompletion, ChatCompletionChunk, ModelCard, ModelList, TextCompletion
 from edgecache.http.request_surface import ChatCompletionRequest, CompletionRequest
@@ -36,13 +37,14 @@ def _ref(struct: type) -> dict[str, str]:
     return {"$ref": _REF.format(name=struct.__name__)}
 
 
-def _errors(*statuses: int, shape: type = ErrorBody) -> dict[str, Any]:
+def _errors(*statuses: int, shape: type = ErrorBody, **described: str) -> dict[str, Any]:
+    """Error responses in ``shape``; ``described`` (``e404="..."``) words one for this route."""
     reasons = {400: "Invalid request (the error's param names the field)", 401: "Missing or unknown API key",
                403: "Not allowed by the tenant's plan", 404: "Unknown model, or no such stored response",
                413: "Request too large",
                429: "Overloaded; see Retry-After", 503: "The model is loading or failed to load"}
-    return {str(s): {"description": reasons[s], "content": {"application/json": {"schema": _ref(shape)}}}
-            for s in statuses}
+    return {str(s): {"description": described.get(f"e{s}", reasons[s]),
+                     "content": {"application/json": {"schema": _ref(shape)}}} for s in statuses}
 
 
 def _json_body(struct: type) -> dict[str, Any]:
@@ -89,7 +91,8 @@ def openapi_document(version: str) -> dict[str, Any]:
     structs = (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ChatCompletion, ChatCompletionChunk,
                TextCompletion, EmbeddingList, ModelList, ModelCard, ErrorBody, WarmupBatch, MessagesRequest,
                CountTokensRequest, MessageOut, TokenCount, AnthropicError, ResponseCreateRequest, *INPUT_ITEMS,
-               FunctionTool, FunctionToolChoice, AllowedToolChoice, ResponseObject, DeletedResponse, InputItemList)
+               FunctionTool, FunctionToolChoice, AllowedToolChoice, ResponseObject, DeletedResponse, InputItemList,
+               FeedbackRequest, FeedbackReply)
     _, components = msgspec.json.schema_components(structs, ref_template=_REF)
     _responses_items(components)
     plain_json = {"200": {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}}
@@ -124,6 +127,14 @@ def openapi_document(version: str) -> dict[str, Any]:
                 "responses": {"200": {"description": "The vectors",
                                       "content": {"application/json": {"schema": _ref(EmbeddingList)}}},
                               **_errors(400, 401, 404, 413, 503)}}},
+            "/v1/feedback": {"post": {
+                "summary": "Mark a response this tenant received right or wrong (a wrong semantic answer is "
+                           "demoted); see docs/api.md",
+                "requestBody": _json_body(FeedbackRequest),
+                "responses": {"200": {"description": "What the mark did",
+                                      "content": {"application/json": {"schema": _ref(FeedbackReply)}}},
+                              **_errors(400, 401, 404, 413, e404="No such response for this API key's tenant "
+                                        "(never sent to it, or older than the last server.feedback_responses)")}}},
             "/v1/models": {"get": {"summary": "The chat model and the embedder", "responses": {
                 "200": {"description": "OK", "content": {"application/json": {"schema": _ref(ModelList)}}}}}},
             "/v1/models/{model_id}": {"get": {
