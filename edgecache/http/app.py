@@ -34,7 +34,7 @@ from litestar.params import PathParameter
 from litestar.types import ASGIApp
 
 from edgecache.http.access_log import TENANT_SCOPE_KEY, AccessLog, AccessLogMiddleware
-from edgecache.http.calls import apply_headers, read_headers
+from edgecache.http.calls import apply_headers, read_body, read_headers
 from edgecache.canary import CanaryReport
 from edgecache.data_dir import DataDirLock
 from edgecache.engines.base import Engine
@@ -87,16 +87,18 @@ def _authorization(request: Request[Any, Any, Any]) -> str | None:
 
 async def _generate(request: Request[Any, Any, Any], chat: bool) -> ASGIApp:
     started = time.perf_counter()
-    rt = _runtime(request.app.state)
+    state = request.app.state
+    rt, front = _runtime(state), _front(state)
     headers = read_headers(request.scope["headers"])
     tenant = rt.tenants.authenticate(headers.authorization)                            # 401 on an unknown key
     request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]  # for the access log
-    parsed = _front(request.app.state).parsed.parse(chat, await request.body(), tenant)                     # 400 / 413
+    body = await read_body(request.receive, rt.settings.server.max_body_bytes)         # 413
+    parsed = front.parsed.parse(chat, body, tenant)                                    # 400 / 413
     _check_ready(rt, parsed.model)                                                     # 503 / 404
     check_engine_supports(parsed.features, rt.engine)                                  # 400 naming field+engine
     parsed = apply_headers(parsed, headers, tenant, rt.settings)
     writer = ResponseWriter(chat=chat, model=rt.engine.model_id, include_usage=parsed.include_usage,
-                            response_id=_front(request.app.state).ids.next("chat" if chat else "text"))
+                            response_id=front.ids.next("chat" if chat else "text"))
     return await respond(rt, request, parsed.call, parsed.stream, writer, started)
 
 
