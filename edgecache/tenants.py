@@ -37,7 +37,7 @@ import msgspec
 from msgspec import Meta
 
 from edgecache.call import POLICIES, PolicyName
-from edgecache.errors import Unauthorized
+from edgecache.errors import BadRequest, Unauthorized
 from edgecache.settings import ByteSize, SettingsError, _dec_hook
 
 ALL_POLICIES: tuple[PolicyName, ...] = tuple(POLICIES)
@@ -141,13 +141,14 @@ class TenantDirectory:
     def get(self, tenant_id: str) -> Tenant | None:
         return self._tenants.get(tenant_id)
 
-    def authenticate(self, authorization: str | None) -> Tenant:
-        """The tenant a request's ``Authorization: Bearer <key>`` header names; 401 when there is none."""
+    def authenticate(self, authorization: str | None, api_key: str | None = None) -> Tenant:
+        """The tenant a request's key names (``Authorization: Bearer <key>`` or ``x-api-key: <key>``, see
+        :func:`presented_key`); 401 when there is none."""
         if self.open:
             return DEFAULT_TENANT
-        key = _bearer(authorization)
+        key = presented_key(authorization, api_key)
         if key is None:
-            raise Unauthorized("missing API key: send Authorization: Bearer <key>")
+            raise Unauthorized("missing API key: send Authorization: Bearer <key> (or x-api-key: <key>)")
         digest = _digest(key)
         found: Tenant | None = None
         # Every digest is compared, in constant time, with no early exit: how long this takes says nothing about
@@ -159,21 +160,21 @@ class TenantDirectory:
             raise Unauthorized("invalid API key")
         return found
 
-    def authenticate_admin(self, authorization: str | None) -> None:
+    def authenticate_admin(self, authorization: str | None, api_key: str | None = None) -> None:
         """Admin routes: open when there is no tenants file (loopback only), else an admin key is needed."""
         if self.open:
             return
-        key = _bearer(authorization)
+        key = presented_key(authorization, api_key)
         digest = _digest(key) if key is not None else b""
         if not _any_match(digest, self._admin_digests):
             raise Unauthorized("an admin key is needed for this route")
 
-    def authenticate_metrics(self, authorization: str | None) -> None:
+    def authenticate_metrics(self, authorization: str | None, api_key: str | None = None) -> None:
         """``/metrics`` names every tenant with its traffic: with a tenants file it needs the admin key or a key
         from the file's ``[metrics]`` section (a scraper's token that opens nothing else)."""
         if self.open:
             return
-        key = _bearer(authorization)
+        key = presented_key(authorization, api_key)
         digest = _digest(key) if key is not None else b""
         # Both lists are compared in full (no short circuit), like every key comparison here.
         admin, metrics = _any_match(digest, self._admin_digests), _any_match(digest, self._metrics_digests)
@@ -186,6 +187,19 @@ def _any_match(digest: bytes, digests: list[bytes]) -> bool:
     for candidate in digests:
         found |= hmac.compare_digest(digest, candidate)
     return found
+
+
+def presented_key(authorization: str | None, api_key: str | None) -> str | None:
+    """The key a request presents: ``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-key: <key>``
+    (Anthropic's). Both may be sent (the anthropic SDK given both an api_key and an auth_token does), but then they
+    must name the same key: two different keys leave it ambiguous who is calling, so that is a 400, never a guess
+    (the same rule as a header sent twice)."""
+    bearer = _bearer(authorization)
+    key = api_key.strip() if api_key is not None and api_key.strip() else None
+    if bearer is not None and key is not None and bearer != key:
+        raise BadRequest("the Authorization and x-api-key headers name different keys; send one key",
+                         param="x-api-key")
+    return bearer if bearer is not None else key
 
 
 def _bearer(authorization: str | None) -> str | None:

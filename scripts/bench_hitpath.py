@@ -3,14 +3,16 @@
 Measures, in one run, on this machine:
   (a) a bare litestar POST endpoint returning a constant JSON body (same uvicorn, uvloop and httptools settings),
   (b) EdgeCache exact hits (the same request body every time, answered from the result store), for a plain chat
-      request (asked as JSON and with ``stream: true``), a tool-call answer (tools + a forced tool_choice) and a
-      structured-output answer (json_schema),
+      request (asked as JSON and with ``stream: true``), a tool-call answer (tools + a forced tool_choice), a
+      structured-output answer (json_schema), and the plain request asked through Anthropic's Messages API (JSON
+      and streamed; the same stored entry, rendered as a message),
   (c) EdgeCache misses against the CPU engine (distinct prompts, max_tokens=8),
   (d) TTFT of a streaming request sharing a ~1.5k-token system prompt, cold (new system prompt) vs warm,
   (e) the token path: tokens/s of N concurrent streamed misses (N = 1, 16, 64) from an engine double that yields
       tokens as fast as it can, through EdgeCache (the double in process, and behind --upstream) and served bare
       (see edgecache/bench/relay.py),
-and prints requests/s and p50/p99 latency for each, the ratios (b)/(a) and streamed hit over JSON hit, and the
+and prints requests/s and p50/p99 latency for each, the ratios (b)/(a), streamed hit over JSON hit and a Messages
+hit over a chat hit (JSON and streamed), and the
 token path's tokens/s through EdgeCache over bare at each N.
 
 (a) and (b) are driven by wrk (Debian package `wrk`), a C load generator, so the client is not the bottleneck;
@@ -55,6 +57,10 @@ STRUCTURED_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "The
                                                         "celsius": {"type": "integer"}},
                        "required": ["city", "celsius"]}}}}
 STREAM_BODY = {**HIT_BODY, "stream": True}  # the same entry as HIT_BODY (stream is not in the key), streamed
+# Anthropic's Messages API asking for the same generation as HIT_BODY: the same key, so the same stored entry.
+MESSAGES = "/v1/messages"
+MESSAGES_BODY = {"model": MODEL, "max_tokens": 8, "temperature": 0, "messages": HIT_BODY["messages"]}
+MESSAGES_STREAM_BODY = {**MESSAGES_BODY, "stream": True}
 
 
 def bare_app():  # the baseline: nothing but litestar, uvicorn, uvloop and httptools
@@ -81,7 +87,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def run_wrk(url: str, body: dict, duration: int, connections: int, workdir: Path,
-            server: subprocess.Popen | None = None) -> dict[str, float]:
+            path: str = "/v1/chat/completions", server: subprocess.Popen | None = None) -> dict[str, float]:
     """One wrk round: requests/s and latency; with ``server``, also its CPU time per request (``cpu_us``), which a
     busy box inflates far less than it cuts requests/s."""
     script = workdir / "post.lua"
@@ -89,7 +95,7 @@ def run_wrk(url: str, body: dict, duration: int, connections: int, workdir: Path
                       f"wrk.body = {json.dumps(json.dumps(body))}\n")
     cpu_before = cpu_seconds(server.pid) if server is not None else 0.0
     out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(script),
-                          url + "/v1/chat/completions"], capture_output=True, text=True, check=True).stdout
+                          url + path], capture_output=True, text=True, check=True).stdout
     if "Non-2xx" in out:
         raise SystemExit(f"wrk saw errors:\n{out}")
 
@@ -247,21 +253,32 @@ def main() -> None:
             assert first.headers["x-edgecache"] == "miss", first.text
             assert httpx.post(ec_url + "/v1/chat/completions", json=body).headers["x-edgecache"] == "exact"
         assert httpx.post(ec_url + "/v1/chat/completions", json=STREAM_BODY).headers["x-edgecache"] == "exact"
+        for body in (MESSAGES_BODY, MESSAGES_STREAM_BODY):  # one key with the chat request: a hit at once
+            assert httpx.post(ec_url + MESSAGES, json=body).headers["x-edgecache"] == "exact"
         tool_answer = httpx.post(ec_url + "/v1/chat/completions", json=TOOL_BODY).json()
         assert tool_answer["choices"][0]["message"]["tool_calls"], tool_answer
 
         bare_rounds, hit_rounds, stream_rounds, tool_rounds, structured_rounds = [], [], [], [], []
+        messages_rounds, messages_stream_rounds = [], []
         for _ in range(args.rounds):  # alternate, so drift on a shared machine hits all alike
-            bare_rounds.append(run_wrk(bare_url, HIT_BODY, args.duration, args.connections, work, procs[0]))
-            hit_rounds.append(run_wrk(ec_url, HIT_BODY, args.duration, args.connections, work, procs[1]))
-            stream_rounds.append(run_wrk(ec_url, STREAM_BODY, args.duration, args.connections, work, procs[1]))
-            tool_rounds.append(run_wrk(ec_url, TOOL_BODY, args.duration, args.connections, work, procs[1]))
+            bare_rounds.append(run_wrk(bare_url, HIT_BODY, args.duration, args.connections, work, server=procs[0]))
+            hit_rounds.append(run_wrk(ec_url, HIT_BODY, args.duration, args.connections, work, server=procs[1]))
+            stream_rounds.append(run_wrk(ec_url, STREAM_BODY, args.duration, args.connections, work,
+                                         server=procs[1]))
+            tool_rounds.append(run_wrk(ec_url, TOOL_BODY, args.duration, args.connections, work, server=procs[1]))
             structured_rounds.append(run_wrk(ec_url, STRUCTURED_BODY, args.duration, args.connections, work,
-                                             procs[1]))
+                                             server=procs[1]))
+            messages_rounds.append(run_wrk(ec_url, MESSAGES_BODY, args.duration, args.connections, work, MESSAGES,
+                                           server=procs[1]))
+            messages_stream_rounds.append(run_wrk(ec_url, MESSAGES_STREAM_BODY, args.duration, args.connections,
+                                                  work, MESSAGES, server=procs[1]))
         med = lambda rounds: sorted(rounds, key=lambda r: r["rps"])[len(rounds) // 2]  # noqa: E731
         med_cpu = lambda rounds: statistics.median(r["cpu_us"] for r in rounds)  # noqa: E731
         bare, hit, streamed = med(bare_rounds), med(hit_rounds), med(stream_rounds)
         tool, structured = med(tool_rounds), med(structured_rounds)
+        messages, messages_streamed = med(messages_rounds), med(messages_stream_rounds)
+        api_ratios = {"messages_hit_over_chat_hit": round(messages["rps"] / hit["rps"], 3),
+                      "messages_stream_hit_over_chat_stream_hit": round(messages_streamed["rps"] / streamed["rps"], 3)}
         if args.hits_only:
             ratios = {name: round(r["rps"] / bare["rps"], 3) for name, r in
                       (("hit_over_bare", hit), ("tool_hit_over_bare", tool),
@@ -269,11 +286,13 @@ def main() -> None:
             print(f"{'':38}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'CPU us':>10}")
             for name, r in (("(a) bare litestar, constant JSON", bare), ("(b) EdgeCache exact hit", hit),
                             ("(b*) exact hit, stream: true", streamed),
-                            ("(b') exact hit, tool call", tool), ("(b'') exact hit, structured", structured)):
+                            ("(b') exact hit, tool call", tool), ("(b'') exact hit, structured", structured),
+                            ("(m) Messages exact hit", messages),
+                            ("(m*) Messages hit, stream: true", messages_streamed)):
                 print(f"{name:38}{r['rps']:>10.0f}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['cpu_us']:>10.1f}")
             print(json.dumps({"bare_rps": round(bare["rps"]), "hit_rps": round(hit["rps"]),
                               "stream_hit_rps": round(streamed["rps"]), **ratios,
-                              "stream_hit_over_json_hit": round(streamed["rps"] / hit["rps"], 3),
+                              "stream_hit_over_json_hit": round(streamed["rps"] / hit["rps"], 3), **api_ratios,
                               # the same ratios by the server's CPU time per request (median round of each)
                               "hit_over_bare_cpu": round(med_cpu(bare_rounds) / med_cpu(hit_rounds), 3),
                               "stream_hit_over_json_hit_cpu": round(med_cpu(hit_rounds) / med_cpu(stream_rounds),
@@ -306,13 +325,16 @@ def main() -> None:
     print(f"{'':38}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}")
     for name, r in (("(a) bare litestar, constant JSON", bare), ("(b) EdgeCache exact hit", hit),
                     ("(b*) exact hit, stream: true", streamed), ("(b') exact hit, tool call", tool),
-                    ("(b'') exact hit, structured", structured),
+                    ("(b'') exact hit, structured", structured), ("(m) Messages exact hit", messages),
+                    ("(m*) Messages hit, stream: true", messages_streamed),
                     (f"(c) EdgeCache miss, CPU engine, 8 tokens", miss)):
         print(f"{name:38}{r['rps']:>10.0f}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}")
     ratio = hit["rps"] / bare["rps"]
     print(f"\n(b)/(a) throughput ratio: {ratio:.2f}   (goal >= 0.8); tool-call hit {tool['rps'] / bare['rps']:.2f}, "
           f"structured hit {structured['rps'] / bare['rps']:.2f}")
     print(f"(b*)/(b) streamed hit over JSON hit: {streamed['rps'] / hit['rps']:.2f}   (goal >= 0.8)")
+    print(f"(m)/(b) Messages hit over chat hit: {messages['rps'] / hit['rps']:.2f}, streamed (m*)/(b*): "
+          f"{messages_streamed['rps'] / streamed['rps']:.2f}   (goal >= 0.8)")
     print(f"(b)/(c) hit vs miss throughput: {hit['rps'] / miss['rps']:.0f}x")
     print(f"\nTTFT with a shared ~{prompt_tokens['prompt_tokens']}-token system prompt (median of 3):")
     print(f"  cold {statistics.median(cold):.0f} ms   warm {statistics.median(warm):.0f} ms   "
@@ -321,7 +343,7 @@ def main() -> None:
     print(json.dumps({"bare_rps": round(bare["rps"]), "hit_rps": round(hit["rps"]), "hit_over_bare": round(ratio, 3),
                       "tool_hit_over_bare": round(tool["rps"] / bare["rps"], 3),
                       "structured_hit_over_bare": round(structured["rps"] / bare["rps"], 3),
-                      "stream_hit_over_json_hit": round(streamed["rps"] / hit["rps"], 3),
+                      "stream_hit_over_json_hit": round(streamed["rps"] / hit["rps"], 3), **api_ratios,
                       "hit_p50_ms": hit["p50_ms"], "hit_p99_ms": hit["p99_ms"], "miss_rps": round(miss["rps"], 2),
                       "miss_p50_ms": round(miss["p50_ms"], 1), "ttft_cold_ms": round(statistics.median(cold)),
                       "ttft_warm_ms": round(statistics.median(warm)), "prompt_tokens": prompt_tokens["prompt_tokens"],

@@ -55,6 +55,15 @@ class FakeEngine:
                 raise BadRequest(f"the prompt has {size} characters; this fake's context holds "
                                  f"{self.context_chars}", code="context_length_exceeded")
 
+    async def count_tokens(self, request: GenerationRequest) -> int:
+        """Words, as the prompt_tokens of an answer count them."""
+        await self.check_prompt(request)
+        return self.prompt_tokens(request)
+
+    @staticmethod
+    def prompt_tokens(request: GenerationRequest) -> int:
+        return len((request.prompt or "").split()) + sum(len(m.content.split()) for m in request.messages or ())
+
     async def flush(self) -> None:
         self.flushed += 1
 
@@ -83,8 +92,7 @@ class FakeEngine:
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 yield Chunk(text=part)
-            prompt_tokens = len((request.prompt or "").split()) + sum(
-                len(m.content.split()) for m in request.messages or ())
+            prompt_tokens = self.prompt_tokens(request)
             finished = True
             self.completed += 1
             yield Chunk(finish_reason="stop", prompt_tokens=prompt_tokens, completion_tokens=len(parts),

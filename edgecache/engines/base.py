@@ -205,6 +205,11 @@ class Engine(Protocol):
         """Raise BadRequest (``context_length_exceeded``) for a prompt the context cannot hold. Called before the
         request queues for the engine or is embedded, so it must not wait behind a running generation."""
 
+    async def count_tokens(self, request: GenerationRequest) -> int:
+        """The prompt's tokens as the engine would feed them (the chat template and the tools included): what
+        Anthropic's ``count_tokens`` answers. Raises BadRequest where :meth:`generate` would refuse the prompt."""
+        ...
+
     def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         """Stream one generation. Closing the iterator early aborts the generation."""
         ...

@@ -329,6 +329,12 @@ class LlamaCppEngine:
             return
         await asyncio.to_thread(self._check_prompt_sync, request)
 
+    async def count_tokens(self, request: GenerationRequest) -> int:
+        """Tokenizing reads only the vocabulary, so it runs off the generation thread, as check_prompt does."""
+        if self._llm is None:
+            raise EngineError("the model is not loaded")
+        return await asyncio.to_thread(lambda: len(self._prompt_tokens(request)))
+
     def _check_prompt_sync(self, request: GenerationRequest) -> None:
         # First a bound that costs little whatever the prompt's size: the texts' own tokens (the template only
         # adds to them), each counted on a prefix just long enough to overflow the context. Tokenizing a whole

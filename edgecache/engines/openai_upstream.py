@@ -358,6 +358,20 @@ class OpenAIUpstreamEngine:
     async def check_prompt(self, request: GenerationRequest) -> None:
         """Nothing before the call: the upstream knows its own context and refuses an over-long prompt itself."""
 
+    async def count_tokens(self, request: GenerationRequest) -> int:
+        """The upstream's own count: the request unstreamed with max_tokens 1 (the OpenAI API has no count route),
+        so the upstream's template and tokenizer count, and its prefix cache then holds the prompt."""
+        client = self._running()
+        path, payload = self._payload(request, stream=False)
+        payload.update(max_tokens=1, n=1)
+        for unneeded in ("logprobs", "top_logprobs"):
+            payload.pop(unneeded, None)
+        body = await self._request_json(client, "POST", path, payload)
+        usage = body.get("usage") if isinstance(body, Mapping) else None
+        if not isinstance(usage, Mapping) or not usage.get("prompt_tokens"):
+            raise EngineError(f"upstream {self.base_url} reported no prompt token count")
+        return int(usage["prompt_tokens"])
+
     async def flush(self) -> None:
         """Nothing to do: the OpenAI API has no cache flush, and an upstream's prefix cache is exact (it can make
         answers faster, never different)."""

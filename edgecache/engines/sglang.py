@@ -610,6 +610,16 @@ class SGLangEngine:
         """Nothing before the call: SGLang tokenizes on its own workers and refuses an over-long prompt itself,
         without holding up other requests."""
 
+    async def count_tokens(self, request: GenerationRequest) -> int:
+        """The ids generate would send, counted (rendered on the loop thread, as generate renders them)."""
+        engine = self._running()
+        if request.messages is not None:
+            return len(self._chat_input_ids(engine, request))
+        tokenizer = engine.tokenizer_manager.tokenizer
+        if tokenizer is None:
+            raise EngineError("the SGLang engine has no tokenizer to count with")
+        return len(tokenizer.encode(request.prompt or ""))
+
     async def flush(self) -> None:
         """Drop the radix prefix cache. SGLang refuses while requests are running; that refusal is an error."""
         engine = self._running()

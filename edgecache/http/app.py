@@ -1,8 +1,11 @@
 """The HTTP front: an app factory that builds the litestar app from one :class:`~edgecache.settings.Settings`.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (OpenAI), ``GET /health``
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``POST /v1/responses`` with
+``GET``/``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` (OpenAI), ``POST /v1/messages``
+and ``POST /v1/messages/count_tokens`` (Anthropic, whose errors come in Anthropic's shape), ``GET /health``
 (503 while the model loads), ``GET /metrics`` (Prometheus), ``GET /stats`` (JSON), ``POST /admin/flush`` and
-``POST /admin/warmup`` (admin key when there is a tenants file). The state they share is a
+``POST /admin/warmup`` (admin key when there is a tenants file), ``POST /v1/feedback`` (a caller marks a response
+right or wrong: :mod:`edgecache.http.feedback`). The state they share is a
 :class:`~edgecache.runtime.Runtime`.
 
 Each API route authenticates, parses its body into the pipeline's :class:`~edgecache.call.Call` and picks its answer
@@ -24,13 +27,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, Response, delete, get, post
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
-from litestar.params import PathParameter
+from litestar.params import PathParameter, QueryParameter
 from litestar.types import ASGIApp
 
 from edgecache.http.access_log import TENANT_SCOPE_KEY, AccessLog, AccessLogMiddleware
@@ -46,9 +49,12 @@ from edgecache.errors import (
     NotReady,
     error_body,
 )
+from edgecache.http import anthropic_api
 from edgecache.http.openai_api import ModelCard, ModelList, ResponseWriter
 from edgecache.http.replies import RawAnswer, respond
+from edgecache.http.responses_api import responses_names
 from edgecache.http.embeddings import EmbeddingRequest, embed
+from edgecache.http.feedback import FeedbackRequest, apply_feedback
 from edgecache.http.front import Front
 from edgecache.http.openapi import openapi_document
 from edgecache.http.request_surface import check_engine_supports, decode_body
@@ -80,9 +86,10 @@ def _check_ready(rt: Runtime, model: str) -> None:
                             f"{rt.engine.model_id!r}", param="model")
 
 
-def _authorization(request: Request[Any, Any, Any]) -> str | None:
-    """The Authorization header by the one rule every route follows (sent twice: 400)."""
-    return read_headers(request.scope["headers"]).authorization
+def _credentials(request: Request[Any, Any, Any]) -> tuple[str | None, str | None]:
+    """The Authorization and x-api-key headers by the one rule every route follows (sent twice: 400)."""
+    headers = read_headers(request.scope["headers"])
+    return headers.authorization, headers.api_key
 
 
 async def _generate(request: Request[Any, Any, Any], chat: bool) -> ASGIApp:
@@ -90,7 +97,7 @@ async def _generate(request: Request[Any, Any, Any], chat: bool) -> ASGIApp:
     state = request.app.state
     rt, front = _runtime(state), _front(state)
     headers = read_headers(request.scope["headers"])
-    tenant = rt.tenants.authenticate(headers.authorization)                            # 401 on an unknown key
+    tenant = rt.tenants.authenticate(headers.authorization, headers.api_key)           # 401 on an unknown key
     request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]  # for the access log
     body = await read_body(request.receive, rt.settings.server.max_body_bytes)         # 413
     parsed = front.parsed.parse(chat, body, tenant)                                    # 400 / 413
@@ -112,12 +119,107 @@ async def completions(request: Request[Any, Any, Any]) -> ASGIApp:
     return await _generate(request, chat=False)
 
 
+@post("/v1/responses", status_code=200)
+async def create_response(request: Request[Any, Any, Any]) -> ASGIApp:
+    """The Responses API (:mod:`edgecache.http.responses_api`): the same call as chat, rendered as a Response."""
+    started = time.perf_counter()
+    rt, front = _runtime(request.app.state), _front(request.app.state)
+    headers = read_headers(request.scope["headers"])
+    tenant = rt.tenants.authenticate(headers.authorization, headers.api_key)           # 401 on an unknown key
+    request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]  # for the access log
+    body = await read_body(request.receive, rt.settings.server.max_body_bytes)         # 413
+    asked = await front.responses.parse(body, tenant)                                  # 400 / 413 / 404
+    _check_ready(rt, asked.parsed.model)                                               # 503 / 404
+    with responses_names():
+        check_engine_supports(asked.parsed.features, rt.engine)                        # 400 naming field+engine
+    parsed = apply_headers(asked.parsed, headers, tenant, rt.settings)
+    writer = front.responses.writer(asked, front.ids.next("response"), rt.engine.model_id, tenant.id)
+    return await respond(rt, request, parsed.call, parsed.stream, writer, started)
+
+
+@get("/v1/responses/{response_id:str}")
+async def retrieve_response(request: Request[Any, Any, Any],
+                            response_id: Annotated[str, PathParameter()]) -> ASGIApp:
+    rt = _runtime(request.app.state)
+    tenant = rt.tenants.authenticate(*_credentials(request))
+    stored = await _front(request.app.state).responses.stored(tenant.id, response_id)   # another tenant's: 404
+    return RawAnswer(stored.body, [])
+
+
+@delete("/v1/responses/{response_id:str}", status_code=200)
+async def delete_response(request: Request[Any, Any, Any],
+                          response_id: Annotated[str, PathParameter()]) -> ASGIApp:
+    rt = _runtime(request.app.state)
+    tenant = rt.tenants.authenticate(*_credentials(request))
+    return RawAnswer(await _front(request.app.state).responses.delete(tenant.id, response_id), [])
+
+
+@get("/v1/responses/{response_id:str}/input_items")
+async def response_input_items(
+        request: Request[Any, Any, Any], response_id: Annotated[str, PathParameter()],
+        limit: Annotated[int, QueryParameter(ge=1, le=100)] = 20,
+        order: Annotated[Literal["asc", "desc"], QueryParameter()] = "desc",
+        after: Annotated[str | None, QueryParameter()] = None) -> ASGIApp:
+    rt = _runtime(request.app.state)
+    tenant = rt.tenants.authenticate(*_credentials(request))
+    return RawAnswer(await _front(request.app.state).responses.input_items(
+        tenant.id, response_id, limit=limit, order=order, after=after), [])
+
+
+def _anthropic_error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    """Errors on the Messages routes, in Anthropic's shape (the other routes keep OpenAI's)."""
+    err, headers = _as_error(exc)
+    return Response(_json.encode(anthropic_api.error_out(err)), status_code=err.status, media_type=JSON,
+                    headers=headers)
+
+
+@post("/v1/messages", status_code=200, exception_handlers={Exception: _anthropic_error_response})
+async def messages(request: Request[Any, Any, Any]) -> ASGIApp:
+    """Anthropic's Messages API, onto the same Call a chat request builds (:mod:`edgecache.http.anthropic_api`)."""
+    started = time.perf_counter()
+    rt = _runtime(request.app.state)
+    headers = read_headers(request.scope["headers"])
+    tenant = rt.tenants.authenticate(headers.authorization, headers.api_key)
+    request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]
+    front = _front(request.app.state)
+    body = await read_body(request.receive, rt.settings.server.max_body_bytes)
+    parsed = front.parsed.recall("messages", body, tenant, anthropic_api.parse_messages)
+    _check_ready(rt, parsed.model)
+    check_engine_supports(parsed.features, rt.engine)
+    parsed = apply_headers(parsed, headers, tenant, rt.settings)
+    writer = anthropic_api.MessageWriter(model=rt.engine.model_id, message_id=front.ids.next("message"))
+    return await respond(rt, request, parsed.call, parsed.stream, writer, started)
+
+
+@post("/v1/messages/count_tokens", status_code=200, exception_handlers={Exception: _anthropic_error_response})
+async def count_tokens(request: Request[Any, Any, Any]) -> ASGIApp:
+    """The prompt's tokens as the engine counts them: its chat template and tools included."""
+    rt = _runtime(request.app.state)
+    tenant = rt.tenants.authenticate(*_credentials(request))
+    request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]
+    model, generation = anthropic_api.parse_count_tokens(await request.body(), tenant, rt.settings)
+    _check_ready(rt, model)
+    count = await rt.engine.count_tokens(generation)
+    return RawAnswer(_json.encode(anthropic_api.TokenCount(input_tokens=count)), [])
+
+
 def _model_cards(rt: Runtime) -> list[ModelCard]:
     """The chat model, and the embedder when the semantic layer hosts one (it serves /v1/embeddings)."""
     cards = [ModelCard(id=rt.engine.model_id, created=rt.started_at)]
     if rt.semantic is not None:
         cards.append(ModelCard(id=rt.settings.semantic.embedder, created=rt.started_at))
     return cards
+
+
+@post("/v1/feedback", status_code=200)
+async def feedback(request: Request[Any, Any, Any]) -> ASGIApp:
+    """A caller marks a response it received right or wrong (:mod:`edgecache.http.feedback`)."""
+    rt = _runtime(request.app.state)
+    tenant = rt.tenants.authenticate(*_credentials(request))
+    request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]  # for the access log
+    mark = decode_body(await request.body(), FeedbackRequest)
+    done = await apply_feedback(rt, _front(request.app.state).ledger, tenant.id, mark)
+    return RawAnswer(_json.encode(done), [])
 
 
 @get("/v1/models")
@@ -138,7 +240,7 @@ async def retrieve_model(state: State, model_id: Annotated[str, PathParameter()]
 @post("/v1/embeddings", status_code=200)
 async def embeddings(request: Request[Any, Any, Any]) -> ASGIApp:
     rt = _runtime(request.app.state)
-    tenant = rt.tenants.authenticate(_authorization(request))
+    tenant = rt.tenants.authenticate(*_credentials(request))
     body = decode_body(await request.body(), EmbeddingRequest)
     if not rt.ready:
         raise NotReady("the server is still loading; retry shortly")
@@ -187,19 +289,20 @@ PROMETHEUS_TEXT = b"text/plain; version=0.0.4; charset=utf-8"
 @get("/metrics")
 async def metrics(request: Request[Any, Any, Any]) -> ASGIApp:
     rt = _runtime(request.app.state)
-    rt.tenants.authenticate_metrics(_authorization(request))  # it names every tenant with its traffic
+    rt.tenants.authenticate_metrics(*_credentials(request))  # it names every tenant with its traffic
     return RawAnswer(rt.metrics.render(), [], content_type=PROMETHEUS_TEXT)
 
 
 @get("/stats")
 async def stats(request: Request[Any, Any, Any]) -> Response[Any]:
     rt = _runtime(request.app.state)
-    rt.tenants.authenticate_admin(_authorization(request))
+    rt.tenants.authenticate_admin(*_credentials(request))
     stores = await rt.refresh_gauges()
     body = rt.metrics.snapshot()
     body["stores"] = stores
     if rt.semantic is not None and (learned := rt.semantic.learned()) is not None:
         body["semantic"]["learner"] = learned  # type: ignore[index]
+    body["semantic"]["labelling"]["judge"] = rt.judge_status()  # type: ignore[index]
     body["store"] = {field: sum(s[field] for s in stores.values())
                      for field in ("entries", "bytes", "budget_bytes", "memory_entries", "memory_bytes")}
     body["admission"] = {"running": rt.admission.running, "queued": rt.admission.queued,
@@ -221,7 +324,7 @@ class FlushRequest(msgspec.Struct, forbid_unknown_fields=True):
 async def admin_flush(request: Request[Any, Any, Any]) -> Response[Any]:
     """Drop cached entries across all layers: ``{"tenant": T}``, ``{"scenario": S}``, both, or ``{"all": true}``."""
     rt = _runtime(request.app.state)
-    rt.tenants.authenticate_admin(_authorization(request))
+    rt.tenants.authenticate_admin(*_credentials(request))
     try:
         body = msgspec.json.decode(await request.body() or b"{}", type=FlushRequest)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -245,7 +348,7 @@ async def admin_flush(request: Request[Any, Any, Any]) -> Response[Any]:
 async def admin_warmup(request: Request[Any, Any, Any]) -> Response[Any]:
     """Warm the caches with a batch of prompts-file lines (see :mod:`edgecache.warmup`); one result per line."""
     rt = _runtime(request.app.state)
-    rt.tenants.authenticate_admin(_authorization(request))
+    rt.tenants.authenticate_admin(*_credentials(request))
     try:
         batch = msgspec.json.decode(await request.body(), type=WarmupBatch)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -258,7 +361,8 @@ async def admin_warmup(request: Request[Any, Any, Any]) -> Response[Any]:
     return Response(_json.encode({"results": results}), media_type=JSON)
 
 
-def _error_response(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+def _as_error(exc: Exception) -> tuple[EdgeCacheError, dict[str, str]]:
+    """Any exception as the EdgeCacheError it answers with, and that answer's headers."""
     if isinstance(exc, EdgeCacheError):
         err = exc
     elif isinstance(exc, HTTPException):
@@ -273,6 +377,11 @@ def _error_response(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     headers = err.headers()
     if isinstance(exc, HTTPException) and exc.headers:
         headers = {**exc.headers, **headers}  # 405 names the allowed methods (Allow)
+    return err, headers
+
+
+def _error_response(_: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    err, headers = _as_error(exc)
     return Response(_json.encode(error_body(err)), status_code=err.status, media_type=JSON, headers=headers)
 
 
@@ -320,8 +429,9 @@ def create_app(settings: Settings, engine: Engine | None = None,
             lock.release()
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, embeddings, list_models, retrieve_model, openapi_json, health,
-                        metrics, stats, admin_flush, admin_warmup],
+        route_handlers=[chat_completions, completions, create_response, retrieve_response, delete_response,
+                        response_input_items, messages, count_tokens, feedback, embeddings, list_models,
+                        retrieve_model, openapi_json, health, metrics, stats, admin_flush, admin_warmup],
         lifespan=[lifespan],
         state=State({"openapi": _json.encode(openapi_document(_package_version()))}),
         exception_handlers={Exception: _error_response},

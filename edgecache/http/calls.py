@@ -8,7 +8,9 @@ the body instead of a decode, a validation and the building of a call.
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
+<<<<<<< HEAD
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -16,7 +18,18 @@ import msgspec
 
 from edgecache.errors import BadRequest, ClientGone, Forbidden, PayloadTooLarge
 from edgecache.call import POLICIES, Call
+=======
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
+
+import msgspec
+
+from edgecache.errors import BadRequest, Forbidden, PayloadTooLarge
+from edgecache.call import CACHE_CONTROL, POLICIES, Call, PolicyName
+from edgecache.engines.base import GenerationRequest
+>>>>>>> main
 from edgecache.http.request_surface import (
+    CacheOptions,
     ChatCompletionRequest,
     CompletionRequest,
     decode_request,
@@ -40,7 +53,6 @@ class Parsed(msgspec.Struct, frozen=True, kw_only=True):
 
 def parse(chat: bool, body: bytes, tenant: Tenant, settings: Settings) -> Parsed:
     req: ChatCompletionRequest | CompletionRequest
-    salt = tenant.id
     if chat:
         req = decode_request(body, ChatCompletionRequest)  # type: ignore[assignment]
         assert isinstance(req, ChatCompletionRequest)
@@ -49,20 +61,33 @@ def parse(chat: bool, body: bytes, tenant: Tenant, settings: Settings) -> Parsed
     else:
         req = decode_request(body, CompletionRequest)  # type: ignore[assignment]
         assert isinstance(req, CompletionRequest)
+    return parsed_from(req, tenant, settings)
+
+
+def parsed_from(req: ChatCompletionRequest | CompletionRequest, tenant: Tenant, settings: Settings) -> Parsed:
+    """A decoded request as the pipeline's call. Other APIs (Responses) build a ChatCompletionRequest and come
+    through here, so the same generation asked through any of them has one key."""
+    chat = isinstance(req, ChatCompletionRequest)
+    salt = tenant.id
     generation = req.generation(settings.engine.default_max_tokens, salt)
     if req.cache_salt:
         # A caller's own salt namespaces within its tenant: the tenant always leads the engine's salt.
         generation = msgspec.structs.replace(generation, salt=f"{tenant.id}:{req.cache_salt}")
-    options = req.edgecache
+    return Parsed(call=build_call(generation, req.edgecache, tenant, settings), model=req.model, chat=chat,
+                  stream=req.stream, include_usage=req.include_usage(), features=features_used(generation))
+
+
+def build_call(generation: GenerationRequest, options: CacheOptions | None, tenant: Tenant,
+               settings: Settings) -> Call:
+    """The pipeline's Call for a generation, under the caller's cache options (the body's ``edgecache`` field) and
+    the tenant's plan: the same for every API, so one generation asked through any of them is one call."""
     if options is not None and options.ttl is not None and options.ttl > longest_ttl_s(settings):
         raise BadRequest(f"edgecache.ttl is {options.ttl:g} s; the longest this server keeps an answer is "
                          f"{longest_ttl_s(settings):g} s (its longest TTL tier)", param="edgecache.ttl")
-    call = Call(request=generation, tenant=tenant.id, tenant_limit=tenant.plan.max_concurrent_misses,
+    return Call(request=generation, tenant=tenant.id, tenant_limit=tenant.plan.max_concurrent_misses,
                 scenario=(options.scenario if options else None) or "default",
                 policy=(options.policy if options else None) or "default",
                 ttl_s=options.ttl if options else None, ttl_tier=options.ttl_tier if options else None)
-    return Parsed(call=call, model=req.model, chat=chat, stream=req.stream, include_usage=req.include_usage(),
-                  features=features_used(generation))
 
 
 def longest_ttl_s(settings: Settings) -> float:
@@ -103,35 +128,84 @@ class CallHeaders(NamedTuple):
     authorization: str | None = None
     scenario: str | None = None
     policy: str | None = None
+    api_key: str | None = None  # x-api-key, Anthropic's clients' way to send the key (see tenants.presented_key)
+    cache_control: str | None = None
 
 
-_HEADER_FIELDS = {b"authorization": 0, b"x-edgecache-scenario": 1, b"x-edgecache-policy": 2}
+_HEADER_FIELDS = {b"authorization": 0, b"x-edgecache-scenario": 1, b"x-edgecache-policy": 2, b"x-api-key": 3,
+                  b"cache-control": 4}
+_LIST_FIELDS = frozenset({4})  # HTTP list fields: several lines are one comma-separated value (RFC 9110, 5.3)
 
 
 def read_headers(raw: Iterable[tuple[bytes, bytes]]) -> CallHeaders:
-    """One pass over the ASGI scope's raw headers for the three that matter (names arrive lower-cased). Cheaper
+    """One pass over the ASGI scope's raw headers for the few that matter (names arrive lower-cased). Cheaper
     than building a full case-insensitive header map on every request, which showed on the hit path.
 
     One rule for every route: a header that matters, sent twice, is a 400. Taking the first or the last copy is
     what let two ``Authorization`` headers name different tenants on different routes (each framework layer
-    picked its own copy)."""
-    found: list[str | None] = [None, None, None]
+    picked its own copy). ``Cache-Control`` is a list by definition: its lines are joined, as HTTP says."""
+    found: list[str | None] = [None] * len(_HEADER_FIELDS)
     for name, value in raw:
         index = _HEADER_FIELDS.get(name)
         if index is not None:
+            text = value.decode("latin-1")
             if found[index] is not None:
-                raise BadRequest(f"the {name.decode()} header was sent more than once; send it once",
-                                 param=name.decode())
-            found[index] = value.decode("latin-1")
+                if index not in _LIST_FIELDS:
+                    raise BadRequest(f"the {name.decode()} header was sent more than once; send it once",
+                                     param=name.decode())
+                text = f"{found[index]}, {text}"
+            found[index] = text
     return CallHeaders(*found)
 
 
+class RequestCacheControl(NamedTuple):
+    """What a request's ``Cache-Control`` asks of the cache: the named policies its directives amount to (in
+    :data:`~edgecache.call.CACHE_CONTROL` order, each once) and ``max-age`` in seconds (the smallest, if several)."""
+
+    policies: tuple[PolicyName, ...] = ()
+    max_age_s: float | None = None
+
+
+# One directive: a token, optionally "=" and a token or a quoted string (which may hold commas).
+_DIRECTIVE = re.compile(r'\s*([^\s=,]+)(?:\s*=\s*("(?:[^"\\]|\\.)*"|[^,]*))?\s*(?:,|$)')
+_DELTA_SECONDS = re.compile(r"[0-9]+")
+_MAX_DELTA_SECONDS = 2**31  # RFC 9111, 1.2.2: a larger delta-seconds is taken as this
+
+
+def parse_cache_control(value: str) -> RequestCacheControl:
+    """The request directives this cache implements; unknown ones are ignored (RFC 9111, 5.2.3). A ``max-age``
+    that is not delta-seconds (a non-negative integer) is a 400: guessing what the caller meant by an age could
+    serve an answer older than it accepts."""
+    policies: set[PolicyName] = set()
+    max_age: float | None = None
+    for match in _DIRECTIVE.finditer(value):
+        name, argument = match.group(1).lower(), (match.group(2) or "").strip()
+        if name == "max-age":
+            if len(argument) >= 2 and argument[0] == argument[-1] == '"':
+                argument = argument[1:-1]  # the quoted form, which a recipient must accept too
+            if not _DELTA_SECONDS.fullmatch(argument):
+                raise BadRequest(f"Cache-Control max-age must be a whole number of seconds, not {argument!r}",
+                                 param="Cache-Control")
+            seconds = float(min(int(argument), _MAX_DELTA_SECONDS))
+            max_age = seconds if max_age is None else min(max_age, seconds)
+        elif name in CACHE_CONTROL:
+            policies.add(CACHE_CONTROL[name])
+    return RequestCacheControl(tuple(p for p in CACHE_CONTROL.values() if p in policies), max_age)
+
+
 def apply_headers(parsed: Parsed, headers: CallHeaders, tenant: Tenant, settings: Settings) -> Parsed:
-    """``X-EdgeCache-Scenario`` and ``X-EdgeCache-Policy`` override the body; then both are checked."""
+    """``X-EdgeCache-Scenario`` and ``X-EdgeCache-Policy`` override the body, ``Cache-Control`` narrows the policy
+    (:meth:`~edgecache.call.Call.cache_policy`); then all of it is checked against the server and the plan: every
+    policy a request ends up under, named or from a directive, must be one its plan allows."""
     scenario, policy = headers.scenario, headers.policy
     call = parsed.call
     if (scenario is not None and scenario != call.scenario) or (policy is not None and policy != call.policy):
         call = msgspec.structs.replace(call, scenario=scenario or call.scenario, policy=policy or call.policy)
+    if headers.cache_control is not None:
+        control = parse_cache_control(headers.cache_control)
+        if control.policies or control.max_age_s is not None:
+            call = msgspec.structs.replace(call, narrowed_by=control.policies, max_age_s=control.max_age_s)
+    if call is not parsed.call:
         parsed = msgspec.structs.replace(parsed, call=call)
     if call.scenario not in settings.scenarios:
         raise BadRequest(f"unknown scenario {call.scenario!r}; this server has: "
@@ -142,6 +216,11 @@ def apply_headers(parsed: Parsed, headers: CallHeaders, tenant: Tenant, settings
     if call.policy not in tenant.plan.policies:
         raise Forbidden(f"the {tenant.plan_name!r} plan does not allow the cache policy {call.policy!r}",
                         param="edgecache.policy")
+    for name in call.narrowed_by:
+        if name not in tenant.plan.policies:
+            directive = next(d for d, p in CACHE_CONTROL.items() if p == name)
+            raise Forbidden(f"the {tenant.plan_name!r} plan does not allow the cache policy {name!r}, which "
+                            f"Cache-Control: {directive} asks for", param="Cache-Control")
     return parsed
 
 
@@ -157,7 +236,8 @@ class ParsedRequests:
     def __init__(self, settings: Settings, max_entries: int = 4096) -> None:
         self.settings = settings
         self.max_entries = max_entries
-        self._entries: OrderedDict[tuple[str, bool, bytes], Parsed] = OrderedDict()
+        # (tenant, route, body): the route is chat (True) or text (False) for OpenAI's, a name for another API's.
+        self._entries: OrderedDict[tuple[str, bool | str, bytes], Parsed] = OrderedDict()
 
     def clear(self) -> None:
         self._entries.clear()
@@ -169,8 +249,23 @@ class ParsedRequests:
             self._entries.move_to_end(key)
             return parsed
         parsed = parse(chat, body, tenant, self.settings)
+        self._keep(key, body, parsed)
+        return parsed
+
+    def recall(self, route: str, body: bytes, tenant: Tenant,
+               parse_body: Callable[[bytes, Tenant, Settings], Parsed]) -> Parsed:
+        """Another API's parsed request: ``parse_body`` runs only for a body not seen recently on ``route``."""
+        key = (tenant.id, route, body)
+        parsed = self._entries.get(key)
+        if parsed is not None:
+            self._entries.move_to_end(key)
+            return parsed
+        parsed = parse_body(body, tenant, self.settings)
+        self._keep(key, body, parsed)
+        return parsed
+
+    def _keep(self, key: tuple[str, bool | str, bytes], body: bytes, parsed: Parsed) -> None:
         if len(body) <= self.MAX_BODY_BYTES:
             self._entries[key] = parsed
             if len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
-        return parsed

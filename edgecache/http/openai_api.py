@@ -204,8 +204,11 @@ class IdSource:
         self._prefix = os.urandom(8).hex()
         self._counter = itertools.count()
 
-    def next(self, kind: Literal["chat", "text"]) -> str:
-        return f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{self._prefix}{next(self._counter):08x}"
+    # Each API's own spelling: OpenAI's chatcmpl-/cmpl-/resp_, Anthropic's msg_.
+    _KINDS = {"chat": "chatcmpl-", "text": "cmpl-", "response": "resp_", "message": "msg_"}
+
+    def next(self, kind: Literal["chat", "text", "response", "message"]) -> str:
+        return f"{self._KINDS[kind]}{self._prefix}{next(self._counter):08x}"
 
 
 class ResponseWriter:
