@@ -183,11 +183,7 @@ class RequestPipeline:
             # 2. in-flight de-duplication
             flight = self.inflight.get(key)
             if flight is not None:
-<<<<<<< HEAD
-                return Reply(served="shared", chunks=flight.follow(batch_s=STREAM_BATCH_S))
-=======
-                return Reply(served="shared", chunks=flight.follow(), key=key)
->>>>>>> main
+                return Reply(served="shared", chunks=flight.follow(batch_s=STREAM_BATCH_S), key=key)
 
         # Bounds before any work that grows with the prompt or waits: a prompt the context cannot hold is refused
         # (400) and a full engine queue refuses at once (429), before the prompt is embedded. A call that will not
@@ -213,11 +209,7 @@ class RequestPipeline:
                     return reply
                 flight = self.inflight.get(key)
                 if flight is not None:
-<<<<<<< HEAD
-                    return Reply(served="shared", chunks=flight.follow(batch_s=STREAM_BATCH_S))
-=======
-                    return Reply(served="shared", chunks=flight.follow(), key=key)
->>>>>>> main
+                    return Reply(served="shared", chunks=flight.follow(batch_s=STREAM_BATCH_S), key=key)
 
         if not policy.compute:
             raise NotCached("only-if-cached, and no cached answer matches this request; nothing was computed")

@@ -10,24 +10,14 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-<<<<<<< HEAD
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, NamedTuple
 
 import msgspec
 
 from edgecache.errors import BadRequest, ClientGone, Forbidden, PayloadTooLarge
-from edgecache.call import POLICIES, Call
-=======
-from collections.abc import Callable, Iterable
-from typing import NamedTuple
-
-import msgspec
-
-from edgecache.errors import BadRequest, Forbidden, PayloadTooLarge
 from edgecache.call import CACHE_CONTROL, POLICIES, Call, PolicyName
 from edgecache.engines.base import GenerationRequest
->>>>>>> main
 from edgecache.http.request_surface import (
     CacheOptions,
     ChatCompletionRequest,
