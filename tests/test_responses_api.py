@@ -388,3 +388,33 @@ async def test_stored_responses_stay_within_their_byte_bound(make_settings: Call
         assert (await c.get(f"/v1/responses/{ids[0]}")).status_code == 404
         for response_id in ids[-rows:]:
             assert (await c.get(f"/v1/responses/{response_id}")).status_code == 200
+
+
+@pytest.mark.parametrize("api", ["responses", "chat_completions"])
+async def test_an_openai_agents_sdk_agent_runs_to_its_answer_and_the_second_run_is_all_hits(
+        client: httpx.AsyncClient, engine: ToolScriptEngine, api: str) -> None:
+    """The OpenAI Agents SDK (its Responses model, its default, and its Chat Completions model): an agent with one
+    function tool calls it, gets its result and answers. The engine is scripted (the tiny CPU model does not call
+    tools reliably): a tool call while there is no tool result, then an answer naming it."""
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, RunConfig, Runner
+    from agents import function_tool
+
+    looked_up: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        looked_up.append(city)
+        return f"sunny in {city}"
+
+    model_type = OpenAIResponsesModel if api == "responses" else OpenAIChatCompletionsModel
+    agent = Agent(name="forecaster", instructions="Answer with the weather.", tools=[get_weather],
+                  model=model_type(model=MODEL, openai_client=sdk(client)),
+                  model_settings=ModelSettings(temperature=0))
+    config = RunConfig(tracing_disabled=True)
+    first = await Runner.run(agent, "What is the weather in Paris?", run_config=config)
+    assert first.final_output == "the tool said sunny in Paris" and looked_up == ["Paris"]
+    assert engine.calls == 2  # the tool call, then the answer
+    second = await Runner.run(agent, "What is the weather in Paris?", run_config=config)
+    assert second.final_output == first.final_output and looked_up == ["Paris", "Paris"]
+    assert engine.calls == 2  # both turns answered from the cache
