@@ -418,3 +418,10 @@ async def test_an_openai_agents_sdk_agent_runs_to_its_answer_and_the_second_run_
     second = await Runner.run(agent, "What is the weather in Paris?", run_config=config)
     assert second.final_output == first.final_output and looked_up == ["Paris", "Paris"]
     assert engine.calls == 2  # both turns answered from the cache
+
+
+async def test_feedback_finds_a_responses_id(client: httpx.AsyncClient) -> None:
+    made = (await client.post("/v1/responses", json={"model": MODEL, "input": "Mark me.", "temperature": 0})).json()
+    marked = await client.post("/v1/feedback", json={"response_id": made["id"], "correct": True})
+    assert marked.status_code == 200 and marked.json()["effect"] == "recorded"
+    assert (await client.post("/v1/feedback", json={"response_id": "resp_never", "correct": True})).status_code == 404
