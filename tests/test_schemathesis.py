@@ -130,6 +130,39 @@ def test_no_request_gets_a_5xx(server_url: str, mode: GenerationMode) -> None:
     assert any(400 <= status < 500 for status in seen)
 
 
+def test_the_responses_routes_are_fuzzed_on_a_stored_response(server_url: str) -> None:
+    """The generic run above covers /v1/responses; its id routes get random ids there (404s), so here they are
+    fuzzed on a response that exists: every generated query is answered below 500, and a valid one with 200."""
+    ops = [op for op in operations(server_url) if op.path.startswith("/v1/responses/")]
+    assert sorted((op.method.upper(), op.path) for op in ops) == [
+        ("DELETE", "/v1/responses/{response_id}"), ("GET", "/v1/responses/{response_id}"),
+        ("GET", "/v1/responses/{response_id}/input_items")]
+    made = httpx.post(server_url + "/v1/responses", json={"model": "fake-model", "input": "Fuzz me.",
+                                                           "temperature": 0}, timeout=60).json()["id"]
+    statuses: dict[tuple[str, str], set[int]] = {}
+    with httpx.Client(base_url=server_url, timeout=60) as client:
+        for operation in sorted(ops, key=lambda op: op.method.upper() == "DELETE"):  # the delete last
+            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+                @settings(max_examples=EXAMPLES // 2, deadline=None, database=None,
+                          suppress_health_check=list(HealthCheck))
+                @given(operation.as_strategy(generation_mode=mode))
+                def check(case: Any) -> None:
+                    path = operation.path.replace("{response_id}", made)
+                    resp = client.request(case.method, path, params=case.query)
+                    statuses.setdefault((case.method.upper(), operation.path), set()).add(resp.status_code)
+                    assert resp.status_code < 500, (case.method, path, case.query, resp.text[:500])
+                    assert "Traceback" not in resp.text
+                    if mode is GenerationMode.POSITIVE and case.method.upper() == "GET":
+                        assert resp.status_code == 200, (path, case.query, resp.text[:500])
+
+                try:
+                    check()
+                except Unsatisfiable:
+                    assert mode is GenerationMode.NEGATIVE
+    assert 200 in statuses[("GET", "/v1/responses/{response_id}/input_items")]
+    assert 200 in statuses[("DELETE", "/v1/responses/{response_id}")]
+
+
 # --- the schema and the server agree -------------------------------------------------------------------------------
 # Requests an earlier `schemathesis run /openapi.json --checks all` found the schema allowing and the server refusing
 # (400), and their schema-invalid neighbours: each must be valid to both, or invalid to both.

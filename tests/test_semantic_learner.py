@@ -233,3 +233,85 @@ def test_one_right_label_does_not_lower_a_class_error_but_several_do() -> None:
         learner.record("t", "s", "often", 0.85, True)
     assert learner.decide("t", "s", "often", 0.85, TARGET).error < learner.decide(
         "t", "s", "stranger", 0.85, TARGET).error
+
+
+# ---- issue 24: the calibrated prior, the shrinking margin, the per-class slope ----
+
+
+def test_untaught_the_calibrated_prior_serves_where_it_is_confident_within_the_target() -> None:
+    # The verifier's probability as the prior: a candidate it calls right 9999 times in 10000 serves with no label
+    # at all; one it calls right 9 times in 10 serves only as far as its expected wrong answers fit in the target
+    # (a few, among many lookups). The flat prior on a cosine (0.2 wrong over the cut) only as few.
+    calibrated = SemanticLearner(signal="probability", audit_share=0.0)
+    flat = SemanticLearner(prior_cut=0.9, audit_share=0.0)
+    sure = [calibrated.decide("t", "s", f"a{i}", 0.9999, TARGET, may_explore=False).action for i in range(200)]
+    assert sure.count("serve") >= 190
+    unsure = [calibrated.decide("t", "s2", f"b{i}", 0.9, TARGET, may_explore=False).action for i in range(200)]
+    assert unsure.count("serve") * 0.1 <= TARGET * 200 * 0.5
+    cosine = [flat.decide("t", "s", f"a{i}", 0.9999, TARGET, may_explore=False).action for i in range(200)]
+    assert cosine.count("serve") * 0.2 <= TARGET * 200 * 0.5
+
+
+def test_labels_move_the_calibrated_prior_per_pool() -> None:
+    # Wrong labels at a probability the prior trusts: that pool's estimate there follows them; another pool's
+    # (tenant's) stays the prior's.
+    learner = SemanticLearner(signal="probability", audit_share=0.0, demote_after=10**6)
+    for i in range(400):
+        learner.record("t", "s", f"y{i}", 0.9999, i % 4 != 0)  # wrong one time in four
+    taught = learner.decide("t", "s", "z", 0.9999, TARGET, may_explore=False)
+    other = learner.decide("u", "s", "z", 0.9999, TARGET, may_explore=False)
+    assert 0.15 <= taught.error <= 0.35 and other.error <= 1e-3 and other.action == "serve"
+
+
+def test_a_margin_of_z_deviations_shrinks_as_lookups_accumulate() -> None:
+    # Every lookup's candidate is wrong with probability ~0.0028, the target is 0.005 of the lookups. A fixed margin
+    # keeps half the target back for good: it serves at most 0.0025 / 0.0028 of the lookups. z deviations of the
+    # served errors keep back less and less of it (the deviation grows as the square root of their number): it
+    # serves a growing share, past the fixed margin's, and its expected wrong answers with their z deviations stay
+    # within the target.
+    fixed = SemanticLearner(signal="probability", audit_share=0.0, margin=0.5)
+    shrinking = SemanticLearner(signal="probability", audit_share=0.0, z=1.645)
+    n, late = 6000, 1000
+    served = {"fixed": [0, 0], "z": [0, 0]}  # [early, late]
+    for i in range(n):
+        for name, learner in (("fixed", fixed), ("z", shrinking)):
+            d = learner.decide("t", "s", f"a{i}", 0.997, 0.005, may_explore=False)
+            if d.action == "serve" and (i < late or i >= n - late):
+                served[name][i >= n - late] += 1
+    error = fixed.decide("t", "s", "b", 0.997, 0.005, may_explore=False).error
+    assert served["fixed"][1] <= late * 0.0025 / error + 1
+    assert served["z"][0] < served["z"][1] and served["z"][1] > served["fixed"][1] + 50
+    rate, upper, _ = shrinking.estimate("t", "s")
+    assert rate + 1.645 * (upper - rate) <= 0.005 + 1e-9  # estimate's bound is one deviation (confidence 1)
+
+
+def test_a_class_with_labels_of_both_outcomes_gets_its_own_slope() -> None:
+    # A class right at 0.95 and up, wrong at 0.80-0.84: with a slope of its own it serves high and refuses low
+    # more sharply than one shift of the pooled curve can say.
+    def taught(slope_after: int | None) -> SemanticLearner:
+        learner = SemanticLearner(prior_cut=0.9, audit_share=0.0, slope_after=slope_after, demote_after=10**6)
+        for i in range(8):
+            learner.record("t", "s", "e", 0.95 + i * 0.005, True)
+            learner.record("t", "s", "e", 0.80 + i * 0.005, False)
+        return learner
+
+    plain, sloped = taught(None), taught(6)
+    high = [learner.decide("t", "s", "e", 0.97, TARGET, may_explore=False).error for learner in (plain, sloped)]
+    low = [learner.decide("t", "s", "e", 0.82, TARGET, may_explore=False).error for learner in (plain, sloped)]
+    assert high[1] < high[0] and low[1] > low[0]
+    # Under six labels of either outcome, no slope: the same estimate as the plain class shift.
+    few = SemanticLearner(prior_cut=0.9, audit_share=0.0, slope_after=6)
+    one = SemanticLearner(prior_cut=0.9, audit_share=0.0)
+    for learner in (few, one):
+        for i in range(5):
+            learner.record("t", "s", "e", 0.95, True)
+            learner.record("t", "s", "e", 0.80, False)
+    assert few.decide("t", "s", "e", 0.9, TARGET).error == one.decide("t", "s", "e", 0.9, TARGET).error
+
+
+def test_a_pool_taught_on_another_signal_starts_again() -> None:
+    learner = SemanticLearner(prior_cut=0.9)
+    learner.record("t", "s", "e", 0.95, True)
+    assert learner.entry_labels_of("t", "s", "e") == [(0.95, True)]
+    learner.decide("t", "s", "e", 0.99, TARGET, signal="probability")
+    assert learner.entry_labels_of("t", "s", "e") == []

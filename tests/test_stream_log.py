@@ -91,3 +91,43 @@ def test_tune_recovers_the_cut_a_synthetic_truth_implies_from_a_learner_log(tmp_
     [served] = [c for c in tune(records, target=0.01, confidence=0) if c.tenant == ALL]
     assert served.cut is not None and implied_served is not None and abs(served.cut - implied_served) <= 0.01, \
         (served, implied_served)
+
+
+def confusable_stream(n: int, seed: int) -> tuple[eval_semantic.Stream, np.ndarray]:
+    """Groups of 5 whose right candidates sit at cosine 0.86-0.99, and a wrong candidate near at 0.86-0.97 for a
+    third of the texts (customer-service traffic: questions that differ in one word the answer depends on)."""
+    rng = np.random.default_rng(seed)
+    group = rng.permutation(np.arange(n) // 5).tolist()
+    sim = rng.uniform(0.2, 0.7, (n, n)).astype(np.float32)
+    same = np.equal.outer(group, group)
+    sim[same] = rng.uniform(0.86, 0.99, int(same.sum()))
+    confusable = rng.random(n) < 1 / 3
+    for i in np.flatnonzero(confusable):
+        others = np.flatnonzero(~same[i])
+        sim[i, rng.choice(others, 3, replace=False)] = rng.uniform(0.86, 0.97, 3)
+    sim = np.maximum(sim, sim.T)
+    return eval_semantic.Stream([f"text {i}" for i in range(n)], group, set(), "confusable"), sim
+
+
+def test_the_storage_rule_stores_a_refused_lookup_only_when_its_candidate_was_wrong() -> None:
+    stream, sim = synthetic_stream(600, seed=2)
+    every, _ = eval_semantic.learner_stream(stream, sim, scenario="support", target=0.01, shipped=0.85, seed=0)
+    lean, _ = eval_semantic.learner_stream(stream, sim, scenario="support", target=0.01, shipped=0.85, seed=0,
+                                           store="on_wrong")
+    assert every.stored == every.lookups - every.hits - every.false_hits
+    right_refusals = sum(right for right, _ in lean.outcomes.values()) - lean.outcomes.get("hit", [0, 0])[0]
+    assert lean.stored == lean.lookups - lean.hits - lean.false_hits - right_refusals
+    assert lean.stored < every.stored
+
+
+def test_the_ratio_to_the_oracle_comes_with_a_bootstrap_interval() -> None:
+    rng = np.random.default_rng(0)
+    pairs = []
+    for _ in range(5):
+        oracle = (rng.random(2000) < 0.2).astype(float)
+        learner = oracle * (rng.random(2000) < 0.5)  # half the oracle's hits
+        pairs.append((learner, oracle))
+    ratio, lo, hi = eval_semantic.bootstrap_ratio(pairs, resamples=500)
+    assert ratio is not None and lo is not None and hi is not None
+    assert lo < ratio < hi and 0.45 < lo and hi < 0.55
+    assert eval_semantic.bootstrap_ratio([(np.zeros(10), np.zeros(10))]) == (None, None, None)

@@ -70,6 +70,7 @@ from edgecache.semantic import guard, refusals
 from edgecache.semantic.decision_log import DecisionLog, log_files
 from edgecache.semantic.embedders import Embedder, default_threshold, load_embedder
 from edgecache.semantic.index import SemanticIndex
+from edgecache.semantic.learner import SemanticLearner, Signal
 from edgecache.semantic.lookup import Lookup, SemanticHit, record_lookup
 from edgecache.semantic.verifier import Verifier
 from edgecache.settings import resolve_settings
@@ -347,9 +348,15 @@ class StreamResult(msgspec.Struct):
     explorations: int = 0
     labels: int = 0
     demoted: int = 0
+    stored: int = 0
     #: every lookup that had a candidate: its similarity and whether the candidate was right (what a fully labelled
     #: log of the run would hold)
     candidates: list[tuple[float, bool]] = msgspec.field(default_factory=list)
+    #: the lookups (positions in the stream) served a right answer: the paired bootstrap's unit
+    right_hits: list[int] = msgspec.field(default_factory=list)
+    #: the learner's outcomes: (what it did: ``hit`` or the refusal, as the decision log spells it) -> [lookups whose
+    #: candidate was right, lookups whose candidate was wrong]
+    outcomes: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -360,68 +367,97 @@ class StreamResult(msgspec.Struct):
         return self.false_hits / max(self.lookups, 1)
 
 
-def run_stream(stream: Stream, sim: np.ndarray, decide, record=None, link=None, alone=None) -> StreamResult:
+#: What a lookup the learner refused stores (``--store``): the query's vector on every miss (as the server does), or,
+#: as vCache does, only when its label says the nearest candidate was wrong (a right one already answers it).
+STORE_RULES = ("every_miss", "on_wrong")
+
+
+def run_stream(stream: Stream, sim: np.ndarray, decide, record=None, link=None, alone=None,
+               store: str = "every_miss") -> StreamResult:
     """Look the texts up in order against a cache that grows: a lookup not served is computed and stored. ``decide``
     (query, candidate, similarity) -> serve | explore | miss; on explore or miss the pair's label is revealed to
     ``record`` (on a miss the engine computed the answer anyway, so comparing it with the candidate's is free).
-    ``alone`` (query) hears a lookup that found the cache empty (no candidate: a plain miss)."""
+    ``alone`` (query) hears a lookup that found the cache empty (no candidate: a plain miss). ``store`` ``on_wrong``:
+    a refused lookup whose label says the candidate was right is not stored (vCache's rule)."""
     out = StreamResult(lookups=len(stream.texts))
-    stored = np.zeros(len(stream.texts), dtype=np.int64)
+    n = len(stream.texts)
+    # The nearest stored text of every later lookup, kept up to date as texts are stored (``sim`` is symmetric:
+    # storing text i compares it with every later text at once); ties go to the earliest stored, as argmax would.
+    best_sim = np.full(n, -np.inf, dtype=np.float32)
+    best_j = np.full(n, -1, dtype=np.int64)
     n_stored = 0
-    for i in range(len(stream.texts)):
+    for i in range(n):
         if not n_stored and alone is not None:
             alone(i)
         if n_stored:
-            row = sim[i, stored[:n_stored]]
-            best = int(np.argmax(row))
-            j, s = int(stored[best]), float(row[best])
-            out.candidates.append((s, right_answer(stream, i, j)))
+            j, s = int(best_j[i]), float(best_sim[i])
+            correct = right_answer(stream, i, j)
+            out.candidates.append((s, correct))
             action = decide(i, j, s)
             if action == "serve":
-                if right_answer(stream, i, j):
+                if correct:
                     out.hits += 1
+                    out.right_hits.append(i)
                 else:
                     out.false_hits += 1
                 continue
             if action == "explore":
                 out.explorations += 1
             if record is not None:
-                correct = right_answer(stream, i, j)
                 record(i, j, s, correct)
                 out.labels += 1
                 if correct and link is not None:
                     link(i, j)
-        stored[n_stored] = i
+                if correct and store == "on_wrong":
+                    continue
+        row = sim[i, i + 1:]
+        closer = row > best_sim[i + 1:]
+        best_sim[i + 1:][closer] = row[closer]
+        best_j[i + 1:][closer] = i
         n_stored += 1
+    out.stored = n_stored
     return out
+
+
+#: The learner's settings a stream run may vary (``--learner KEY=VALUE``), as :class:`SemanticLearner` spells them.
+LEARNER_OPTIONS = ("prior_weight", "spread", "margin", "z", "slope_after", "slope_spread", "confidence",
+                   "calibration_weight", "trust_after", "max_error", "audit_share")
 
 
 def learner_stream(stream: Stream, sim: np.ndarray, *, scenario: str, target: float, shipped: float,
                    signal=None, seed: int = 0, explore_share: float = 0.05, audit_share: float | None = None,
-                   link: bool = True, log: DecisionLog | None = None,
-                   tenant: str = "eval") -> tuple[StreamResult, int]:
+                   link: bool = True, log: DecisionLog | None = None, tenant: str = "eval",
+                   labels: bool = True, store: str = "every_miss",
+                   options: dict[str, float] | None = None,
+                   learner: SemanticLearner | None = None) -> tuple[StreamResult, int]:
     """The online learner on the stream; returns its result and how many entries it demoted. ``shipped`` is the
-    static prior cut on the cosine; ``signal`` (query, candidate, cosine) -> (what the learner sees, the prior cut
-    on it) replaces the cosine (the verifier's score). With ``log``, every lookup
-    is written as the server writes it: one ``decision`` record (the nearest candidate's store and vector key and
-    its similarity; the learner's reason) and a ``label`` for every label the run reveals (explorations and refused
-    candidates); served lookups stay unlabelled, as in production."""
-    from edgecache.semantic.learner import SemanticLearner
-
-    learner = SemanticLearner(prior_cut=shipped, seed=seed, explore_share=explore_share,
-                              **({} if audit_share is None else {"audit_share": audit_share}))
+    static prior cut on the cosine; ``signal`` (query, candidate, cosine) -> the verifier's calibrated probability
+    replaces the cosine (the learner's prior is then that probability). ``labels`` False: the learner is never
+    taught (a server with no labeler). ``options``: the learner's settings (:data:`LEARNER_OPTIONS`), or
+    ``learner`` one built elsewhere (the server's, :func:`edgecache.semantic.assembly.learner_for`). With ``log``,
+    every lookup is written as the server writes it: one ``decision`` record (the nearest candidate's store and
+    vector key and its similarity; the learner's reason) and a ``label`` for every label the run reveals
+    (explorations and refused candidates); served lookups stay unlabelled, as in production."""
+    settings = dict(options or {})
+    if audit_share is not None:
+        settings["audit_share"] = audit_share
+    if learner is None:
+        learner = SemanticLearner(prior_cut=shipped, seed=seed, explore_share=explore_share, **settings)
+    axis: Signal = "probability" if signal is not None else "cosine"
     decisions: dict[int, tuple] = {}  # query -> (the learner's decision, its log id)
-    prior_cut = signal or (lambda i, j, s: (s, shipped))
+    value_of = signal or (lambda i, j, s: s)
+    outcomes: dict[str, list[int]] = defaultdict(lambda: [0, 0])
 
     def decide(i: int, j: int, s: float) -> str:
-        value, prior = prior_cut(i, j, s)
-        decision = learner.decide(tenant, scenario, str(j), value, target, prior_cut=prior)
+        value = value_of(i, j, s)
+        decision = learner.decide(tenant, scenario, str(j), value, target, prior_cut=shipped, signal=axis)
+        refusal = None if decision.action == "serve" else (
+            refusals.EXPLORE if decision.action == "explore" else refusals.by_learner(decision.reason))
+        outcomes[refusal or "hit"][0 if right_answer(stream, i, j) else 1] += 1
         logged = None
         if log is not None:
             # The lookup the server's learner decider makes of it (edgecache.semantic.deciders.by_learner), logged
             # as the server logs it.
-            refusal = None if decision.action == "serve" else (
-                refusals.EXPLORE if decision.action == "explore" else refusals.by_learner(decision.reason))
             lookup = Lookup(vector=None, candidate=SemanticHit(similarity=s, store_key=str(j), vector_key=j),
                             refusal=refusal, score=None if value == s else value, learned=decision)
             logged = record_lookup(log, tenant, scenario, stream.texts[i], lookup, served=decision.action == "serve")
@@ -429,9 +465,9 @@ def learner_stream(stream: Stream, sim: np.ndarray, *, scenario: str, target: fl
         return decision.action
 
     def record(i: int, j: int, s: float, correct: bool) -> None:
-        value, prior = prior_cut(i, j, s)
         decision, logged = decisions.pop(i)
-        learner.record(tenant, scenario, str(j), value, correct, prior_cut=prior, decision=decision)
+        learner.record(tenant, scenario, str(j), value_of(i, j, s), correct, prior_cut=shipped, decision=decision,
+                       signal=axis)
         if logged is not None:
             log.labelled(logged, correct, "stream-truth")  # type: ignore[union-attr]
 
@@ -443,7 +479,10 @@ def learner_stream(stream: Stream, sim: np.ndarray, *, scenario: str, target: fl
         if log is not None:
             record_lookup(log, tenant, scenario, stream.texts[i], Lookup(vector=None), served=False)
 
-    result = run_stream(stream, sim, decide, record, linked, alone)
+    result = run_stream(stream, sim, decide, record if labels else None, linked, alone, store=store)
+    if not labels:
+        result.labels = 0
+    result.outcomes = dict(outcomes)
     decisions.clear()  # served lookups: never labelled
     return result, learner.demoted
 
@@ -464,57 +503,168 @@ def hindsight_cut(candidates: list[tuple[float, bool]], lookups: int, target: fl
     return best
 
 
+def bootstrap_ratio(pairs: list[tuple[np.ndarray, np.ndarray]], *, resamples: int = 2000, seed: int = 0,
+                    level: float = 0.95) -> tuple[float | None, float | None, float | None]:
+    """The ratio of two policies' right hits over several streams, and its percentile interval: per stream the
+    lookups are resampled with replacement (paired: one draw counts for both policies), the streams kept apart.
+    ``pairs``: per stream, 0/1 per lookup for the numerator's policy and the denominator's."""
+    total_a = sum(float(a.sum()) for a, _ in pairs)
+    total_b = sum(float(b.sum()) for _, b in pairs)
+    if total_b == 0:
+        return None, None, None
+    rng = np.random.default_rng(seed)
+    num, den = np.zeros(resamples), np.zeros(resamples)
+    for a, b in pairs:
+        n = len(a)
+        if n == 0:
+            continue
+        # A multinomial draw of how often each lookup is picked, in chunks to bound memory on long streams.
+        for start in range(0, resamples, 200):
+            stop = min(resamples, start + 200)
+            counts = rng.multinomial(n, np.full(n, 1.0 / n), size=stop - start)
+            num[start:stop] += counts @ a
+            den[start:stop] += counts @ b
+    ratios = num / np.where(den > 0, den, np.nan)
+    lo, hi = np.nanpercentile(ratios, [(1 - level) / 2 * 100, (1 + level) / 2 * 100])
+    return total_a / total_b, float(lo), float(hi)
+
+
+class EmbeddingCache:
+    """Vectors of texts already embedded, on disk under ``directory`` per embedder version (``None``: none kept).
+    The embedder is a stream run's cost: a second seed or variant of the same set costs none."""
+
+    def __init__(self, directory: Path | None) -> None:
+        self.directory = directory
+
+    def embed(self, emb: Embedder, texts: list[str]) -> np.ndarray:
+        if self.directory is None or not texts:
+            return embed_all(emb, texts)
+        import hashlib
+
+        unique = sorted(set(texts))
+        digest = hashlib.blake2b("\x00".join([emb.version, *unique]).encode(), digest_size=16).hexdigest()
+        path = self.directory / f"{digest}.npy"
+        if path.exists():
+            vectors = np.load(path)
+        else:
+            vectors = embed_all(emb, unique)
+            self.directory.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(".part.npy")
+            np.save(partial, vectors)
+            partial.replace(path)
+        row = {t: n for n, t in enumerate(unique)}
+        return vectors[[row[t] for t in texts]]
+
+
 def stream_main(args: argparse.Namespace, kind: str, path: Path) -> dict:
-    """--stream: the learner (:mod:`edgecache.semantic.learner`) against the shipped static rule and the static
-    oracle on the same stream. Rates are shares of all lookups."""
+    """--stream: the learner (:mod:`edgecache.semantic.learner`) against the shipped static rule, the verifier and
+    the static oracle on the same stream, per seed; the ratio of the learner's hit rate to the oracle's at 1 % over
+    all seeds with its bootstrap interval. Rates are shares of all lookups."""
+    seeds = [int(s) for s in str(args.seeds).split(",")] if args.seeds else [args.seed]
+    if args.log is not None and len(seeds) > 1:
+        raise SystemExit("error: --log writes one run; give one seed")
     settings = resolve_settings(args.profile, {}, environ={})
     scenario = settings.scenarios.get(args.scenario) or settings.scenarios["default"]
-    target = args.target if args.target is not None else 0.01
+    target = args.target if args.target is not None else scenario.target_false_hit_rate
     emb = load_embedder(args.embedder or settings.semantic.embedder, threads=1)
     shipped = scenario.threshold if scenario.threshold is not None else default_threshold(emb.version, args.scenario)
     rules = [] if args.rules == "none" else [r for r in args.rules.split(",") if r]
+    verifier = Verifier.load(args.verifier or settings.semantic.verifier_params)
+    use_verifier = args.signal == "verifier" and verifier.embedder == emb.version
+    options: dict[str, float] = {}
+    for item in args.learner or []:
+        key, _, value = item.partition("=")
+        if key not in LEARNER_OPTIONS:
+            raise SystemExit(f"error: --learner {key}: not one of {', '.join(LEARNER_OPTIONS)}")
+        options[key] = None if value == "none" else float(value)  # type: ignore[assignment]
+    cache = EmbeddingCache(None if args.embed_cache == "none" else Path(args.embed_cache))
+    runs, pairs = [], []
     t0 = time.perf_counter()
-    stream = stream_of(kind, path, seed=args.seed, limit=args.limit,
+    for seed in seeds:
+        result = stream_run(args, kind, path, seed=seed, emb=emb, cache=cache, verifier=verifier,
+                            use_verifier=use_verifier, target=target, shipped=shipped, rules=rules, options=options)
+        pairs.append(result.pop("_pair"))
+        runs.append(result)
+    if len(runs) == 1:
+        result = runs[0]
+    else:
+        result = {key: round(float(np.mean([r[key] for r in runs])), 4)
+                  for key in ("hit_rate", "false_hit_rate", "exploration_share", "untaught_hit_rate",
+                              "untaught_false_hit_rate", "verifier_hit_rate", "verifier_false_hit_rate",
+                              "static_hit_rate", "static_false_hit_rate", "oracle_hit_rate_at_1pct")}
+        result.update(n=sum(r["n"] for r in runs), explorations=sum(r["explorations"] for r in runs),
+                      seeds=seeds, max_false_hit_rate=max(r["false_hit_rate"] for r in runs),
+                      target_false_hit_rate=target, embedder=emb.version, signal=runs[0]["signal"],
+                      runs=runs)
+    ratio, lo, hi = bootstrap_ratio(pairs)
+    result["ratio_to_oracle_at_1pct"] = None if ratio is None else round(ratio, 3)
+    result["ratio_interval"] = None if lo is None else [round(lo, 3), round(hi, 3)]
+    if len(runs) > 1:
+        print(f"{len(seeds)} seeds: learner hit rate {result['hit_rate']:.4f} (mean), false hits "
+              f"{result['false_hit_rate']:.4f} (mean, max {result['max_false_hit_rate']:.4f}), untaught "
+              f"{result['untaught_hit_rate']:.4f}, verifier {result['verifier_hit_rate']:.4f}, oracle at 1 % "
+              f"{result['oracle_hit_rate_at_1pct']:.4f}")
+    print("learner / static oracle at 1 %: " + ("n/a" if ratio is None else
+          f"{ratio:.2f}x (95 % bootstrap interval {lo:.2f}-{hi:.2f}, lookups resampled per seed)")
+          + f"   ({time.perf_counter() - t0:.1f} s in all)")
+    print(json.dumps(result))
+    return result
+
+
+def stream_run(args: argparse.Namespace, kind: str, path: Path, *, seed: int, emb: Embedder,
+               cache: EmbeddingCache, verifier: Verifier, use_verifier: bool, target: float, shipped: float,
+               rules: list[str], options: dict[str, float]) -> dict:
+    """One seed's stream: every policy on it, printed, and its figures (``_pair``: the learner's and the oracle at
+    1 %'s right hits per lookup, for the bootstrap)."""
+    t0 = time.perf_counter()
+    stream = stream_of(kind, path, seed=seed, limit=args.limit,
                        splits=set(args.splits.split(",")) if args.splits else None)
-    vectors = embed_all(emb, stream.texts)
+    vectors = cache.embed(emb, stream.texts)
     sim = vectors @ vectors.T
     embedded = time.perf_counter() - t0
 
-    verifier = Verifier.load(args.verifier or settings.semantic.verifier_params)
-    use_verifier = args.signal == "verifier" and verifier.embedder == emb.version
-    signal_of: dict[tuple[int, int], float] = {}
+    score_of: dict[tuple[int, int], float] = {}
 
-    def signal(i: int, j: int, s: float) -> tuple[float, float]:
-        """What the learner sees of a candidate, and the static prior cut on it: the verifier's score (0 when a
-        hard veto refuses the pair) and its calibrated cut."""
-        if (i, j) not in signal_of:
+    def score(i: int, j: int, s: float) -> float:
+        """The verifier's calibrated P(right) of the pair (0 when a hard veto refuses it)."""
+        if (i, j) not in score_of:
             judged = verifier.judge(stream.texts[i], [(stream.texts[j], s)], cut=0.0)
-            signal_of[(i, j)] = judged.score if judged.chosen is not None else 0.0
-        return signal_of[(i, j)], min(verifier.cut(target, stream.texts[i]), 0.999)
+            score_of[(i, j)] = judged.score if judged.chosen is not None else 0.0
+        return score_of[(i, j)]
 
     log = None
     if args.log is not None:
         if log_files(args.log):
             raise SystemExit(f"error: {args.log} already holds a decision log (give an empty or new folder)")
         log = DecisionLog(args.log, max_bytes=256 << 20, files=8)
+    common = dict(scenario=args.scenario, target=target, shipped=shipped, signal=score if use_verifier else None,
+                  seed=seed, explore_share=args.explore_share, audit_share=args.audit_share, link=args.link,
+                  options=options)
     try:
-        learned, demoted = learner_stream(
-            stream, sim, scenario=args.scenario, target=target, shipped=shipped,
-            signal=signal if use_verifier else None, seed=args.seed, explore_share=args.explore_share,
-            audit_share=args.audit_share, link=args.link, log=log)
+        learned, demoted = learner_stream(stream, sim, log=log, store=args.store, **common)  # type: ignore[arg-type]
     finally:
         if log is not None:
             log.close()
     learned.demoted = demoted
+    untaught, _ = learner_stream(stream, sim, labels=False, **common)  # type: ignore[arg-type]
     static = run_stream(stream, sim, lambda i, j, s: "serve" if s >= shipped - 1e-9 and guard.check(
         stream.texts[i], stream.texts[j], rules).allowed else "miss")
+    verified = None
+    if verifier.embedder == emb.version:
+        verified = run_stream(stream, sim, lambda i, j, s: "serve" if score(i, j, s) >= verifier.cut(
+            target, stream.texts[i]) - 1e-12 else "miss")
     cuts = np.round(np.arange(args.oracle_from, 1.0001, args.oracle_step), 4)
     sweep = [(c, run_stream(stream, sim, lambda i, j, s, c=c: "serve" if s >= c - 1e-9 else "miss")) for c in cuts]
-    allowed = [(r.hit_rate, c, r) for c, r in sweep if r.false_hit_rate <= learned.false_hit_rate + 1e-12]
-    oracle_hit, oracle_cut, oracle = max(allowed, key=lambda x: (x[0], -x[1])) if allowed else (0.0, 1.0, None)
-    at_target = [(r.hit_rate, c) for c, r in sweep if r.false_hit_rate <= target + 1e-12]
-    oracle_target_hit, oracle_target_cut = max(at_target, key=lambda x: (x[0], -x[1])) if at_target else (0.0, 1.0)
+
+    def oracle_at(rate: float) -> tuple[float, float, StreamResult | None]:
+        allowed = [(r.hit_rate, c, r) for c, r in sweep if r.false_hit_rate <= rate + 1e-12]
+        return max(allowed, key=lambda x: (x[0], -x[1])) if allowed else (0.0, 1.0, None)
+
+    oracle_hit, oracle_cut, oracle = oracle_at(learned.false_hit_rate)
+    oracle_target_hit, oracle_target_cut, _ = oracle_at(target)
+    oracle_1_hit, oracle_1_cut, oracle_1 = oracle_at(0.01)
     ratio = learned.hit_rate / oracle_hit if oracle_hit > 0 else None
+    ratio_1 = learned.hit_rate / oracle_1_hit if oracle_1_hit > 0 else None
     # The cut a fully labelled replay of the learner's own lookups implies (what `tune --per lookup --confidence 0`
     # would find if every served lookup were labelled too): apart from the oracle's by the cache the oracle grows.
     replay_cut = hindsight_cut(learned.candidates, learned.lookups, learned.false_hit_rate)
@@ -522,17 +672,28 @@ def stream_main(args: argparse.Namespace, kind: str, path: Path) -> dict:
     tuned = tune_log(args.log, target=target, learner_rate=learned.false_hit_rate) if log is not None else None
     elapsed = time.perf_counter() - t0
 
-    print(f"stream {stream.name}: {learned.lookups} lookups in seeded order (seed {args.seed}), cache grows on every "
-          f"lookup not served; embedder {emb.version}; target {target:.2%}")
-    print(f"{'':34}{'hit rate':>10}{'false hits':>12}{'explored':>10}")
-    print(f"{'learner':34}{learned.hit_rate:10.4f}{learned.false_hit_rate:12.4f}{learned.explorations:10d}"
-          f"   ({learned.labels} labels, {learned.demoted} entries demoted)")
-    print(f"{'shipped static (cos>=%.3f+guard)' % shipped:34}{static.hit_rate:10.4f}{static.false_hit_rate:12.4f}")
+    print(f"stream {stream.name}: {learned.lookups} lookups in seeded order (seed {seed}), cache grows on every "
+          f"lookup not served ({args.store}); embedder {emb.version}; scenario {args.scenario}, target {target:.2%}; "
+          f"learner signal {'verifier' if use_verifier else 'cosine'}")
+    print(f"{'':38}{'hit rate':>10}{'false hits':>12}{'explored':>10}")
+    print(f"{'learner':38}{learned.hit_rate:10.4f}{learned.false_hit_rate:12.4f}{learned.explorations:10d}"
+          f"   ({learned.labels} labels, {learned.demoted} entries demoted, {learned.stored} stored)")
+    print(f"{'learner, never taught':38}{untaught.hit_rate:10.4f}{untaught.false_hit_rate:12.4f}"
+          f"{untaught.explorations:10d}")
+    if verified is not None:
+        print(f"{'verifier (nearest, cut at target)':38}{verified.hit_rate:10.4f}{verified.false_hit_rate:12.4f}")
+    print(f"{'static rule (cos>=%.3f+guard)' % shipped:38}{static.hit_rate:10.4f}{static.false_hit_rate:12.4f}")
     if oracle is not None:
-        print(f"{'static oracle (cos>=%.3f)' % oracle_cut:34}{oracle.hit_rate:10.4f}{oracle.false_hit_rate:12.4f}"
+        print(f"{'static oracle (cos>=%.3f)' % oracle_cut:38}{oracle.hit_rate:10.4f}{oracle.false_hit_rate:12.4f}"
               f"   at <= the learner's false hits; learner / oracle "
               + ("n/a" if ratio is None else f"{ratio:.2f}x"))
-    print(f"{'static oracle at target (cos>=%.3f)' % oracle_target_cut:34}{oracle_target_hit:10.4f}")
+    print(f"{'static oracle at target (cos>=%.3f)' % oracle_target_cut:38}{oracle_target_hit:10.4f}")
+    print(f"{'static oracle at 1 %% (cos>=%.3f)' % oracle_1_cut:38}{oracle_1_hit:10.4f}"
+          + ("" if oracle_1 is None else f"{oracle_1.false_hit_rate:12.4f}")
+          + "   learner / it " + ("n/a" if ratio_1 is None else f"{ratio_1:.2f}x"))
+    print("the learner's lookups by outcome (candidate right / wrong):")
+    for outcome, (right, wrong) in sorted(learned.outcomes.items(), key=lambda x: -sum(x[1])):
+        print(f"  {outcome:36}{right:8d}{wrong:8d}")
     print(f"fully labelled replay of the learner's lookups: cut {_cut(replay_cut)} at <= the learner's false hits, "
           f"{_cut(replay_target_cut)} at target" + (f"; decision log written to {args.log}" if log else ""))
     if tuned is not None:
@@ -542,7 +703,12 @@ def stream_main(args: argparse.Namespace, kind: str, path: Path) -> dict:
             print(f"  {name:34}{_cut(found['cut']):>8}  ({found['backing']} labels, effective "
                   f"{found['effective']:.0f}, {found['unlabelled']} unlabelled)")
     print(f"({embedded:.1f} s to embed, {elapsed:.1f} s in all)")
-    result = {
+    mask = np.zeros(learned.lookups)
+    mask[learned.right_hits] = 1.0
+    mask_1 = np.zeros(learned.lookups)
+    if oracle_1 is not None:
+        mask_1[oracle_1.right_hits] = 1.0
+    return {
         "n": learned.lookups,
         "hit_rate": round(learned.hit_rate, 4),
         "false_hit_rate": round(learned.false_hit_rate, 4),
@@ -550,25 +716,32 @@ def stream_main(args: argparse.Namespace, kind: str, path: Path) -> dict:
         "exploration_share": round(learned.explorations / max(learned.lookups, 1), 4),
         "labels": learned.labels,
         "demoted": learned.demoted,
+        "stored": learned.stored,
+        "outcomes": learned.outcomes,
+        "untaught_hit_rate": round(untaught.hit_rate, 4),
+        "untaught_false_hit_rate": round(untaught.false_hit_rate, 4),
+        "verifier_hit_rate": None if verified is None else round(verified.hit_rate, 4),
+        "verifier_false_hit_rate": None if verified is None else round(verified.false_hit_rate, 4),
         "oracle_hit_rate": round(oracle_hit, 4),
         "oracle_threshold": float(oracle_cut),
         "ratio_to_oracle": None if ratio is None else round(ratio, 3),
         "oracle_hit_rate_at_target": round(oracle_target_hit, 4),
+        "oracle_hit_rate_at_1pct": round(oracle_1_hit, 4),
+        "oracle_threshold_at_1pct": float(oracle_1_cut),
         "static_hit_rate": round(static.hit_rate, 4),
         "static_false_hit_rate": round(static.false_hit_rate, 4),
         "static_threshold": shipped,
         "target_false_hit_rate": target,
         "embedder": emb.version,
         "signal": "verifier" if use_verifier else "cosine",
-        "seed": args.seed,
+        "seed": seed,
         "oracle_threshold_at_target": float(oracle_target_cut),
         "replay_threshold": None if replay_cut is None else round(replay_cut, 4),
         "replay_threshold_at_target": None if replay_target_cut is None else round(replay_target_cut, 4),
         "log": None if log is None else str(args.log),
         "tune": tuned,
+        "_pair": (mask, mask_1),
     }
-    print(json.dumps(result))
-    return result
 
 
 #: The `edgecache tune` variants run on a --stream --log run: (per, confidence, target: "target" or "learner", the
@@ -630,7 +803,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--stream", action="store_true",
                    help="the online learner on a stream against a growing cache (see stream_of)")
     p.add_argument("--signal", choices=("cosine", "verifier"), default="cosine",
-                   help="--stream: what the learner sees of a candidate (the verifier's score, or plain cosine)")
+                   help="--stream: what the learner sees of a candidate: the cosine, as the server's learner does, or "
+                        "the verifier's score taken as a calibrated probability (its prior)")
+    p.add_argument("--seeds", help="--stream: comma-separated seeds, one stream each (default: --seed)")
+    p.add_argument("--store", choices=STORE_RULES, default="every_miss",
+                   help="--stream: what a refused lookup stores (every miss, or only when its candidate was wrong)")
+    p.add_argument("--learner", action="append", metavar="KEY=VALUE",
+                   help="--stream: a learner setting (repeatable): " + ", ".join(LEARNER_OPTIONS))
+    p.add_argument("--embed-cache", default=str(Path(tempfile.gettempdir()) / "edgecache-eval-embeddings"),
+                   help="--stream: folder of embedded texts kept between runs ('none': embed every run)")
     p.add_argument("--link", action=argparse.BooleanOptionalAction, default=True,
                    help="--stream: an entry stored after a right label shares labels with its candidate")
     p.add_argument("--explore-share", type=float, default=0.05, help="--stream: the learner's exploration budget")

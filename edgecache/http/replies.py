@@ -183,6 +183,7 @@ async def respond(rt: Runtime, request: Request[Any, Any, Any], call: Call, stre
     except Overloaded:
         rt.metrics.observe_request(call.tenant, call.scenario, "rejected", None)
         raise
+    request.app.state.front.ledger.remember(writer.id, call, reply)  # what served it, for the caller's feedback
     metrics = rt.metrics
     answer = reply.answer
     if answer is not None:

@@ -54,6 +54,9 @@ from typing import Literal
 import numpy as np
 
 Action = Literal["serve", "explore", "miss"]
+#: What the learner is handed as a candidate's ``similarity``: the embedder's cosine (its prior is then flat around
+#: the static cut), or a calibrated probability that the candidate is right (the verifier's score, the prior itself).
+Signal = Literal["cosine", "probability"]
 #: Why a candidate was served, explored or missed (``Decision.reason``). The decision log keeps them (an exploration
 #: under its reason, a miss as :func:`edgecache.semantic.refusals.by_learner` of it) and ``edgecache tune`` weighs labels by them (``SERVABLE``).
 Reason = Literal["confident", "point_estimate", "audit", "unsure", "above_cut", "budget", "demoted"]
@@ -64,6 +67,9 @@ BUDGET: Reason = "budget"
 
 #: Similarity bins of the pooled curve (similarities are clipped to [0, 1]).
 _BINS = 100
+#: A probability signal is binned on its logit between these (P(right) 0.018 .. 0.99995): the targets that matter
+#: (0.1-1 % wrong) lie in the last hundredth of [0, 1], where linear bins would lump them together.
+_LOGIT_LO, _LOGIT_HI = -4.0, 10.0
 #: Bins of the histogram of decisions' error estimates: log-spaced, 1e-5 .. 1.
 _P_EDGES = np.concatenate([[0.0], np.logspace(-5, 0, 101)])
 
@@ -95,6 +101,7 @@ class _Pool:
     wrong: np.ndarray = field(default_factory=lambda: np.zeros(_BINS))
     p_count: np.ndarray = field(default_factory=lambda: np.zeros(len(_P_EDGES)))
     p_sum: np.ndarray = field(default_factory=lambda: np.zeros(len(_P_EDGES)))
+    p_var: np.ndarray = field(default_factory=lambda: np.zeros(len(_P_EDGES)))
     lookups: int = 0
     explorations: int = 0
     labels: int = 0
@@ -107,10 +114,25 @@ class _Pool:
     #: off on this traffic (the per-workload calibration a fixed table cannot carry).
     calibration_predicted: float = 0.0
     calibration_wrong: float = 0.0
+    signal: Signal = "cosine"
 
 
-def _bin(similarity: float) -> int:
-    return min(_BINS - 1, max(0, int(similarity * _BINS)))
+def _position(similarity: float, signal: Signal) -> float:
+    """Where a signal falls on the curve's [0, 1] axis (linear for a cosine, on the logit for a probability)."""
+    if signal == "cosine":
+        return similarity
+    p = min(max(similarity, 1e-9), 1.0 - 1e-9)
+    return (math.log(p / (1.0 - p)) - _LOGIT_LO) / (_LOGIT_HI - _LOGIT_LO)
+
+
+def _bin(similarity: float, signal: Signal = "cosine") -> int:
+    return min(_BINS - 1, max(0, int(_position(similarity, signal) * _BINS)))
+
+
+def calibrated_prior() -> np.ndarray:
+    """P(wrong) per bin of a probability signal: one minus the probability at the bin's centre."""
+    centres = (np.arange(_BINS) + 0.5) / _BINS * (_LOGIT_HI - _LOGIT_LO) + _LOGIT_LO
+    return 1.0 / (1.0 + np.exp(centres))
 
 
 def _isotonic_decreasing(rate: np.ndarray, weight: np.ndarray) -> np.ndarray:
@@ -152,6 +174,10 @@ class SemanticLearner:
         impute: bool = True,
         calibration_band: float = 3.0,
         margin: float = 0.5,
+        z: float | None = None,
+        signal: Signal = "cosine",
+        slope_after: int | None = None,
+        slope_spread: float = 1.0,
         max_error: float = 0.5,
         confidence: float = 1.0,
         explore_share: float = 0.05,
@@ -172,6 +198,10 @@ class SemanticLearner:
         self.impute = impute
         self.calibration_band = calibration_band
         self.margin = margin
+        self.z = z
+        self.signal = signal
+        self.slope_after = slope_after
+        self.slope_spread = slope_spread
         self.max_error = max_error
         self.confidence = confidence
         self.explore_share = explore_share
@@ -188,13 +218,13 @@ class SemanticLearner:
     # ---- the three calls of the request path ----
 
     def decide(self, tenant: str, scenario: str, entry_key: str, similarity: float, target_error: float, *,
-               prior_cut: float | None = None, may_explore: bool = True) -> Decision:
+               prior_cut: float | None = None, may_explore: bool = True, signal: Signal | None = None) -> Decision:
         """The decision for one lookup whose nearest candidate is ``entry_key`` at ``similarity``.
 
         ``serve``: return the cached answer. ``explore``: compute fresh, give the client the fresh answer, and
         :meth:`record` the comparison. ``miss``: compute fresh (and record the comparison: it is free).
         """
-        pool = self._pool(tenant, scenario)
+        pool = self._pool(tenant, scenario, signal)
         pool.lookups += 1
         entry = self._entries.get((tenant, scenario, entry_key))
         if entry is not None:
@@ -211,7 +241,8 @@ class SemanticLearner:
             return Decision("miss", error, bound, cut, "demoted")
         if error > cut:
             return Decision("miss", error, bound, cut, "above_cut")
-        if pool.served_error + error > target_error * (1.0 - self.margin) * pool.lookups:
+        if not self._within(pool.served_error + error, pool.served_var + error * (1.0 - error),
+                            target_error * pool.lookups):
             # The cut is the policy for traffic like the past; the ledger is what was actually spent: expected false
             # hits of everything served so far, never over the pool's share.
             return Decision("miss", error, bound, cut, BUDGET)
@@ -228,24 +259,25 @@ class SemanticLearner:
             # A served lookup is never labelled; leaving it out would leave the pooled curve to the lookups the
             # learner refused at this similarity (the bad classes), biasing it up where it serves. It counts at
             # its own estimate instead (real labels from audits and explorations keep that honest).
-            b = _bin(similarity)
+            b = _bin(similarity, pool.signal)
             pool.right[b] += 1.0 - error
             pool.wrong[b] += error
             pool.curve = None
         return Decision("serve", error, bound, cut, "confident" if bound <= cut else "point_estimate")
 
     def record(self, tenant: str, scenario: str, entry_key: str, similarity: float, correct: bool, *,
-               prior_cut: float | None = None, decision: Decision | None = None) -> None:
+               prior_cut: float | None = None, decision: Decision | None = None,
+               signal: Signal | None = None) -> None:
         """A label: the cached answer of ``entry_key`` did (``correct``) or did not serve a query at ``similarity``.
 
         ``decision``, the one :meth:`decide` gave for this lookup, lets the label also check the pool's calibration
         when it was near the cut."""
-        pool = self._pool(tenant, scenario)
+        pool = self._pool(tenant, scenario, signal)
         if decision is not None and decision.error <= min(self.calibration_band * max(decision.cut, 1e-6),
                                                           self.max_error):
             pool.calibration_predicted += decision.error
             pool.calibration_wrong += 0.0 if correct else 1.0
-        b = _bin(similarity)
+        b = _bin(similarity, pool.signal)
         entry = self._entry((tenant, scenario, entry_key))
         if not correct and not entry.demoted:
             # A strike: a wrong answer at a similarity where the pool alone would serve this entry.
@@ -334,18 +366,27 @@ class SemanticLearner:
             self._entries.move_to_end(key)
         return entry
 
-    def _pool(self, tenant: str, scenario: str) -> _Pool:
+    def _pool(self, tenant: str, scenario: str, signal: Signal | None = None) -> _Pool:
+        """The pool of ``tenant`` and ``scenario``; one that learned on another signal (the embedder or the verifier
+        changed) starts again: its labels are on another axis."""
+        signal = signal or self.signal
         pool = self._pools.get((tenant, scenario))
+        if pool is not None and pool.signal != signal:
+            self.drop(tenant, scenario)
+            pool = None
         if pool is None:
-            pool = self._pools[(tenant, scenario)] = _Pool()
+            pool = self._pools[(tenant, scenario)] = _Pool(signal=signal)
         return pool
 
     def _curve(self, pool: _Pool, prior_cut: float) -> np.ndarray:
         """P(wrong | similarity bin): labels plus the prior's pseudo-labels, made non-increasing."""
         if pool.curve is not None and pool.curve_cut == prior_cut:
             return pool.curve
-        centres = (np.arange(_BINS) + 0.5) / _BINS
-        prior = np.where(centres >= prior_cut, self.prior_error, 0.5)
+        if pool.signal == "probability":
+            prior = calibrated_prior()
+        else:
+            centres = (np.arange(_BINS) + 0.5) / _BINS
+            prior = np.where(centres >= prior_cut, self.prior_error, 0.5)
         weight = pool.right + pool.wrong + self.prior_weight
         rate = (pool.wrong + self.prior_weight * prior) / weight
         pool.curve = _isotonic_decreasing(rate, weight)
@@ -363,7 +404,7 @@ class SemanticLearner:
         near this similarity: wide) make the bound.
         """
         curve = self._curve(pool, prior_cut)
-        b = _bin(similarity)
+        b = _bin(similarity, pool.signal)
         pooled = min(max(float(curve[b]), 1e-4), 1.0 - 1e-4)
         lo, hi = max(0, b - 2), min(_BINS, b + 3)
         n_pool = float(pool.right[lo:hi].sum() + pool.wrong[lo:hi].sum())
@@ -376,17 +417,17 @@ class SemanticLearner:
         if near:
             sims = np.fromiter((s for s, _ in near), float, len(near))
             wrong = np.fromiter((not ok for _, ok in near), float, len(near))
-            rates = np.clip(curve[np.minimum((sims * _BINS).astype(int), _BINS - 1).clip(0)], 0.01, 0.99)
+            positions = np.fromiter((_position(s, pool.signal) for s in sims), float, len(near))
+            rates = np.clip(curve[np.minimum((positions * _BINS).astype(int), _BINS - 1).clip(0)], 0.01, 0.99)
             offsets = np.log(rates / (1.0 - rates))
-            precision = 1.0 / self.spread**2
-            hessian = precision
-            for _ in range(4):
-                p = 1.0 / (1.0 + np.exp(-(offsets + shift)))
-                gradient = float((wrong - p).sum()) - shift * precision
-                hessian = float((p * (1.0 - p)).sum()) + precision
-                shift += gradient / hessian
-            var += 1.0 / hessian
-            if wrong.size - wrong.sum() < self.trust_after:
+            right = wrong.size - wrong.sum()
+            if self.slope_after is not None and min(right, wrong.sum()) >= self.slope_after:
+                shift, shift_var = self._class_slope(offsets, wrong, (positions - _position(similarity, pool.signal))
+                                                     * 10.0)
+            else:
+                shift, shift_var = self._class_shift(offsets, wrong)
+            var += shift_var
+            if right < self.trust_after:
                 # One right answer is no pattern (a rewrite asked once): it may not lower the class's error yet.
                 shift = max(shift, 0.0)
         else:
@@ -395,19 +436,54 @@ class SemanticLearner:
         bound = 1.0 / (1.0 + math.exp(-(base + shift + self.confidence * math.sqrt(var))))
         return error, bound
 
+    def _class_shift(self, offsets: np.ndarray, wrong: np.ndarray) -> tuple[float, float]:
+        """The class's shift of the pooled curve on the logit scale (prior N(0, spread^2)) and its variance."""
+        precision = 1.0 / self.spread**2
+        shift, hessian = 0.0, precision
+        for _ in range(4):
+            p = 1.0 / (1.0 + np.exp(-(offsets + shift)))
+            gradient = float((wrong - p).sum()) - shift * precision
+            hessian = float((p * (1.0 - p)).sum()) + precision
+            shift += gradient / hessian
+        return shift, 1.0 / hessian
+
+    def _class_slope(self, offsets: np.ndarray, wrong: np.ndarray, x: np.ndarray) -> tuple[float, float]:
+        """A class with enough labels of both outcomes: a shift and a slope (per tenth of the signal's axis, prior
+        N(0, slope_spread^2)) on top of the pooled curve, ``x`` centred on the lookup's own position; the shift
+        there and its variance. A class whose wrong answers sit just below its right ones gets a steeper curve
+        than its pool."""
+        prior = np.diag([1.0 / self.spread**2, 1.0 / self.slope_spread**2])
+        theta = np.zeros(2)
+        design = np.stack([np.ones_like(x), x], axis=1)
+        hessian = prior
+        for _ in range(5):
+            p = 1.0 / (1.0 + np.exp(-(offsets + design @ theta)))
+            gradient = design.T @ (wrong - p) - prior @ theta
+            hessian = (design * (p * (1.0 - p))[:, None]).T @ design + prior
+            theta = theta + np.linalg.solve(hessian, gradient)
+        return float(theta[0]), float(np.linalg.inv(hessian)[0, 0])
+
     def _note(self, pool: _Pool, bound: float, error: float) -> None:
         """File a decision under its bound (what decides whether it is served) at its expected cost (its error)."""
         i = min(int(np.searchsorted(_P_EDGES, bound, side="left")), len(_P_EDGES) - 1)
         pool.p_count[i] += 1
         pool.p_sum[i] += error
+        pool.p_var[i] += error * (1.0 - error)
+
+    def _within(self, expected, variance, allowed):
+        """Whether ``expected`` false hits (with ``variance``) fit in ``allowed``: a fixed share ``margin`` kept back,
+        or (``z`` set) a margin of ``z`` standard deviations, which shrinks relative to ``allowed`` as decisions
+        accumulate (the sum's deviation grows as its square root)."""
+        if self.z is None:
+            return expected <= allowed * (1.0 - self.margin)
+        return expected + self.z * np.sqrt(variance) <= allowed
 
     def _cut(self, pool: _Pool, target_error: float) -> float:
         """The largest error bound that may be served: the expected false hits of serving every past decision whose
         bound was at or under it stay within ``target_error * (1 - margin)`` of the pool's lookups."""
         if pool.lookups == 0:
             return target_error
-        budget = target_error * (1.0 - self.margin) * pool.lookups
-        within = np.cumsum(pool.p_sum) <= budget
+        within = self._within(np.cumsum(pool.p_sum), np.cumsum(pool.p_var), target_error * pool.lookups)
         if not within[0]:
             return 0.0
         last = int(np.argmin(within)) - 1 if not within.all() else len(within) - 1
