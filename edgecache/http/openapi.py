@@ -151,10 +151,14 @@ def openapi_document(version: str) -> dict[str, Any]:
                 **plain_json, **_errors(401)}}},
             "/admin/flush": {"post": {
                 "summary": "Drop cached entries: {tenant}, {scenario}, both, or {all: true}",
-                "requestBody": {"content": {"application/json": {"schema": {
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
                     "type": "object", "additionalProperties": False,
-                    "properties": {"tenant": {"type": "string"}, "scenario": {"type": "string"},
-                                   "all": {"type": "boolean"}}}}}},
+                    "properties": {"tenant": {"type": ["string", "null"]}, "scenario": {"type": ["string", "null"]},
+                                   "all": {"type": "boolean"}},
+                    # The handler's rule: name something to flush (an empty body flushes nothing: a 400).
+                    "anyOf": [{"required": ["tenant"], "properties": {"tenant": {"type": "string"}}},
+                              {"required": ["scenario"], "properties": {"scenario": {"type": "string"}}},
+                              {"required": ["all"], "properties": {"all": {"const": True}}}]}}}},
                 "responses": {**plain_json, **_errors(400, 401, 404, 503)}}},
             "/admin/warmup": {"post": {
                 "summary": "Warm the caches with prompts-file lines", "requestBody": _json_body(WarmupBatch),

@@ -54,9 +54,9 @@ REFUSED_WHEN_SET: dict[str, str] = {
 
 
 def refused_when_set(name: str) -> Meta:
-    """The schema of a :data:`REFUSED_WHEN_SET` field: null only, and why."""
-    return Meta(extra_json_schema={"anyOf": [{"type": "null"}],
-                                   "description": f"Refused when set: {REFUSED_WHEN_SET[name]}."})
+    """The schema of a :data:`REFUSED_WHEN_SET` field: null only (beside the type's own ``anyOf``, which still says
+    what OpenAI's field holds), and why."""
+    return Meta(extra_json_schema={"type": "null", "description": f"Refused when set: {REFUSED_WHEN_SET[name]}."})
 
 
 def _refuse_if_set(request: msgspec.Struct, names: tuple[str, ...], at: str = "") -> None:
