@@ -43,6 +43,12 @@ from edgecache.semantic.cache import SemanticCache
 from edgecache.semantic import refusals
 from edgecache.semantic.marks import MarkedWrong
 
+#: A listener of a flight takes at most one delivery per this many seconds; the tokens an engine produced meanwhile
+#: come as one chunk (see ``Flight.follow``). Below what a reader notices, above the time a fast engine takes for a
+#: token, so the relay's work per delivery (a wake-up, a frame, a write) is not paid per token.
+STREAM_BATCH_S = 0.005
+
+
 class Reply(msgspec.Struct, kw_only=True):
     """Who served the call, and the answer: a stored one (``answer``) or a stream of chunks (text deltas; the
     last one carries the counts and the finish reason). :meth:`stream` gives chunks in either case.
@@ -177,7 +183,7 @@ class RequestPipeline:
             # 2. in-flight de-duplication
             flight = self.inflight.get(key)
             if flight is not None:
-                return Reply(served="shared", chunks=flight.follow(), key=key)
+                return Reply(served="shared", chunks=flight.follow(batch_s=STREAM_BATCH_S), key=key)
 
         # Bounds before any work that grows with the prompt or waits: a prompt the context cannot hold is refused
         # (400) and a full engine queue refuses at once (429), before the prompt is embedded. A call that will not
@@ -203,7 +209,7 @@ class RequestPipeline:
                     return reply
                 flight = self.inflight.get(key)
                 if flight is not None:
-                    return Reply(served="shared", chunks=flight.follow(), key=key)
+                    return Reply(served="shared", chunks=flight.follow(batch_s=STREAM_BATCH_S), key=key)
 
         if not policy.compute:
             raise NotCached("only-if-cached, and no cached answer matches this request; nothing was computed")
@@ -398,7 +404,7 @@ class RequestPipeline:
 async def _served_by_whom(reply: Reply, flight: SharedFlight) -> AsyncIterator[Chunk]:
     """The flight's chunks; once the first is out, the reply says whether another node of a fleet computed it (the
     flight then followed that node's stream: ``shared``). The HTTP layer reads ``served`` after the first chunk."""
-    async with aclosing(flight.follow()) as chunks:
+    async with aclosing(flight.follow(batch_s=STREAM_BATCH_S)) as chunks:
         async for chunk in chunks:
             if getattr(flight, "led_elsewhere", False):
                 reply.served, reply.ttl_s = "shared", None

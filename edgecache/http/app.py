@@ -37,7 +37,7 @@ from litestar.params import PathParameter, QueryParameter
 from litestar.types import ASGIApp
 
 from edgecache.http.access_log import TENANT_SCOPE_KEY, AccessLog, AccessLogMiddleware
-from edgecache.http.calls import apply_headers, read_headers
+from edgecache.http.calls import apply_headers, read_body, read_headers
 from edgecache.canary import CanaryReport
 from edgecache.data_dir import DataDirLock
 from edgecache.engines.base import Engine
@@ -94,16 +94,18 @@ def _credentials(request: Request[Any, Any, Any]) -> tuple[str | None, str | Non
 
 async def _generate(request: Request[Any, Any, Any], chat: bool) -> ASGIApp:
     started = time.perf_counter()
-    rt = _runtime(request.app.state)
+    state = request.app.state
+    rt, front = _runtime(state), _front(state)
     headers = read_headers(request.scope["headers"])
     tenant = rt.tenants.authenticate(headers.authorization, headers.api_key)           # 401 on an unknown key
     request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]  # for the access log
-    parsed = _front(request.app.state).parsed.parse(chat, await request.body(), tenant)                     # 400 / 413
+    body = await read_body(request.receive, rt.settings.server.max_body_bytes)         # 413
+    parsed = front.parsed.parse(chat, body, tenant)                                    # 400 / 413
     _check_ready(rt, parsed.model)                                                     # 503 / 404
     check_engine_supports(parsed.features, rt.engine)                                  # 400 naming field+engine
     parsed = apply_headers(parsed, headers, tenant, rt.settings)
     writer = ResponseWriter(chat=chat, model=rt.engine.model_id, include_usage=parsed.include_usage,
-                            response_id=_front(request.app.state).ids.next("chat" if chat else "text"))
+                            response_id=front.ids.next("chat" if chat else "text"))
     return await respond(rt, request, parsed.call, parsed.stream, writer, started)
 
 
@@ -125,7 +127,8 @@ async def create_response(request: Request[Any, Any, Any]) -> ASGIApp:
     headers = read_headers(request.scope["headers"])
     tenant = rt.tenants.authenticate(headers.authorization, headers.api_key)           # 401 on an unknown key
     request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]  # for the access log
-    asked = await front.responses.parse(await request.body(), tenant)                 # 400 / 413 / 404
+    body = await read_body(request.receive, rt.settings.server.max_body_bytes)         # 413
+    asked = await front.responses.parse(body, tenant)                                  # 400 / 413 / 404
     _check_ready(rt, asked.parsed.model)                                               # 503 / 404
     with responses_names():
         check_engine_supports(asked.parsed.features, rt.engine)                        # 400 naming field+engine
@@ -179,7 +182,8 @@ async def messages(request: Request[Any, Any, Any]) -> ASGIApp:
     tenant = rt.tenants.authenticate(headers.authorization, headers.api_key)
     request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]
     front = _front(request.app.state)
-    parsed = front.parsed.recall("messages", await request.body(), tenant, anthropic_api.parse_messages)
+    body = await read_body(request.receive, rt.settings.server.max_body_bytes)
+    parsed = front.parsed.recall("messages", body, tenant, anthropic_api.parse_messages)
     _check_ready(rt, parsed.model)
     check_engine_supports(parsed.features, rt.engine)
     parsed = apply_headers(parsed, headers, tenant, rt.settings)
@@ -321,10 +325,7 @@ async def admin_flush(request: Request[Any, Any, Any]) -> Response[Any]:
     """Drop cached entries across all layers: ``{"tenant": T}``, ``{"scenario": S}``, both, or ``{"all": true}``."""
     rt = _runtime(request.app.state)
     rt.tenants.authenticate_admin(*_credentials(request))
-    try:
-        body = msgspec.json.decode(await request.body() or b"{}", type=FlushRequest)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise BadRequest(f"invalid flush request: {exc}") from exc
+    body = decode_body(await request.body() or b"{}", FlushRequest)
     if not body.all and body.tenant is None and body.scenario is None:
         raise BadRequest("name a tenant, a scenario, or all: true")
     if body.tenant is not None and rt.tenants.get(body.tenant) is None and body.tenant not in \
@@ -345,10 +346,7 @@ async def admin_warmup(request: Request[Any, Any, Any]) -> Response[Any]:
     """Warm the caches with a batch of prompts-file lines (see :mod:`edgecache.warmup`); one result per line."""
     rt = _runtime(request.app.state)
     rt.tenants.authenticate_admin(*_credentials(request))
-    try:
-        batch = msgspec.json.decode(await request.body(), type=WarmupBatch)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise BadRequest(f"invalid warmup batch: {exc}") from exc
+    batch = decode_body(await request.body(), WarmupBatch)
     if not rt.ready:
         raise NotReady("the server is still loading")
     assert rt.pipeline is not None

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, NamedTuple
 
 import msgspec
 
-from edgecache.errors import BadRequest, Forbidden, PayloadTooLarge
+from edgecache.errors import BadRequest, ClientGone, Forbidden, PayloadTooLarge
 from edgecache.call import CACHE_CONTROL, POLICIES, Call, PolicyName
 from edgecache.engines.base import GenerationRequest
 from edgecache.http.request_surface import (
@@ -85,6 +85,31 @@ def longest_ttl_s(settings: Settings) -> float:
     tiers = settings.ttl_tiers
     scenario_ttls = [s.ttl_s for s in settings.scenarios.values() if s.ttl_s is not None]
     return max(tiers.realtime_s, tiers.near_realtime_s, tiers.static_s, *scenario_ttls)
+
+
+async def read_body(receive: Callable[[], Awaitable[Any]], limit: int) -> bytes:
+    """The request body from the ASGI messages, refused with a 413 once it grows past ``limit`` bytes.
+
+    litestar's ``Request.body()`` builds a header map to read the content length first, which was a fifth of an
+    in-process exact hit; counting the bytes as they come enforces the same limit."""
+    message = await receive()
+    if message["type"] == "http.request" and not message.get("more_body", False):
+        body: bytes = message.get("body", b"")  # the common case: the whole body in one message
+    else:
+        parts = []
+        while message["type"] == "http.request":
+            parts.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+            if sum(map(len, parts)) > limit:
+                break
+            message = await receive()
+        else:
+            raise ClientGone("the client closed the connection while sending its request")
+        body = b"".join(parts)
+    if len(body) > limit:
+        raise PayloadTooLarge(f"the request body is over this server's limit of {limit} bytes")
+    return body
 
 
 class CallHeaders(NamedTuple):
