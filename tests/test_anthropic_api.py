@@ -228,6 +228,27 @@ async def test_a_request_shaped_as_claude_codes_is_served(client: httpx.AsyncCli
     assert fake_engine.calls == 1
 
 
+async def test_cache_control_works_on_messages(client: httpx.AsyncClient, fake_engine: FakeEngine) -> None:
+    none = await client.post("/v1/messages", json=messages_body("cc"), headers={"Cache-Control": "only-if-cached"})
+    assert "only-if-cached" in assert_anthropic_error(none, 504, "timeout_error")
+    assert fake_engine.calls == 0
+    assert (await client.post("/v1/messages", json=messages_body("cc"), headers={"Cache-Control": "no-store"})
+            ).headers["x-edgecache"] == "miss"
+    assert (await client.post("/v1/messages", json=messages_body("cc"))).headers["x-edgecache"] == "miss"
+    hit = await client.post("/v1/messages", json=messages_body("cc"), headers={"Cache-Control": "only-if-cached"})
+    assert hit.headers["x-edgecache"] == "exact" and int(hit.headers["age"]) >= 0
+    refreshed = await client.post("/v1/messages", json=messages_body("cc"), headers={"Cache-Control": "no-cache"})
+    assert refreshed.headers["x-edgecache"] == "miss" and fake_engine.calls == 3
+
+
+async def test_feedback_finds_a_message_by_its_id(client: httpx.AsyncClient) -> None:
+    message = (await client.post("/v1/messages", json=messages_body("mark me"))).json()
+    marked = await client.post("/v1/feedback", json={"response_id": message["id"], "correct": True})
+    assert marked.status_code == 200, marked.text
+    unknown = await client.post("/v1/feedback", json={"response_id": "msg_unknown", "correct": True})
+    assert unknown.status_code == 404
+
+
 async def test_count_tokens(client: httpx.AsyncClient) -> None:
     c = sdk_on(client)
     count = await c.messages.count_tokens(model="fake-model", system="one two",

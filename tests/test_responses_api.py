@@ -6,6 +6,7 @@ tests/test_responses_e2e.py."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,13 @@ async def test_create_twice_is_a_miss_then_an_identical_exact_hit(client: httpx.
     assert two.usage.input_tokens_details.cached_tokens == two.usage.input_tokens  # nothing computed
     assert one.usage.output_tokens_details.reasoning_tokens == 0
     assert one.instructions == "Answer briefly." and one.max_output_tokens == 16 and one.temperature == 0
+    # Hits are rendered once and copied: each still has its own id, item ids, time, and stored copy.
+    for _ in range(2):
+        hit = (await c.responses.with_raw_response.create(**request)).parse()
+        assert hit.output[0].id == "msg_" + hit.id.removeprefix("resp_") and hit.id not in (one.id, two.id)
+        assert abs(hit.created_at - time.time()) < 600
+        stored = await c.responses.retrieve(hit.id)
+        assert stored.model_dump() == hit.model_dump()
 
 
 async def test_chat_and_responses_asking_the_same_share_one_key(client: httpx.AsyncClient,
@@ -418,3 +426,10 @@ async def test_an_openai_agents_sdk_agent_runs_to_its_answer_and_the_second_run_
     second = await Runner.run(agent, "What is the weather in Paris?", run_config=config)
     assert second.final_output == first.final_output and looked_up == ["Paris", "Paris"]
     assert engine.calls == 2  # both turns answered from the cache
+
+
+async def test_feedback_finds_a_responses_id(client: httpx.AsyncClient) -> None:
+    made = (await client.post("/v1/responses", json={"model": MODEL, "input": "Mark me.", "temperature": 0})).json()
+    marked = await client.post("/v1/feedback", json={"response_id": made["id"], "correct": True})
+    assert marked.status_code == 200 and marked.json()["effect"] == "recorded"
+    assert (await client.post("/v1/feedback", json={"response_id": "resp_never", "correct": True})).status_code == 404

@@ -325,10 +325,7 @@ async def admin_flush(request: Request[Any, Any, Any]) -> Response[Any]:
     """Drop cached entries across all layers: ``{"tenant": T}``, ``{"scenario": S}``, both, or ``{"all": true}``."""
     rt = _runtime(request.app.state)
     rt.tenants.authenticate_admin(*_credentials(request))
-    try:
-        body = msgspec.json.decode(await request.body() or b"{}", type=FlushRequest)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise BadRequest(f"invalid flush request: {exc}") from exc
+    body = decode_body(await request.body() or b"{}", FlushRequest)
     if not body.all and body.tenant is None and body.scenario is None:
         raise BadRequest("name a tenant, a scenario, or all: true")
     if body.tenant is not None and rt.tenants.get(body.tenant) is None and body.tenant not in \
@@ -349,10 +346,7 @@ async def admin_warmup(request: Request[Any, Any, Any]) -> Response[Any]:
     """Warm the caches with a batch of prompts-file lines (see :mod:`edgecache.warmup`); one result per line."""
     rt = _runtime(request.app.state)
     rt.tenants.authenticate_admin(*_credentials(request))
-    try:
-        batch = msgspec.json.decode(await request.body(), type=WarmupBatch)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise BadRequest(f"invalid warmup batch: {exc}") from exc
+    batch = decode_body(await request.body(), WarmupBatch)
     if not rt.ready:
         raise NotReady("the server is still loading")
     assert rt.pipeline is not None

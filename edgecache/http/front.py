@@ -39,7 +39,7 @@ class Front:
         engine's prefix cache with it) which system prompts were prefilled."""
         self.parsed.clear()
         self.renderings.clear()
-        self.responses.forget_parsed()
+        self.responses.forget()
         self.ledger.drop(tenant)
         if tenant is None and scenario is None:
             self.warm_prefilled.clear()

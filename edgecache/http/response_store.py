@@ -3,9 +3,10 @@
 
 One SQLite file, one row per (tenant, response id): a tenant's id is never found by another tenant, because every
 read, write and delete names the tenant. Each tenant's rows are bounded in bytes (``store.responses_bytes``; the
-oldest go first past it) and each row lives ``store.responses_ttl_s``. Rows are written by one thread, in batches:
-``put`` never blocks the event loop (a stored answer is the hit path), and a response waiting for its batch is
-served from memory, so a client reading its response straight after creating it finds it. A failed write is
+oldest go first past it) and each row lives ``store.responses_ttl_s``. Rows are written by one thread, in batches
+gathered over :attr:`ResponseStore.BATCH_S` (one transaction each): ``put`` never blocks the event loop (a stored
+answer is the hit path, and under load one transaction per response cost more than the hit itself), and a response
+waiting for its batch is served from memory, so a client reading its response straight after creating it finds it. A failed write is
 logged and the response is simply not kept (the answer was served already); a failed read is a 503.
 """
 
@@ -56,6 +57,9 @@ CREATE TABLE IF NOT EXISTS tenant_bytes (tenant TEXT PRIMARY KEY, bytes INTEGER 
 class ResponseStore:
     """Stored responses, per tenant, bounded in bytes (``tenant_bytes``) and in time (``ttl_s``)."""
 
+    BATCH_S = 0.05           # how long a batch gathers responses before it is written
+    PURGE_INTERVAL_S = 60.0  # expired rows are deleted at most this often (reads skip them meanwhile)
+
     def __init__(self, directory: Path, *, tenant_bytes: int, ttl_s: float) -> None:
         self.directory = directory
         self.tenant_bytes = tenant_bytes
@@ -69,6 +73,7 @@ class ResponseStore:
         self._lock = threading.Lock()
         self._scheduled = False
         self._closed = False
+        self._purged_at = 0.0
 
     # ---- the event loop's side ----
 
@@ -81,7 +86,11 @@ class ResponseStore:
             if self._scheduled:
                 return
             self._scheduled = True
-        self._thread.submit(self._write_pending)
+        asyncio.get_running_loop().call_later(self.BATCH_S, self._submit_batch)
+
+    def _submit_batch(self) -> None:
+        if not self._closed:
+            self._thread.submit(self._write_pending)
 
     async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         with self._lock:
@@ -101,8 +110,8 @@ class ResponseStore:
         return await self._run(self._usage, tenant)
 
     async def flushed(self) -> None:
-        """Wait until every response put so far is written (tests, shutdown)."""
-        await self._run(lambda: None)
+        """Write every response put so far, and wait until it is written (tests)."""
+        await self._run(self._write_pending)
 
     def close(self) -> None:
         """Write what is pending, then close the file. Safe twice."""
@@ -152,7 +161,9 @@ class ResponseStore:
         now = time.time()
         db.execute("BEGIN IMMEDIATE")
         try:
-            self._drop_expired(db, now)
+            if now - self._purged_at >= self.PURGE_INTERVAL_S:
+                self._drop_expired(db, now)
+                self._purged_at = now
             tenants = set()
             for (tenant, response_id), record in batch.items():
                 blob = self._encoder.encode(record)

@@ -27,6 +27,7 @@ Each field is one of three kinds (README's table lists them):
 
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -39,7 +40,7 @@ from msgspec import Meta
 from edgecache.engines.base import Choice
 from edgecache.errors import BadRequest, EdgeCacheError, NotFound, PayloadTooLarge
 from edgecache.http.calls import Parsed, parsed_from
-from edgecache.http.replies import Counts
+from edgecache.http.replies import Counts, render_answer
 from edgecache.http.request_surface import (
     MAX_TOOLS,
     CacheOptions,
@@ -59,6 +60,7 @@ from edgecache.http.request_surface import (
     decode_body,
 )
 from edgecache.http.response_store import ResponseStore, StoredResponse
+from edgecache.stores import CachedAnswer
 from edgecache.settings import Settings
 from edgecache.tenants import Tenant
 
@@ -545,14 +547,17 @@ class ResponsesWriter:
     :class:`~edgecache.http.replies.AnswerWriter`). Every event carries its ``sequence_number``; the items' ids
     derive from the response's id. ``on_complete`` receives each complete answer (never an error or a part)."""
 
-    __slots__ = ("id", "template", "on_complete", "_seq", "_texts", "_suffix")
+    __slots__ = ("id", "template", "on_complete", "shape", "renderings", "_seq", "_texts", "_suffix")
 
     _encoder = msgspec.json.Encoder()
 
-    def __init__(self, template: ResponseObject, on_complete: OnComplete | None) -> None:
+    def __init__(self, template: ResponseObject, on_complete: OnComplete | None, shape: bytes = b"",
+                 renderings: StoredRenderings | None = None) -> None:
         self.id = template.id
         self.template = template
         self.on_complete = on_complete
+        self.shape = shape  # what the request asked, as far as it shows in the answer (renderings' key)
+        self.renderings = renderings
         self._seq = 0
         self._texts: list[str] = []
         self._suffix = self.id.split("_", 1)[1]
@@ -597,75 +602,82 @@ class ResponsesWriter:
         output, said = self._output(text, choices, finish_reason)
         return self._complete(self._final(output, finish_reason, counts), said)
 
+    def render_stored(self, answer: CachedAnswer, stream: bool) -> bytes:
+        """A stored answer (a hit), whole: from :class:`StoredRenderings` when there are any."""
+        if self.renderings is None:
+            return render_answer(self, answer, stream)
+        return self.renderings.render(self, answer, stream)
+
     # ---- the event stream ----
 
-    def _event(self, kind: str, **fields: Any) -> bytes:
-        fields["type"] = kind
-        fields["sequence_number"] = self._seq
+    def _event(self, event: Any) -> bytes:
+        """One SSE frame: ``event`` is one of the event structs below, its ``sequence_number`` set here."""
+        event.sequence_number = self._seq
         self._seq += 1
-        return b"event: " + kind.encode() + b"\ndata: " + self._encoder.encode(fields) + b"\n\n"
+        return b"event: " + event.type.encode() + b"\ndata: " + self._encoder.encode(event) + b"\n\n"
+
+    def _lifecycle(self, kind: bytes, response: bytes) -> bytes:
+        """A response.* event around an already encoded Response (encoded once, for the store and the event)."""
+        data = (b'{"type":"' + kind + b'","sequence_number":' + str(self._seq).encode() + b',"response":' +
+                response + b"}")
+        self._seq += 1
+        return b"event: " + kind + b"\ndata: " + data + b"\n\n"
 
     def _opening(self) -> bytes:
-        started = msgspec.structs.replace(self.template, status="in_progress")
-        return self._event("response.created", response=started) + self._event("response.in_progress",
-                                                                                 response=started)
+        started = self._encoder.encode(msgspec.structs.replace(self.template, status="in_progress"))
+        return self._lifecycle(b"response.created", started) + self._lifecycle(b"response.in_progress", started)
 
     def _closing(self, response: ResponseObject, said: ChatMessageIn) -> bytes:
         body = self._complete(response, said)
-        kind = b"response.incomplete" if response.status == "incomplete" else b"response.completed"
-        # The Response is encoded once, for the store and for the event.
-        event = (b'{"response":' + body + b',"type":"' + kind + b'","sequence_number":' +
-                 str(self._seq).encode() + b"}")
-        self._seq += 1
-        return b"event: " + kind + b"\ndata: " + event + b"\n\n"
+        return self._lifecycle(b"response.incomplete" if response.status == "incomplete" else b"response.completed",
+                               body)
 
     def _item_events(self, index: int, item: OutputMessage | OutputFunctionCall) -> bytes:
         """One whole output item as its events: added, its content (one delta), done."""
         if isinstance(item, OutputFunctionCall):
-            return (self._event("response.output_item.added", output_index=index,
-                                item=msgspec.structs.replace(item, arguments="", status="in_progress"))
-                    + self._event("response.function_call_arguments.delta", item_id=item.id, output_index=index,
-                                  delta=item.arguments)
-                    + self._event("response.function_call_arguments.done", item_id=item.id, output_index=index,
-                                  arguments=item.arguments)
-                    + self._event("response.output_item.done", output_index=index, item=item))
-        out = [self._event("response.output_item.added", output_index=index,
-                           item=msgspec.structs.replace(item, content=[], status="in_progress"))]
+            return (self._event(_ItemEvent("response.output_item.added", index, msgspec.structs.replace(
+                        item, arguments="", status="in_progress")))
+                    + self._event(_ArgumentsDelta("response.function_call_arguments.delta", item.id, index,
+                                                  item.arguments))
+                    + self._event(_ArgumentsDone("response.function_call_arguments.done", item.id, index,
+                                                 item.arguments))
+                    + self._event(_ItemEvent("response.output_item.done", index, item)))
+        out = [self._event(_ItemEvent("response.output_item.added", index,
+                                      msgspec.structs.replace(item, content=[], status="in_progress")))]
         for j, part in enumerate(item.content):
-            where = dict(item_id=item.id, output_index=index, content_index=j)
             if isinstance(part, OutputText):
-                out.append(self._event("response.content_part.added", **where, part=OutputText(text="")))
-                out.append(self._event("response.output_text.delta", **where, delta=part.text, logprobs=[]))
-                out.append(self._event("response.output_text.done", **where, text=part.text, logprobs=[]))
+                out.append(self._event(_PartEvent("response.content_part.added", item.id, index, j,
+                                                  OutputText(text=""))))
+                out.append(self._event(_TextDelta("response.output_text.delta", item.id, index, j, part.text)))
+                out.append(self._event(_TextDone("response.output_text.done", item.id, index, j, part.text)))
             else:
-                out.append(self._event("response.content_part.added", **where, part=OutputRefusal(refusal="")))
-                out.append(self._event("response.refusal.delta", **where, delta=part.refusal))
-                out.append(self._event("response.refusal.done", **where, refusal=part.refusal))
-            out.append(self._event("response.content_part.done", **where, part=part))
-        out.append(self._event("response.output_item.done", output_index=index, item=item))
+                out.append(self._event(_PartEvent("response.content_part.added", item.id, index, j,
+                                                  OutputRefusal(refusal=""))))
+                out.append(self._event(_RefusalDelta("response.refusal.delta", item.id, index, j, part.refusal)))
+                out.append(self._event(_RefusalDone("response.refusal.done", item.id, index, j, part.refusal)))
+            out.append(self._event(_PartEvent("response.content_part.done", item.id, index, j, part)))
+        out.append(self._event(_ItemEvent("response.output_item.done", index, item)))
         return b"".join(out)
 
     def sse_start(self) -> bytes:
-        where = dict(item_id=f"msg_{self._suffix}", output_index=0, content_index=0)
+        item_id = f"msg_{self._suffix}"
         return (self._opening()
-                + self._event("response.output_item.added", output_index=0, item=OutputMessage(
-                    id=f"msg_{self._suffix}", status="in_progress", content=[]))
-                + self._event("response.content_part.added", **where, part=OutputText(text="")))
+                + self._event(_ItemEvent("response.output_item.added", 0,
+                                         OutputMessage(id=item_id, status="in_progress", content=[])))
+                + self._event(_PartEvent("response.content_part.added", item_id, 0, 0, OutputText(text=""))))
 
     def sse_delta(self, text: str) -> bytes:
         self._texts.append(text)
-        return self._event("response.output_text.delta", item_id=f"msg_{self._suffix}", output_index=0,
-                           content_index=0, delta=text, logprobs=[])
+        return self._event(_TextDelta("response.output_text.delta", f"msg_{self._suffix}", 0, 0, text))
 
     def sse_end(self, finish_reason: str | None, counts: Counts) -> bytes:
         text = "".join(self._texts)
         output, said = self._output(text, None, finish_reason)
         item = output[0]
         assert isinstance(item, OutputMessage)
-        where = dict(item_id=item.id, output_index=0, content_index=0)
-        return (self._event("response.output_text.done", **where, text=text, logprobs=[])
-                + self._event("response.content_part.done", **where, part=item.content[0])
-                + self._event("response.output_item.done", output_index=0, item=item)
+        return (self._event(_TextDone("response.output_text.done", item.id, 0, 0, text))
+                + self._event(_PartEvent("response.content_part.done", item.id, 0, 0, item.content[0]))
+                + self._event(_ItemEvent("response.output_item.done", 0, item))
                 + self._closing(self._final(output, finish_reason, counts), said))
 
     def sse_whole(self, choices: tuple[Choice, ...], counts: Counts) -> bytes:
@@ -677,8 +689,147 @@ class ResponsesWriter:
     def sse_error(self, error: EdgeCacheError) -> bytes:
         failed = msgspec.structs.replace(self.template, status="failed", error=ResponseError(
             code="server_error" if error.status >= 500 else "invalid_prompt", message=error.message))
-        return (self._event("error", code=error.code or error.error_type, message=error.message, param=error.param)
-                + self._event("response.failed", response=failed))
+        return (self._event(_ErrorEvent("error", error.code or error.error_type, error.message, error.param))
+                + self._lifecycle(b"response.failed", self._encoder.encode(failed)))
+
+
+# The stream's events other than the response.* ones (those wrap an encoded Response). ``type`` leads, as OpenAI
+# writes it; the writer sets ``sequence_number``.
+
+
+class _ItemEvent(msgspec.Struct):
+    type: str
+    output_index: int
+    item: OutputMessage | OutputFunctionCall
+    sequence_number: int = 0
+
+
+class _PartEvent(msgspec.Struct):
+    type: str
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText | OutputRefusal
+    sequence_number: int = 0
+
+
+class _TextDelta(msgspec.Struct):
+    type: str
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[Any] = []
+    sequence_number: int = 0
+
+
+class _TextDone(msgspec.Struct):
+    type: str
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[Any] = []
+    sequence_number: int = 0
+
+
+class _RefusalDelta(msgspec.Struct):
+    type: str
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    sequence_number: int = 0
+
+
+class _RefusalDone(msgspec.Struct):
+    type: str
+    item_id: str
+    output_index: int
+    content_index: int
+    refusal: str
+    sequence_number: int = 0
+
+
+class _ArgumentsDelta(msgspec.Struct):
+    type: str
+    item_id: str
+    output_index: int
+    delta: str
+    sequence_number: int = 0
+
+
+class _ArgumentsDone(msgspec.Struct):
+    type: str
+    item_id: str
+    output_index: int
+    arguments: str
+    sequence_number: int = 0
+
+
+class _ErrorEvent(msgspec.Struct):
+    type: str
+    code: str | None
+    message: str
+    param: str | None
+    sequence_number: int = 0
+
+
+class StoredRenderings:
+    """Stored answers rendered once per (answer, stream, request shape), so a Responses hit costs a copy instead
+    of a dozen encodes (the hit path; chat's :class:`~edgecache.http.replies.Renderings` cannot serve here: a
+    Response carries its own time besides its id, its items' ids derive from its id, and it is stored).
+
+    A rendering is made with a slot for the id's suffix and a marked time, each replaced per hit. Keyed by the
+    answer object (the memory tier hands a hot answer out as the same object), an entry holds its answer, so an id
+    is never reused while its entry lives. Bounded by count and bytes.
+    """
+
+    def __init__(self, max_entries: int = 4096, max_bytes: int = 32 << 20) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[tuple[int, bool, bytes], tuple[CachedAnswer, bytes, bytes, ChatMessageIn]] = \
+            OrderedDict()
+        self._slot = os.urandom(12).hex()  # random: no answer's text holds it
+        self._time = 4_000_000_000 + int.from_bytes(os.urandom(3), "big")  # a time no response has yet
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0
+
+    def render(self, writer: ResponsesWriter, answer: CachedAnswer, stream: bool) -> bytes:
+        key = (id(answer), stream, writer.shape)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0] is answer:
+            self._entries.move_to_end(key)
+        else:
+            entry = self._make(writer, answer, stream)
+            size = len(entry[1]) + len(entry[2])
+            if size <= self.max_bytes // 8:
+                if key in self._entries:
+                    self.bytes -= len(self._entries[key][1]) + len(self._entries[key][2])
+                self._entries[key] = entry
+                self.bytes += size
+                while self.bytes > self.max_bytes or len(self._entries) > self.max_entries:
+                    _, (_, old_out, old_body, _) = self._entries.popitem(last=False)
+                    self.bytes -= len(old_out) + len(old_body)
+        _, out, body, said = entry
+        slot, suffix = self._slot.encode(), writer._suffix.encode()
+        marked, created = (b'"created_at":%d' % self._time, b'"created_at":%d' % writer.template.created_at)
+        if writer.on_complete is not None:
+            writer.on_complete(writer.id, body.replace(slot, suffix).replace(marked, created), said)
+        return out.replace(slot, suffix).replace(marked, created)
+
+    def _make(self, writer: ResponsesWriter, answer: CachedAnswer,
+              stream: bool) -> tuple[CachedAnswer, bytes, bytes, ChatMessageIn]:
+        completed: list[tuple[bytes, ChatMessageIn]] = []
+        probe = ResponsesWriter(msgspec.structs.replace(writer.template, id=f"resp_{self._slot}",
+                                                        created_at=self._time),
+                                lambda _, body, said: completed.append((body, said)))
+        out = render_answer(probe, answer, stream)
+        (body, said), = completed
+        return answer, out, body, said
 
 
 # --- the front's side: parsing, storing, reading back ------------------------------------------------------------
@@ -689,6 +840,7 @@ class Asked(msgspec.Struct, frozen=True, kw_only=True):
 
     parsed: Parsed
     template: ResponseObject  # the Response without id, status, output and usage
+    shape: bytes              # the template encoded: what a rendering of an answer to it depends on
     store: bool
     history: tuple[ChatMessageIn, ...]  # the conversation without the instructions (what a follow-up continues)
     items: tuple[dict[str, Any], ...]   # this request's own input items
@@ -706,9 +858,12 @@ class ResponsesApi:
         self.store = ResponseStore(settings.data_path / "responses", tenant_bytes=settings.store.responses_bytes,
                                    ttl_s=settings.store.responses_ttl_s)
         self._memo: OrderedDict[tuple[str, bytes], Asked] = OrderedDict()
+        self.renderings = StoredRenderings()
 
-    def forget_parsed(self) -> None:
+    def forget(self) -> None:
+        """Entries were flushed: forget the parsed bodies and the renderings of stored answers."""
         self._memo.clear()
+        self.renderings.clear()
 
     def close(self) -> None:
         self.store.close()
@@ -760,13 +915,13 @@ class ResponsesApi:
             truncation=request.truncation or "disabled", user=request.user, metadata=request.metadata or {},
             reasoning=ReasoningOut(effort=request.reasoning.effort, summary=request.reasoning.summary)
             if request.reasoning is not None else ReasoningOut())
-        return Asked(parsed=parsed, template=template, store=request.store is not False, history=history,
-                     items=conversation.items)
+        return Asked(parsed=parsed, template=template, shape=_json.encode(template),
+                     store=request.store is not False, history=history, items=conversation.items)
 
     def writer(self, asked: Asked, response_id: str, model: str, tenant: str) -> ResponsesWriter:
         template = msgspec.structs.replace(asked.template, id=response_id, created_at=int(time.time()), model=model)
         if not asked.store:
-            return ResponsesWriter(template, None)
+            return ResponsesWriter(template, None, asked.shape, self.renderings)
         suffix = response_id.split("_", 1)[1]
         items = [{**item, "id": item.get("id") or f"{'msg' if item['type'] == 'message' else 'fc'}_{suffix}_in{i}"}
                  for i, item in enumerate(asked.items)]
@@ -777,7 +932,7 @@ class ResponsesApi:
                 body=body, input_items=_json.encode(items), history=(*asked.history, said), created_at=now,
                 expires_at=now + self.store.ttl_s))
 
-        return ResponsesWriter(template, keep)
+        return ResponsesWriter(template, keep, asked.shape, self.renderings)
 
     async def stored(self, tenant: str, response_id: str) -> StoredResponse:
         record = await self.store.get(tenant, response_id)
