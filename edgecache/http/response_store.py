@@ -125,7 +125,7 @@ class ResponseStore:
     async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
         try:
             return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             raise StorageUnavailable(f"the stored responses could not be read: {exc}") from exc
 
     # ---- the writer thread's side ----
@@ -148,7 +148,7 @@ class ResponseStore:
             return
         try:
             self._write(batch)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             log.warning("stored responses: %d not kept (%s)", len(batch), exc)
         finally:
             with self._lock:
