@@ -24,7 +24,7 @@ Outcome = Literal[Served, "error", "rejected"]
 OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 
 #: The cache policies a request may ask for (``X-EdgeCache-Policy`` or ``edgecache.policy``) and a plan may allow.
-PolicyName = Literal["default", "no-store", "no-cache", "exact-only", "bypass", "reuse"]
+PolicyName = Literal["default", "no-store", "no-cache", "exact-only", "bypass", "reuse", "only-if-cached"]
 
 
 class CachePolicy(msgspec.Struct, frozen=True):
@@ -34,6 +34,13 @@ class CachePolicy(msgspec.Struct, frozen=True):
     semantic: bool    # the semantic layer may be read (if ``read``) and written (if ``write``)
     write: bool       # store the answer (and index its vector)
     sampled: bool = False  # cache even sampling without a seed (the caller asked for reuse)
+    compute: bool = True   # the engine may answer (off: a cached answer or a 504, never engine work)
+
+    def narrowed(self, other: CachePolicy) -> CachePolicy:
+        """What both policies allow (``sampled`` stays this one's: it widens what may be cached, not how)."""
+        return CachePolicy(read=self.read and other.read, semantic=self.semantic and other.semantic,
+                           write=self.write and other.write, sampled=self.sampled,
+                           compute=self.compute and other.compute)
 
 
 POLICIES: dict[PolicyName, CachePolicy] = {
@@ -43,8 +50,17 @@ POLICIES: dict[PolicyName, CachePolicy] = {
     "exact-only": CachePolicy(read=True, semantic=False, write=True),   # no semantic layer
     "bypass": CachePolicy(read=False, semantic=False, write=False),     # touch nothing
     "reuse": CachePolicy(read=True, semantic=True, write=True, sampled=True),
+    "only-if-cached": CachePolicy(read=True, semantic=True, write=False, compute=False),  # a hit or a 504
 }
 assert tuple(POLICIES) == get_args(PolicyName), "every named policy is defined, in the same order"
+
+#: The ``Cache-Control`` request directives (RFC 9111) and the named policy each amounts to. HTTP's request
+#: ``no-store`` lets a cache answer from what it holds; here it touches nothing, as issue 23 asks (``bypass``):
+#: a caller who says no-store about its prompt means its answer too. ``max-age`` is not a policy but a bound on
+#: an answer's age (:attr:`Call.max_age_s`); other directives (``max-stale``, ``min-fresh``, ``no-transform``,
+#: ``stale-if-error``) are ignored, as HTTP tells a cache to ignore what it does not implement.
+CACHE_CONTROL: dict[str, PolicyName] = {"no-cache": "no-cache", "no-store": "bypass",
+                                        "only-if-cached": "only-if-cached"}
 
 
 class Call(msgspec.Struct, frozen=True, kw_only=True):
@@ -52,6 +68,10 @@ class Call(msgspec.Struct, frozen=True, kw_only=True):
 
     ``ttl_s`` / ``ttl_tier`` are the caller's explicit choice of how long the answer may live (None: let the
     scenario or the classifier decide). ``tenant_limit`` is the plan's cap on the tenant's concurrent misses.
+
+    ``narrowed_by``: the policies the request's ``Cache-Control`` directives amount to (:data:`CACHE_CONTROL`);
+    each narrows ``policy`` (:meth:`cache_policy`). ``max_age_s``: ``Cache-Control: max-age``, the oldest stored
+    answer the caller accepts; it leaves the TTL an answer is written with alone.
     """
 
     request: GenerationRequest
@@ -61,3 +81,12 @@ class Call(msgspec.Struct, frozen=True, kw_only=True):
     ttl_s: float | None = None
     ttl_tier: str | None = None
     tenant_limit: int | None = None
+    narrowed_by: tuple[PolicyName, ...] = ()
+    max_age_s: float | None = None
+
+    def cache_policy(self) -> CachePolicy:
+        """What this call may do with the caches: its named policy, narrowed by its Cache-Control directives."""
+        policy = POLICIES[self.policy]
+        for name in self.narrowed_by:
+            policy = policy.narrowed(POLICIES[name])
+        return policy

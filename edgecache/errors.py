@@ -11,7 +11,8 @@
      ├─ Overloaded                  429 rate_limit_error (carries Retry-After)
      ├─ ClientGone                  499 (the client hung up first; nobody reads the response)
      ├─ EngineError                 502 engine_error (the model runtime failed or aborted)
-     └─ NotReady                    503 service_unavailable (model still loading)
+     ├─ NotReady                    503 service_unavailable (model still loading)
+     └─ NotCached                   504 not_cached (only-if-cached, and nothing cached answers)
 
 One handler in :mod:`edgecache.http.app` renders any of them as the OpenAI error body; nothing else catches broadly.
 """
@@ -107,6 +108,15 @@ class StorageUnavailable(EdgeCacheError):
 class NotReady(EdgeCacheError):
     status = 503
     error_type = "service_unavailable"
+
+
+class NotCached(EdgeCacheError):
+    """The caller allowed only a cached answer (``Cache-Control: only-if-cached``) and none was there. HTTP's answer
+    to that is 504 (RFC 9111, 5.2.1.7); nothing was computed."""
+
+    status = 504
+    error_type = "not_cached"
+    code = "only_if_cached"
 
 
 class ErrorDetail(msgspec.Struct):

@@ -6,6 +6,8 @@ can never disagree.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -17,6 +19,7 @@ from prometheus_client import (
 )
 
 from edgecache.call import OUTCOMES, Outcome
+from edgecache.semantic import refusals
 from edgecache.semantic.false_hits import false_hit_estimate
 
 if TYPE_CHECKING:
@@ -28,8 +31,35 @@ TTFT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05
                 10.0, 30.0)
 
 
+class HourlyCount:
+    """Events in the last hour, in one-minute buckets (sixty counters, whatever the rate), and since start."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.started = clock()
+        self.total = 0
+        self._counts = [0] * 60
+        self._minutes = [-1] * 60  # the minute each bucket holds
+
+    def add(self, n: int = 1) -> None:
+        minute = int(self._clock() // 60)
+        i = minute % 60
+        if self._minutes[i] != minute:
+            self._minutes[i], self._counts[i] = minute, 0
+        self._counts[i] += n
+        self.total += n
+
+    def last_hour(self) -> int:
+        minute = int(self._clock() // 60)
+        return sum(count for count, at in zip(self._counts, self._minutes) if minute - at < 60)
+
+    def per_hour(self) -> float:
+        """The average rate since start (over at least a minute, so a first label is not a thousand an hour)."""
+        return self.total * 3600.0 / max(self._clock() - self.started, 60.0)
+
+
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("edgecache_requests", "Requests by tenant, scenario and what served them.",
                                 ["tenant", "scenario", "outcome"], registry=self.registry)
@@ -120,6 +150,11 @@ class Metrics:
         self.semantic_demoted_entries = Gauge(
             "edgecache_semantic_demoted_entries", "Cached answers the learner no longer serves semantically: "
             "labels showed them serving wrong answers.", registry=self.registry)
+        self.feedback = Counter(
+            "edgecache_feedback", "Callers' marks of the responses they received (POST /v1/feedback), by tenant, "
+            "what served the response (exact, semantic, shared, miss) and the verdict (right, wrong).",
+            ["tenant", "served", "verdict"], registry=self.registry)
+        self.labels_recent = HourlyCount(clock)  # labels from every source, unverified too (/stats' rate)
         self.decision_log_dropped = Counter(
             "edgecache_decision_log_dropped", "Decision-log records not written (the writer behind, or the disk "
             "failing).", registry=self.registry)
@@ -155,6 +190,7 @@ class Metrics:
         says what a lower cut would have served. None (compared, could not tell) is only counted."""
         self.semantic_labels.labels(tenant, scenario, decision,
                                     "unverified" if good is None else "good" if good else "bad").inc()
+        self.labels_recent.add()
         if good is None:
             return
         counts = self._label_counts.setdefault((tenant, scenario), [0, 0, 0, 0])
@@ -167,6 +203,9 @@ class Metrics:
         if rate is not None:
             self.semantic_false_hit_rate.labels(tenant, scenario).set(rate)
         self.semantic_false_hit_upper.labels(tenant, scenario).set(1.0 if upper is None else upper)
+
+    def observe_feedback(self, tenant: str, served: str, correct: bool) -> None:
+        self.feedback.labels(tenant, served, "right" if correct else "wrong").inc()
 
     def label_summary(self) -> dict[str, dict[str, object]]:
         """Per ``tenant/scenario``: labels seen, bad ones, and the served decisions' false-hit estimate and bound
@@ -201,12 +240,22 @@ class Metrics:
         buckets: dict[str, list[tuple[float, float]]] = {}
         engine: dict[str, int] = {}
         semantic: dict[str, object] = {"guard_rejections": 0, "index_vectors": {}}
+        want_of_labels = 0
+        feedback: dict[str, int] = {}
         for family in self.registry.collect():
             if family.name == "edgecache_semantic_guard_rejections":
                 semantic["guard_rejections"] = int(sum(s.value for s in family.samples if s.name.endswith("_total")))
             elif family.name == "edgecache_semantic_index_vectors":
                 semantic["index_vectors"] = {f"{s.labels['tenant']}/{s.labels['scenario']}": int(s.value)
                                              for s in family.samples}
+            elif family.name == "edgecache_semantic_refusals":
+                want_of_labels += int(sum(s.value for s in family.samples if s.name.endswith("_total")
+                                          and refusals.for_want_of_labels(s.labels["reason"])))
+            elif family.name == "edgecache_feedback":
+                for s in family.samples:
+                    if s.name.endswith("_total"):
+                        verdict = f"{s.labels['served']}_{s.labels['verdict']}"
+                        feedback[verdict] = feedback.get(verdict, 0) + int(s.value)
             elif family.name.startswith("edgecache_engine_") and family.type == "counter":
                 engine[family.name.removeprefix("edgecache_engine_")] = int(family.samples[0].value)
             elif family.name == "edgecache_requests":
@@ -223,6 +272,11 @@ class Metrics:
                     elif s.name.endswith("_bucket"):
                         buckets.setdefault(s.labels["outcome"], []).append((float(s.labels["le"]), s.value))
         semantic["labels"] = self.label_summary()
+        # How fast the box is taught, and what the want of it costs (the learner refuses what it cannot bound).
+        semantic["labelling"] = {"labels_last_hour": self.labels_recent.last_hour(),
+                                 "labels_per_hour": round(self.labels_recent.per_hour(), 1),
+                                 "labels_since_start": self.labels_recent.total,
+                                 "refused_for_want_of_labels": want_of_labels, "feedback": feedback}
         served = sum(totals.values()) - totals["error"] - totals["rejected"]
         hits = totals["exact"] + totals["semantic"] + totals["shared"]
         return {

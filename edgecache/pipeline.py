@@ -28,10 +28,10 @@ import msgspec
 import numpy as np
 
 from edgecache.admission import AdmissionGate
-from edgecache.call import POLICIES, Call, CachePolicy, Served
+from edgecache.call import Call, CachePolicy, Served
 from edgecache.semantic.decision_log import DecisionLog
 from edgecache.engines.base import Chunk, Engine
-from edgecache.errors import EngineError
+from edgecache.errors import EngineError, NotCached
 from edgecache.semantic.guard import rule_of as guard_rule_of
 from edgecache.inflight import FlightTable, SharedFlight
 from edgecache.keys import is_cacheable, request_key
@@ -40,17 +40,30 @@ from edgecache.metrics import Metrics
 from edgecache.stores import CachedAnswer, ResultStore
 from edgecache.semantic.lookup import Lookup, Probe, probe_for, record_lookup
 from edgecache.semantic.cache import SemanticCache
+from edgecache.semantic import refusals
+from edgecache.semantic.marks import MarkedWrong
+
+#: A listener of a flight takes at most one delivery per this many seconds; the tokens an engine produced meanwhile
+#: come as one chunk (see ``Flight.follow``). Below what a reader notices, above the time a fast engine takes for a
+#: token, so the relay's work per delivery (a wake-up, a frame, a write) is not paid per token.
+STREAM_BATCH_S = 0.005
+
 
 class Reply(msgspec.Struct, kw_only=True):
     """Who served the call, and the answer: a stored one (``answer``) or a stream of chunks (text deltas; the
     last one carries the counts and the finish reason). :meth:`stream` gives chunks in either case.
-    ``ttl_s`` is how long the answer lives in the cache (remaining, for a hit; None when it is not stored)."""
+    ``ttl_s`` is how long the answer lives in the cache (remaining, for a hit; None when it is not stored).
+    What the caller's feedback on it needs (``POST /v1/feedback``): ``key``, the request's key in the result store
+    (None: not cached), and the semantic ``lookup`` made for it with its ``decision_id`` in the decision log."""
 
     served: Served
     answer: CachedAnswer | None = None
     chunks: AsyncIterator[Chunk] | None = None
     similarity: float | None = None
     ttl_s: float | None = None
+    key: str | None = None
+    lookup: Lookup | None = None
+    decision_id: str | None = None
 
     def stream(self) -> AsyncIterator[Chunk]:
         if self.answer is not None:
@@ -110,8 +123,12 @@ class SemanticAnswer(msgspec.Struct, frozen=True, kw_only=True):
 
 def _fresh_enough(answer: CachedAnswer, call: Call) -> bool:
     """A caller's explicit TTL is also the oldest answer it accepts: the first computation's TTL must not decide
-    for everyone (an answer stored for a day is not an answer for a caller who asked for a minute)."""
-    return call.ttl_s is None or time.time() - answer.created_at <= call.ttl_s
+    for everyone (an answer stored for a day is not an answer for a caller who asked for a minute). So is its
+    ``Cache-Control: max-age``, which changes nothing else."""
+    if call.ttl_s is None and call.max_age_s is None:
+        return True
+    age = time.time() - answer.created_at
+    return (call.ttl_s is None or age <= call.ttl_s) and (call.max_age_s is None or age <= call.max_age_s)
 
 
 class RequestPipeline:
@@ -121,7 +138,7 @@ class RequestPipeline:
     def __init__(self, *, engine: Engine, stores: Callable[[str], ResultStore], inflight: FlightTable,
                  metrics: Metrics, ttl_for: Callable[[Call], float], admission: AdmissionGate,
                  semantic: SemanticCache | None = None, decisions: DecisionLog | None = None,
-                 labels: MissLabels | None = None) -> None:
+                 labels: MissLabels | None = None, marks: MarkedWrong | None = None) -> None:
         self.engine = engine
         self.stores = stores
         self.inflight = inflight
@@ -131,6 +148,7 @@ class RequestPipeline:
         self.semantic = semantic
         self.decisions = decisions  # the semantic decisions, for `edgecache tune` (None: not logged)
         self.labels = labels        # labels a refused candidate against the fresh answer (None: off)
+        self.marks = marks          # candidates the callers marked wrong for a request (None: none kept)
         self._keys = CallKeys()
         self._semantic_lookups: dict[str, asyncio.Future[SemanticAnswer]] = {}
 
@@ -139,8 +157,13 @@ class RequestPipeline:
         self.semantic = semantic
 
     async def serve(self, call: Call) -> Reply:
-        policy = POLICIES[call.policy]
-        if not (is_cacheable(call.request) or policy.sampled):
+        policy = call.cache_policy()
+        cacheable = is_cacheable(call.request) or policy.sampled
+        if not policy.compute and not (cacheable and policy.read):
+            raise NotCached("only-if-cached, and this request can have no cached answer: " +
+                            ("sampling without a seed is never cached (send a seed or temperature 0)" if not cacheable
+                             else "its cache policy reads no cache"))
+        if not cacheable:
             # Sampling without a seed: every call should differ, so no layer may share or keep it.
             return await self._uncached(call)
         if not (policy.read or policy.write):
@@ -160,11 +183,15 @@ class RequestPipeline:
             # 2. in-flight de-duplication
             flight = self.inflight.get(key)
             if flight is not None:
-                return Reply(served="shared", chunks=flight.follow())
+                return Reply(served="shared", chunks=flight.follow(batch_s=STREAM_BATCH_S), key=key)
 
         # Bounds before any work that grows with the prompt or waits: a prompt the context cannot hold is refused
-        # (400) and a full engine queue refuses at once (429), before the prompt is embedded.
-        await self._refuse_early(call)
+        # (400) and a full engine queue refuses at once (429), before the prompt is embedded. A call that will not
+        # reach the engine (only-if-cached) is not refused for the engine's queue.
+        if policy.compute:
+            await self._refuse_early(call)
+        else:
+            await self.engine.check_prompt(call.request)
 
         if policy.read:
             # 3. semantic cache: first-turn chat prompts only, the nearest candidates, accepted by threshold + guard or the verifier
@@ -174,17 +201,21 @@ class RequestPipeline:
                 lookup, decision_id = found.lookup, found.decision_id
                 if found.answer is not None:
                     return Reply(served="semantic" if found.first else "shared", answer=found.answer,
-                                 similarity=found.similarity, ttl_s=found.answer.expires_at - time.time())
+                                 similarity=found.similarity, ttl_s=found.answer.expires_at - time.time(),
+                                 key=key if policy.write else None, lookup=lookup, decision_id=decision_id)
                 # While this one looked, an identical request may have computed its answer or started to.
                 reply = await self._exact(call, key, store)
                 if reply is not None:
                     return reply
                 flight = self.inflight.get(key)
                 if flight is not None:
-                    return Reply(served="shared", chunks=flight.follow())
+                    return Reply(served="shared", chunks=flight.follow(batch_s=STREAM_BATCH_S), key=key)
 
+        if not policy.compute:
+            raise NotCached("only-if-cached, and no cached answer matches this request; nothing was computed")
         if not policy.write:
-            return Reply(served="miss", chunks=self._engine_stream(call))  # no-store: compute, keep nothing
+            return Reply(served="miss", chunks=self._engine_stream(call), lookup=lookup,
+                         decision_id=decision_id)  # no-store: compute, keep nothing
 
         # 4. engine: lead a flight that streams to every listener and stores the complete answer.
         if probe is None and not policy.read:
@@ -194,7 +225,7 @@ class RequestPipeline:
             lookup = Lookup(vector=None)  # no-cache: the vector is computed after the answer, for the write
         flight = self.inflight.lead(key, lambda f: self._compute_and_store(call, key, ttl_s, f, probe, lookup,
                                                                             decision_id))
-        reply = Reply(served="miss", ttl_s=ttl_s)
+        reply = Reply(served="miss", ttl_s=ttl_s, key=key, lookup=lookup, decision_id=decision_id)
         reply.chunks = _served_by_whom(reply, flight)
         return reply
 
@@ -221,7 +252,7 @@ class RequestPipeline:
         answer = store.get_memory(key) or await store.get(key)
         if answer is None or not _fresh_enough(answer, call):
             return None
-        return Reply(served="exact", answer=answer, ttl_s=answer.expires_at - time.time())
+        return Reply(served="exact", answer=answer, ttl_s=answer.expires_at - time.time(), key=key)
 
     async def _semantic_once(self, call: Call, key: str, probe: Probe, policy: CachePolicy) -> SemanticAnswer:
         """The semantic lookup, once per key at a time: a burst of identical requests embeds once and writes a
@@ -247,6 +278,9 @@ class RequestPipeline:
     async def _semantic_decide(self, call: Call, key: str, probe: Probe, policy: CachePolicy) -> SemanticAnswer:
         assert self.semantic is not None
         lookup = await self.semantic.lookup(call.tenant, call.scenario, probe)
+        if lookup.hit is not None and self.marks is not None and self.marks.refuses(call.tenant, key,
+                                                                                    lookup.hit.store_key):
+            lookup = msgspec.structs.replace(lookup, refusal=refusals.MARKED_WRONG)
         if lookup.score is not None:
             self.metrics.semantic_verifier_score.labels(call.scenario).observe(lookup.score)
         if lookup.refusal is not None:
@@ -370,7 +404,7 @@ class RequestPipeline:
 async def _served_by_whom(reply: Reply, flight: SharedFlight) -> AsyncIterator[Chunk]:
     """The flight's chunks; once the first is out, the reply says whether another node of a fleet computed it (the
     flight then followed that node's stream: ``shared``). The HTTP layer reads ``served`` after the first chunk."""
-    async with aclosing(flight.follow()) as chunks:
+    async with aclosing(flight.follow(batch_s=STREAM_BATCH_S)) as chunks:
         async for chunk in chunks:
             if getattr(flight, "led_elsewhere", False):
                 reply.served, reply.ttl_s = "shared", None

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 
 from edgecache.admission import AdmissionGate
@@ -24,8 +25,9 @@ from edgecache.errors import EdgeCacheError, NotReady
 from edgecache.health import READY, Health, HealthChecks, StorageFaults
 from edgecache.inflight import FlightTable
 from edgecache.inflight.local import InflightTable
-from edgecache.semantic.labeling import (AnswerEmbeddingLabeler, EqualityLabeler, FirstVerdict, Labeler, MissLabels,
-                                ModelJudgeLabeler)
+from edgecache.semantic.judge import JudgeCheckResult, ModelJudgeLabeler, check_judge
+from edgecache.semantic.labeling import AnswerEmbeddingLabeler, EqualityLabeler, FirstVerdict, Labeler, MissLabels
+from edgecache.semantic.marks import MarkedWrong
 from edgecache.metrics import Metrics
 from edgecache.call import Call
 from edgecache.pipeline import RequestPipeline
@@ -111,6 +113,11 @@ class Runtime:
             self.health.register("semantic", self.semantic_layer.health)
         self.decisions: DecisionLog | None = None
         self.labels: MissLabels | None = None
+        # Candidates the callers marked wrong for a request (POST /v1/feedback), refused for it from then on.
+        self.marks = MarkedWrong(settings.data_path / "feedback" / "marked.msgpack",
+                                 max_entries=settings.server.feedback_responses)
+        self.judge: ModelJudgeLabeler | None = None  # the served model as labeler, where it may judge
+        self.judge_check: JudgeCheckResult | None = None
         if settings.semantic.enabled and settings.semantic.decision_log_bytes > 0:
             self.decisions = DecisionLog(
                 settings.data_path / "decisions", max_bytes=settings.semantic.decision_log_bytes,
@@ -145,10 +152,13 @@ class Runtime:
                                      observe=self._observe_label, busy=lambda: not self.admission.is_free())
         self.pipeline = RequestPipeline(engine=self.engine, stores=self.stores, inflight=self.inflight,
                                         metrics=self.metrics, ttl_for=self.ttl_for, admission=self.admission,
-                                        semantic=self.semantic, decisions=self.decisions, labels=self.labels)
+                                        semantic=self.semantic, decisions=self.decisions, labels=self.labels,
+                                        marks=self.marks)
         if layer is not None:
             layer.on_open.append(self.pipeline.use_semantic)
         self._background.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
+        if self.judge is not None and not self.judge.trusted:
+            self._background.append(asyncio.create_task(self._check_judge(self.judge), name="judge-check"))
         if self.fleet is not None:
             await self.fleet.events.announce_model(self.engine.version)
         self.ready = True
@@ -159,18 +169,63 @@ class Runtime:
         """A label of a semantic decision (None: could not tell): counted, and taught to the learner."""
         self.metrics.observe_label(call.tenant, call.scenario, "explore" if lookup.explored else "refused", good)
         if self.semantic_layer is not None:
-            self.semantic_layer.learn(call, lookup, answer_key, good)
+            self.semantic_layer.learn(call.tenant, call.scenario, lookup, answer_key, good)
+
+    def judge_wanted(self) -> bool:
+        """Whether the served model is asked to judge: ``label_judge``, or unset, where the engine serves a model
+        that can (a GPU engine, an upstream's), never the CPU default's small model."""
+        wanted = self.settings.semantic.label_judge
+        return wanted if wanted is not None else self.settings.engine.kind in ("sglang", "openai")
+
+    def judge_status(self) -> dict[str, object]:
+        """For /stats: whether labels come from the served model as judge, and why (not)."""
+        bar = self.settings.semantic.label_judge_min_agreement
+        if self.judge is None:
+            why = ("semantic.label_judge = false" if self.settings.semantic.label_judge is False else
+                   f"the {self.settings.engine.kind} engine's model is not asked to judge (semantic.label_judge "
+                   "unset: on for sglang and openai only)")
+            return {"state": "off", "why": why}
+        status: dict[str, object] = {"state": "checking", "min_agreement": bar, "asked": self.judge.asked}
+        if self.judge_check is not None:
+            status["check"] = msgspec.to_builtins(self.judge_check)
+        if self.judge.trusted:
+            status["state"] = "on"
+        elif self.judge_check is not None:
+            status["state"] = "off"
+            status["why"] = (f"it judged {self.judge_check.agreement:.0%} of the start-up check right, under the "
+                             f"bar of {bar:.0%} (semantic.label_judge_min_agreement)")
+        return status
+
+    async def _check_judge(self, judge: ModelJudgeLabeler) -> None:
+        """The judge's start-up check (:func:`~edgecache.semantic.judge.check_judge`), once the engine is idle:
+        its verdicts are used only if it passes."""
+        async def until_free() -> None:
+            while not self.admission.is_free():
+                await asyncio.sleep(1.0)
+
+        try:
+            self.judge_check = await check_judge(judge, until_free=until_free)
+        except EdgeCacheError as exc:
+            log.warning("the served model's judge check failed (%s): its labels are not used", exc.message)
+            return
+        bar = self.settings.semantic.label_judge_min_agreement
+        judge.trusted = self.judge_check.agreement >= bar
+        log.info("the served model as judge: %.0f%% of its check right (bar %.0f%%): %s",
+                 100 * self.judge_check.agreement, 100 * bar, "used" if judge.trusted else "not used")
 
     def _labeler(self) -> Labeler:
-        """Equality for greedy answers, then (``label_judge``) the served model's judgement, then the answers'
-        embeddings under the semantic layer's embedder."""
+        """Equality for greedy answers, then (where the served model may judge, and passed its check) the
+        model's judgement, then the answers' embeddings under the semantic layer's embedder."""
         async def embed(texts: Sequence[str]) -> np.ndarray:
             if self.semantic_layer is None:
                 raise NotReady("the semantic layer is off")
             return await self.semantic_layer.embed(texts)
 
         sem = self.settings.semantic
-        judge = [ModelJudgeLabeler(self._judge_call, may_run=self.admission.is_free)] if sem.label_judge else []
+        if self.judge_wanted():
+            self.judge = ModelJudgeLabeler(self._judge_call, may_run=self.admission.is_free,
+                                           trusted=sem.label_judge_min_agreement == 0.0)
+        judge = [self.judge] if self.judge is not None else []
         return FirstVerdict(EqualityLabeler(), *judge,
                             AnswerEmbeddingLabeler(embed, sem.label_answer_bar, sem.label_answer_floor))
 
@@ -233,6 +288,7 @@ class Runtime:
             dropped += await self.stores(name).clear(tag=scenario)
         if self.semantic is not None:
             await self.semantic.drop(tenant=tenant, scenario=scenario)
+        self.marks.drop(tenant)
         if tenant is None and scenario is None:
             await self.engine.flush()
         for listener in self.flush_listeners:
@@ -254,6 +310,7 @@ class Runtime:
                 store.forget_memory()  # the memory tier has no tags: all of it
         if self.semantic is not None:
             await self.semantic.drop(tenant=tenant, scenario=scenario)
+        self.marks.drop(tenant)
         if tenant is None and scenario is None and self.ready:
             await self.engine.flush()
         for listener in self.flush_listeners:
@@ -311,6 +368,7 @@ class Runtime:
         finally:
             if self.decisions is not None:
                 await asyncio.to_thread(self.decisions.close)  # writes what is pending
+            await asyncio.to_thread(self.marks.save)
             try:
                 if self.fleet is not None and self.fleet.vectors is not None:
                     await self.fleet.vectors.close()  # stop applying the fleet's vectors before the index closes

@@ -83,6 +83,9 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     max_body_bytes: Annotated[ByteSize, _help("Largest request body accepted; larger bodies get 413.")] = \
         ByteSize(1_000_000)
     max_messages: Annotated[int, Meta(ge=1), _help("Most messages one chat request may carry.")] = 256
+    feedback_responses: Annotated[int, Meta(ge=1), _help(
+        "How many of the latest responses POST /v1/feedback can mark (about 200 bytes each, kept across a clean "
+        "restart); also the most requests whose wrongly served semantic answer stays refused.")] = 65_536
     log_level: Annotated[Literal["debug", "info", "warning", "error"], _help("Server log level.")] = "info"
     max_header_bytes: Annotated[ByteSize, _help(
         "Largest request head (request line plus headers) accepted; larger heads get 431 and the connection "
@@ -165,6 +168,11 @@ class StoreSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     memory_bytes: Annotated[ByteSize, _help(
         "Byte budget of the in-memory copy of recently used results, which serves hits without touching disk.")] \
         = ByteSize(64 * 2**20)
+    responses_bytes: Annotated[ByteSize, _help(
+        "Byte budget of each tenant's stored Responses (POST /v1/responses with store, the default); the oldest "
+        "go first past it.")] = ByteSize(256 * 2**20)
+    responses_ttl_s: Annotated[float, Meta(gt=0), _help(
+        "How long a stored Response can be read back or continued with previous_response_id.")] = 7 * 86400.0
     backend: Annotated[Literal["disk", "redis"], _help(
         "Where results, flights and vectors are shared: disk (this node alone, the default) or redis (every node "
         "of a fleet pointing at store.redis_url; see docs/fleet.md).")] = "disk"
@@ -234,10 +242,15 @@ class SemanticSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         "decision = learner: wrong labels after which a cached answer is no longer served semantically.")] = 2
     learner_max_entries: Annotated[int, Meta(ge=1), _help(
         "decision = learner: cached answers whose labels are kept (least recently used go first).")] = 100_000
-    label_judge: Annotated[bool, _help(
+    label_judge: Annotated[bool | None, _help(
         "Ask the served model for a one-token judgement (does the cached answer serve the question as the fresh "
         "one does?) when equality cannot tell, before the answer embeddings; only while the engine has a free "
-        "slot. Worth it with a 7B-class model (the GPU profiles); a small CPU model judges poorly.")] = False
+        "slot, and only once the model has passed its check at start (label_judge_min_agreement). Unset: on for "
+        "the sglang and openai engines (a GPU model, an upstream's), off for llamacpp (the CPU model cannot "
+        "judge).")] = None
+    label_judge_min_agreement: Annotated[float, Meta(ge=0.0, le=1.0), _help(
+        "The share of the judge's start-up check (16 question and answer pairs, 8 serving, 8 not) it must judge "
+        "right before its verdicts are used; 0 skips the check.")] = 0.875
     label_answer_bar: Annotated[float, Meta(gt=0.0, le=1.0), _help(
         "Cosine of two answers' embeddings at or above which a refused candidate's cached answer is labelled as "
         "serving the query (a label from a miss: the fresh answer against the candidate's).")] = 0.95

@@ -4,15 +4,16 @@ Measures, in one run, on this machine:
   (a) a bare litestar POST endpoint returning a constant JSON body (same uvicorn, uvloop and httptools settings),
   (b) EdgeCache exact hits (the same request body every time, answered from the result store), for a plain chat
       request (asked as JSON and with ``stream: true``), a tool-call answer (tools + a forced tool_choice), a
-      structured-output answer (json_schema), and the plain request asked through Anthropic's Messages API (JSON
-      and streamed; the same stored entry, rendered as a message),
+      structured-output answer (json_schema), and the plain request asked through Anthropic's Messages API and
+      OpenAI's Responses API (JSON and streamed; the same stored entry, rendered as a message or a Response; a
+      Responses hit is also stored as a response, unless ``store: false``),
   (c) EdgeCache misses against the CPU engine (distinct prompts, max_tokens=8),
   (d) TTFT of a streaming request sharing a ~1.5k-token system prompt, cold (new system prompt) vs warm,
   (e) the token path: tokens/s of N concurrent streamed misses (N = 1, 16, 64) from an engine double that yields
       tokens as fast as it can, through EdgeCache (the double in process, and behind --upstream) and served bare
       (see edgecache/bench/relay.py),
-and prints requests/s and p50/p99 latency for each, the ratios (b)/(a), streamed hit over JSON hit and a Messages
-hit over a chat hit (JSON and streamed), and the
+and prints requests/s and p50/p99 latency for each, the ratios (b)/(a), streamed hit over JSON hit, a Messages
+hit and a Responses hit over a chat hit (JSON and streamed), and the
 token path's tokens/s through EdgeCache over bare at each N.
 
 (a) and (b) are driven by wrk (Debian package `wrk`), a C load generator, so the client is not the bottleneck;
@@ -61,6 +62,13 @@ STREAM_BODY = {**HIT_BODY, "stream": True}  # the same entry as HIT_BODY (stream
 MESSAGES = "/v1/messages"
 MESSAGES_BODY = {"model": MODEL, "max_tokens": 8, "temperature": 0, "messages": HIT_BODY["messages"]}
 MESSAGES_STREAM_BODY = {**MESSAGES_BODY, "stream": True}
+# OpenAI's Responses API asking for the same generation: the same key again. Stored as a response each time (store
+# defaults to true, as OpenAI's), or not (store: false, as Codex CLI sends).
+RESPONSES = "/v1/responses"
+RESPONSES_BODY = {"model": MODEL, "input": HIT_BODY["messages"][0]["content"], "max_output_tokens": 8,
+                  "temperature": 0}
+RESPONSES_STREAM_BODY = {**RESPONSES_BODY, "stream": True}
+RESPONSES_UNSTORED_BODY = {**RESPONSES_BODY, "store": False}
 
 
 def bare_app():  # the baseline: nothing but litestar, uvicorn, uvloop and httptools
@@ -80,11 +88,20 @@ def bare_app():  # the baseline: nothing but litestar, uvicorn, uvloop and httpt
     return Litestar([constant], openapi_config=None)
 
 
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user + system) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_wrk(url: str, body: dict, duration: int, connections: int, workdir: Path,
-            path: str = "/v1/chat/completions") -> dict[str, float]:
+            path: str = "/v1/chat/completions", server: subprocess.Popen | None = None) -> dict[str, float]:
+    """One wrk round: requests/s and latency; with ``server``, also its CPU time per request (``cpu_us``), which a
+    busy box inflates far less than it cuts requests/s."""
     script = workdir / "post.lua"
     script.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
                       f"wrk.body = {json.dumps(json.dumps(body))}\n")
+    cpu_before = cpu_seconds(server.pid) if server is not None else 0.0
     out = subprocess.run(["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(script),
                           url + path], capture_output=True, text=True, check=True).stdout
     if "Non-2xx" in out:
@@ -94,8 +111,10 @@ def run_wrk(url: str, body: dict, duration: int, connections: int, workdir: Path
         value, unit = re.search(rf"^\s*{label}\s+([\d.]+)(us|ms|s)\s*$", out, re.M).groups()
         return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
 
+    requests = int(re.search(r"(\d+) requests in", out).group(1))
+    cpu_us = (cpu_seconds(server.pid) - cpu_before) * 1e6 / max(1, requests) if server is not None else 0.0
     return {"rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)), "p50_ms": ms("50%"),
-            "p99_ms": ms("99%")}
+            "p99_ms": ms("99%"), "cpu_us": cpu_us}
 
 
 def bench_misses(url: str, n: int) -> dict[str, float]:
@@ -244,40 +263,76 @@ def main() -> None:
         assert httpx.post(ec_url + "/v1/chat/completions", json=STREAM_BODY).headers["x-edgecache"] == "exact"
         for body in (MESSAGES_BODY, MESSAGES_STREAM_BODY):  # one key with the chat request: a hit at once
             assert httpx.post(ec_url + MESSAGES, json=body).headers["x-edgecache"] == "exact"
+        for body in (RESPONSES_BODY, RESPONSES_STREAM_BODY, RESPONSES_UNSTORED_BODY):  # the same key again
+            assert httpx.post(ec_url + RESPONSES, json=body).headers["x-edgecache"] == "exact"
         tool_answer = httpx.post(ec_url + "/v1/chat/completions", json=TOOL_BODY).json()
         assert tool_answer["choices"][0]["message"]["tool_calls"], tool_answer
 
         bare_rounds, hit_rounds, stream_rounds, tool_rounds, structured_rounds = [], [], [], [], []
         messages_rounds, messages_stream_rounds = [], []
+        responses_rounds, responses_stream_rounds, responses_unstored_rounds = [], [], []
         for _ in range(args.rounds):  # alternate, so drift on a shared machine hits all alike
-            bare_rounds.append(run_wrk(bare_url, HIT_BODY, args.duration, args.connections, work))
-            hit_rounds.append(run_wrk(ec_url, HIT_BODY, args.duration, args.connections, work))
-            stream_rounds.append(run_wrk(ec_url, STREAM_BODY, args.duration, args.connections, work))
-            tool_rounds.append(run_wrk(ec_url, TOOL_BODY, args.duration, args.connections, work))
-            structured_rounds.append(run_wrk(ec_url, STRUCTURED_BODY, args.duration, args.connections, work))
-            messages_rounds.append(run_wrk(ec_url, MESSAGES_BODY, args.duration, args.connections, work, MESSAGES))
+            bare_rounds.append(run_wrk(bare_url, HIT_BODY, args.duration, args.connections, work, server=procs[0]))
+            hit_rounds.append(run_wrk(ec_url, HIT_BODY, args.duration, args.connections, work, server=procs[1]))
+            stream_rounds.append(run_wrk(ec_url, STREAM_BODY, args.duration, args.connections, work,
+                                         server=procs[1]))
+            tool_rounds.append(run_wrk(ec_url, TOOL_BODY, args.duration, args.connections, work, server=procs[1]))
+            structured_rounds.append(run_wrk(ec_url, STRUCTURED_BODY, args.duration, args.connections, work,
+                                             server=procs[1]))
+            messages_rounds.append(run_wrk(ec_url, MESSAGES_BODY, args.duration, args.connections, work, MESSAGES,
+                                           server=procs[1]))
             messages_stream_rounds.append(run_wrk(ec_url, MESSAGES_STREAM_BODY, args.duration, args.connections,
-                                                  work, MESSAGES))
+                                                  work, MESSAGES, server=procs[1]))
+            responses_rounds.append(run_wrk(ec_url, RESPONSES_BODY, args.duration, args.connections, work, RESPONSES,
+                                            server=procs[1]))
+            responses_stream_rounds.append(run_wrk(ec_url, RESPONSES_STREAM_BODY, args.duration, args.connections,
+                                                   work, RESPONSES, server=procs[1]))
+            responses_unstored_rounds.append(run_wrk(ec_url, RESPONSES_UNSTORED_BODY, args.duration,
+                                                     args.connections, work, RESPONSES, server=procs[1]))
         med = lambda rounds: sorted(rounds, key=lambda r: r["rps"])[len(rounds) // 2]  # noqa: E731
+        med_cpu = lambda rounds: statistics.median(r["cpu_us"] for r in rounds)  # noqa: E731
         bare, hit, streamed = med(bare_rounds), med(hit_rounds), med(stream_rounds)
         tool, structured = med(tool_rounds), med(structured_rounds)
         messages, messages_streamed = med(messages_rounds), med(messages_stream_rounds)
+        responses, responses_streamed = med(responses_rounds), med(responses_stream_rounds)
+        responses_unstored = med(responses_unstored_rounds)
         api_ratios = {"messages_hit_over_chat_hit": round(messages["rps"] / hit["rps"], 3),
-                      "messages_stream_hit_over_chat_stream_hit": round(messages_streamed["rps"] / streamed["rps"], 3)}
+                      "messages_stream_hit_over_chat_stream_hit": round(messages_streamed["rps"] / streamed["rps"], 3),
+                      # by the server's CPU time per request, which a busy machine disturbs less than requests/s
+                      "messages_hit_over_chat_hit_cpu": round(med_cpu(hit_rounds) / med_cpu(messages_rounds), 3),
+                      "messages_stream_hit_over_chat_stream_hit_cpu": round(
+                          med_cpu(stream_rounds) / med_cpu(messages_stream_rounds), 3),
+                      "responses_hit_over_chat_hit": round(responses["rps"] / hit["rps"], 3),
+                      "responses_stream_hit_over_chat_stream_hit":
+                          round(responses_streamed["rps"] / streamed["rps"], 3),
+                      "responses_unstored_hit_over_chat_hit": round(responses_unstored["rps"] / hit["rps"], 3),
+                      # by the server's CPU time per request (median round of each), which drifts less on a busy box
+                      "responses_hit_over_chat_hit_cpu": round(med_cpu(hit_rounds) / med_cpu(responses_rounds), 3),
+                      "responses_stream_hit_over_chat_stream_hit_cpu":
+                          round(med_cpu(stream_rounds) / med_cpu(responses_stream_rounds), 3),
+                      "responses_unstored_hit_over_chat_hit_cpu":
+                          round(med_cpu(hit_rounds) / med_cpu(responses_unstored_rounds), 3)}
+        api_rows = (("(m) Messages exact hit", messages), ("(m*) Messages hit, stream: true", messages_streamed),
+                    ("(r) Responses exact hit (stored)", responses),
+                    ("(r*) Responses hit, stream: true", responses_streamed),
+                    ("(r-) Responses hit, store: false", responses_unstored))
         if args.hits_only:
             ratios = {name: round(r["rps"] / bare["rps"], 3) for name, r in
                       (("hit_over_bare", hit), ("tool_hit_over_bare", tool),
                        ("structured_hit_over_bare", structured))}
-            print(f"{'':38}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}")
+            print(f"{'':38}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'CPU us':>10}")
             for name, r in (("(a) bare litestar, constant JSON", bare), ("(b) EdgeCache exact hit", hit),
                             ("(b*) exact hit, stream: true", streamed),
                             ("(b') exact hit, tool call", tool), ("(b'') exact hit, structured", structured),
-                            ("(m) Messages exact hit", messages),
-                            ("(m*) Messages hit, stream: true", messages_streamed)):
-                print(f"{name:38}{r['rps']:>10.0f}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}")
+                            *api_rows):
+                print(f"{name:38}{r['rps']:>10.0f}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{r['cpu_us']:>10.1f}")
             print(json.dumps({"bare_rps": round(bare["rps"]), "hit_rps": round(hit["rps"]),
                               "stream_hit_rps": round(streamed["rps"]), **ratios,
-                              "stream_hit_over_json_hit": round(streamed["rps"] / hit["rps"], 3), **api_ratios}))
+                              "stream_hit_over_json_hit": round(streamed["rps"] / hit["rps"], 3), **api_ratios,
+                              # the same ratios by the server's CPU time per request (median round of each)
+                              "hit_over_bare_cpu": round(med_cpu(bare_rounds) / med_cpu(hit_rounds), 3),
+                              "stream_hit_over_json_hit_cpu": round(med_cpu(hit_rounds) / med_cpu(stream_rounds),
+                                                                    3)}))
             return
         miss = bench_misses(ec_url, args.misses)
         relayed = bench_relay(args.duration, args.rounds, args.relay_tokens, work)
@@ -306,8 +361,7 @@ def main() -> None:
     print(f"{'':38}{'req/s':>10}{'p50 ms':>10}{'p99 ms':>10}")
     for name, r in (("(a) bare litestar, constant JSON", bare), ("(b) EdgeCache exact hit", hit),
                     ("(b*) exact hit, stream: true", streamed), ("(b') exact hit, tool call", tool),
-                    ("(b'') exact hit, structured", structured), ("(m) Messages exact hit", messages),
-                    ("(m*) Messages hit, stream: true", messages_streamed),
+                    ("(b'') exact hit, structured", structured), *api_rows,
                     (f"(c) EdgeCache miss, CPU engine, 8 tokens", miss)):
         print(f"{name:38}{r['rps']:>10.0f}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}")
     ratio = hit["rps"] / bare["rps"]
@@ -316,6 +370,9 @@ def main() -> None:
     print(f"(b*)/(b) streamed hit over JSON hit: {streamed['rps'] / hit['rps']:.2f}   (goal >= 0.8)")
     print(f"(m)/(b) Messages hit over chat hit: {messages['rps'] / hit['rps']:.2f}, streamed (m*)/(b*): "
           f"{messages_streamed['rps'] / streamed['rps']:.2f}   (goal >= 0.8)")
+    print(f"(r)/(b) Responses hit over chat hit: {responses['rps'] / hit['rps']:.2f}, streamed (r*)/(b*): "
+          f"{responses_streamed['rps'] / streamed['rps']:.2f}, store: false {responses_unstored['rps'] / hit['rps']:.2f}"
+          f"   (goal >= 0.8)")
     print(f"(b)/(c) hit vs miss throughput: {hit['rps'] / miss['rps']:.0f}x")
     print(f"\nTTFT with a shared ~{prompt_tokens['prompt_tokens']}-token system prompt (median of 3):")
     print(f"  cold {statistics.median(cold):.0f} ms   warm {statistics.median(warm):.0f} ms   "

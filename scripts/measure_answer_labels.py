@@ -7,7 +7,10 @@ candidate: equality (whitespace aside), else the answers' cosine under the seman
 Printed per bar: the share of positive pairs labelled good (labels the cut can learn from) and of negative pairs
 labelled good (wrong "good" labels, which would let ``tune`` lower a cut too far). With ``--judge`` the same engine
 also judges each pair as ``semantic.label_judge`` would (one token: does the other text's answer serve this
-question as its own answer does?), and the judge's good / bad / cannot-tell shares are printed per kind of pair.
+question as its own answer does?), and the judge's good / bad / cannot-tell shares are printed per kind of pair,
+its agreement with the truth over all pairs (right verdicts / pairs; "cannot tell" is not right), and its score on
+the start-up check the server runs before it trusts a judge (``edgecache.semantic.judge.JUDGE_CHECK``; the bar is
+``semantic.label_judge_min_agreement``).
 
     python scripts/measure_answer_labels.py [--pairs 40] [--max-tokens 48] [--judge] [--data DATA_DIR]
         [--profile cpu] [--model MODEL]
@@ -30,7 +33,8 @@ import numpy as np
 
 from edgecache.engines import engine_from_settings
 from edgecache.engines.base import GenerationRequest, Message, SamplingParams
-from edgecache.semantic.labeling import ModelJudgeLabeler, normalised
+from edgecache.semantic.judge import ModelJudgeLabeler, check_judge
+from edgecache.semantic.labeling import normalised
 from edgecache.semantic.embedders import load_semantic_embedder
 from edgecache.settings import resolve_settings
 
@@ -79,6 +83,7 @@ async def main_async(args: argparse.Namespace) -> None:
                     messages=(Message(role="user", content=a),), params=SamplingParams(temperature=0.0)))
                     for a, b in pairs]
             print(f"{judge.asked} judgements in {time.perf_counter() - started:.0f} s", flush=True)
+            check = await check_judge(judge)
         await engine.close()
     embedder = load_semantic_embedder(settings)
     vectors = {t: v for t, v in zip(texts, embedder.embed([answers[t] for t in texts]))}
@@ -108,6 +113,15 @@ async def main_async(args: argparse.Namespace) -> None:
         result[f"{name}_judge_none"] = shares[None]
         print(f"{name}: the model judge says good {shares[True]:.0%}, bad {shares[False]:.0%}, "
               f"cannot tell {shares[None]:.0%}")
+    if verdicts:
+        right = sum(x is True for x in verdicts["positive"]) + sum(x is False for x in verdicts["negative"])
+        total = len(verdicts["positive"]) + len(verdicts["negative"])
+        result["judge_agreement"] = right / total
+        result["judge_check"] = {"agreement": check.agreement, "wrong_yes": check.wrong_yes,
+                                 "cannot_tell": check.cannot_tell, "cases": check.cases}
+        print(f"the model judge agrees with the truth on {right}/{total} pairs ({right / total:.0%}); start-up "
+              f"check: {check.agreement:.0%} right of {check.cases}, {check.wrong_yes} wrong yes, "
+              f"{check.cannot_tell} cannot tell")
     print(json.dumps(result))
 
 

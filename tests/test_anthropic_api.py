@@ -197,6 +197,58 @@ async def test_tool_use_and_tool_result_reach_the_engine_as_a_chat_would(client:
     assert fake_engine.calls == 1
 
 
+async def test_a_request_shaped_as_claude_codes_is_served(client: httpx.AsyncClient, fake_engine: FakeEngine) -> None:
+    """The fields and headers Claude Code 2.1 sends (its text replaced): every one accepted, none in the key."""
+    fake_engine.features = frozenset({"tools", "tool_choice"})
+    body = {"model": "fake-model", "max_tokens": 32000, "stream": True,
+            "system": [{"type": "text", "text": "You are a CLI agent."},
+                       {"type": "text", "text": "Be careful.", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "<context>repo</context>"},
+                {"type": "text", "text": "Say hi", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]},
+                {"role": "system", "content": "The date is today."}],
+            "tools": [{"name": "Bash", "description": "Run a command", "input_schema": {
+                "$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object",
+                "properties": {"command": {"type": "string"}}, "required": ["command"],
+                "additionalProperties": False}}],
+            "metadata": {"user_id": json.dumps({"device_id": "d", "session_id": "s"})},
+            "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}}
+    headers = {"x-api-key": "unused", "anthropic-version": "2023-06-01", "x-app": "cli",
+               "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27",
+               "X-EdgeCache-Policy": "reuse"}  # it sends no temperature: sampled, so reuse is what caches it
+    first = await client.post("/v1/messages?beta=true", json=body, headers=headers)
+    assert first.status_code == 200, first.text
+    names = [name for name, _ in anthropic_events(first.text)]
+    assert names[0] == "message_start" and names[-1] == "message_stop"
+    plain = {k: v for k, v in body.items() if k not in ("metadata", "thinking", "output_config", "context_management")}
+    again = await client.post("/v1/messages?beta=true", json=plain, headers=headers)
+    assert again.headers["x-edgecache"] == "exact"
+    assert [m.role for m in fake_engine.requests[0].messages or ()] == ["system", "user", "system"]
+    assert fake_engine.calls == 1
+
+
+async def test_cache_control_works_on_messages(client: httpx.AsyncClient, fake_engine: FakeEngine) -> None:
+    none = await client.post("/v1/messages", json=messages_body("cc"), headers={"Cache-Control": "only-if-cached"})
+    assert "only-if-cached" in assert_anthropic_error(none, 504, "timeout_error")
+    assert fake_engine.calls == 0
+    assert (await client.post("/v1/messages", json=messages_body("cc"), headers={"Cache-Control": "no-store"})
+            ).headers["x-edgecache"] == "miss"
+    assert (await client.post("/v1/messages", json=messages_body("cc"))).headers["x-edgecache"] == "miss"
+    hit = await client.post("/v1/messages", json=messages_body("cc"), headers={"Cache-Control": "only-if-cached"})
+    assert hit.headers["x-edgecache"] == "exact" and int(hit.headers["age"]) >= 0
+    refreshed = await client.post("/v1/messages", json=messages_body("cc"), headers={"Cache-Control": "no-cache"})
+    assert refreshed.headers["x-edgecache"] == "miss" and fake_engine.calls == 3
+
+
+async def test_feedback_finds_a_message_by_its_id(client: httpx.AsyncClient) -> None:
+    message = (await client.post("/v1/messages", json=messages_body("mark me"))).json()
+    marked = await client.post("/v1/feedback", json={"response_id": message["id"], "correct": True})
+    assert marked.status_code == 200, marked.text
+    unknown = await client.post("/v1/feedback", json={"response_id": "msg_unknown", "correct": True})
+    assert unknown.status_code == 404
+
+
 async def test_count_tokens(client: httpx.AsyncClient) -> None:
     c = sdk_on(client)
     count = await c.messages.count_tokens(model="fake-model", system="one two",

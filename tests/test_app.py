@@ -64,10 +64,11 @@ async def test_streaming_hit_replays_a_valid_sse_stream(client: httpx.AsyncClien
 
 async def test_streaming_miss_streams_deltas_and_is_stored(client: httpx.AsyncClient,
                                                           fake_engine: FakeEngine) -> None:
+    fake_engine.delay_s = 0.05  # an engine slower than the relay's batching: its chunks go out as they come
     resp = await client.post("/v1/chat/completions", json=chat_body("fresh", stream=True))
     assert resp.headers["x-edgecache"] == "miss"
     events = sse_events(resp.text)
-    assert len([e for e in events if e["choices"][0]["delta"].get("content")]) == fake_engine.pieces
+    assert 1 < len([e for e in events if e["choices"][0]["delta"].get("content")]) <= fake_engine.pieces
     assert sse_text(events) == "answer to: fresh"
     again = await client.post("/v1/chat/completions", json=chat_body("fresh"))
     assert again.headers["x-edgecache"] == "exact"

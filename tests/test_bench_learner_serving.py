@@ -21,7 +21,8 @@ PAIRS = [
 def test_both_modes_through_the_server_score_every_response(tmp_path: Path, capsys: Any) -> None:
     data = tmp_path / "pairs.tsv"
     data.write_text("".join(f"{a}\t{b}\t{label}\n" for a, b, label in PAIRS), encoding="utf-8")
-    result = learner_serving.main(["--pairs", str(data), "--scenario", "support", "--progress", "0"])
+    result = learner_serving.main(["--pairs", str(data), "--scenario", "support", "--progress", "0",
+                                   "--feedback", "all"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
     assert result["n"] == 9  # every distinct text once
     for mode in ("threshold", "learner"):
@@ -29,6 +30,10 @@ def test_both_modes_through_the_server_score_every_response(tmp_path: Path, caps
         assert result[f"{mode}_inconsistent"] == 0 and result[f"{mode}_unlogged"] == 0
         # Exact labels: a different class answer is labelled wrong, and no label disagrees with the ground truth.
         assert result[f"{mode}_label_errors"] == 0 and result[f"{mode}_labels_bad"] >= 1
+        # The client marked every semantic hit, by the truth, through POST /v1/feedback (each mark accepted).
+        hits = round(result[f"{mode}_hit_rate"] * result["n"]) + round(result[f"{mode}_false_hit_rate"] * result["n"])
+        assert result[f"{mode}_marked_right"] + result[f"{mode}_marked_wrong"] == hits
+        assert result[f"{mode}_marked_wrong"] == round(result[f"{mode}_false_hit_rate"] * result["n"])
     # The shipped rule serves the password paraphrases and never the 20/50 dollars pair (the guard).
     assert result["threshold_hit_rate"] > 0 and result["threshold_false_hit_rate"] == 0
     # The untaught learner refuses, and each refused candidate comes back as a label; the guard vetoes the 20/50

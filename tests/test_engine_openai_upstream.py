@@ -131,6 +131,18 @@ async def test_streamed_chat(engine: OpenAIUpstreamEngine) -> None:
     assert whole.prompt_tokens > 0
 
 
+async def test_count_tokens_is_the_upstreams_prompt_count(engine: OpenAIUpstreamEngine) -> None:
+    whole = OpenAIUpstreamEngine(engine.base_url, stream=False)
+    await whole.start()
+    try:
+        answered = (await collect(whole, CHAT))[-1].prompt_tokens
+    finally:
+        await whole.close()
+    assert await engine.count_tokens(CHAT) == answered > 0
+    longer = msgspec.structs.replace(CHAT, messages=(Message(role="user", content="Name a colour, and a fruit."),))
+    assert await engine.count_tokens(longer) > answered
+
+
 WEATHER = ToolSpec(name="get_weather", description="The weather in a city",
                    parameters='{"properties":{"city":{"type":"string"}},"required":["city"],"type":"object"}')
 

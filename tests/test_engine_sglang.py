@@ -148,6 +148,16 @@ async def test_chat_is_rendered_with_the_template_and_sent_as_token_ids_without_
     await engine.close()
 
 
+async def test_count_tokens_counts_the_ids_generate_sends() -> None:
+    engine, factory = await started()
+    await collect(engine, chat("Hi there"))
+    assert await engine.count_tokens(chat("Hi there")) == len(factory.fake.calls[0]["input_ids"]) > 0
+    assert len(factory.fake.calls) == 1  # counting generates nothing
+    prompt = GenerationRequest(prompt="Once upon a time", params=SamplingParams())
+    assert await engine.count_tokens(prompt) == len(factory.fake.tokenizer_manager.tokenizer.encode("Once upon a time"))
+    await engine.close()
+
+
 async def test_raw_prompts_go_as_text_with_sampling_params_in_sglang_names() -> None:
     engine, factory = await started()
     params = SamplingParams(max_tokens=5, temperature=0.0, top_p=0.9, stop=("\n",), seed=7)

@@ -347,3 +347,41 @@ async def test_the_last_listener_leaving_after_the_final_chunk_does_not_cancel_t
     assert flight.task is not None and not flight.task.cancelling()
     release.set()
     await asyncio.wait_for(stored.wait(), 5)
+
+
+async def test_a_batching_listener_gets_the_chunks_published_meanwhile_merged() -> None:
+    """With batch_s, what was published since the last delivery comes as one chunk; the final chunk stays whole."""
+    table = InflightTable()
+    script = Script(PIECES)
+    flight = table.lead("k", script)
+    script.step(3)
+    await settle()
+    assert script.published == 3
+    listener = flight.follow(batch_s=3600)
+    first = await listener.__anext__()
+    assert first.text == "".join(PIECES[:3])  # three published before it looked: one delivery
+    script.step(2)  # the last piece and the final chunk: the answer is complete, so no waiting for the batch
+    rest = await collect(listener)
+    assert texts(rest) == [PIECES[3], ""]
+    assert rest[-1].finish_reason == "stop" and rest[-1].completion_tokens == len(PIECES)
+    await flight.task
+
+
+async def test_a_batching_listener_waits_out_its_batch_before_the_next_delivery() -> None:
+    table = InflightTable()
+    script = Script(PIECES)
+    flight = table.lead("k", script)
+    listener = flight.follow(batch_s=3600)
+    pending = asyncio.create_task(listener.__anext__())
+    await settle()
+    script.step()
+    assert (await pending).text == PIECES[0]  # the first chunk goes at once
+    pending = asyncio.create_task(listener.__anext__())
+    script.step(2)
+    await settle()
+    assert not pending.done()  # within the batch: held back
+    script.step(2)  # the answer completes: everything goes
+    assert (await pending).text == "".join(PIECES[1:])
+    assert (await listener.__anext__()).finish_reason == "stop"
+    await listener.aclose()
+    await flight.task

@@ -137,7 +137,7 @@ def test_stats_render_a_labels_table_when_there_are_labels() -> None:
 
 async def test_the_model_judge_asks_one_token_under_the_tenants_salt_and_reads_yes_or_no() -> None:
     from edgecache.engines.base import Chunk
-    from edgecache.semantic.labeling import JUDGE_INSTRUCTIONS, ModelJudgeLabeler
+    from edgecache.semantic.judge import JUDGE_INSTRUCTIONS, ModelJudgeLabeler
 
     asked: list[GenerationRequest] = []
     replies = iter([" Yes", "no.", "Maybe", "yes"])

@@ -238,7 +238,7 @@ class JudgingEngine(ScriptedEngine):
         self.verdict = verdict
 
     def answer_for(self, request: Any) -> str:
-        from edgecache.semantic.labeling import JUDGE_INSTRUCTIONS
+        from edgecache.semantic.judge import JUDGE_INSTRUCTIONS
 
         if request.messages and request.messages[0].content == JUDGE_INSTRUCTIONS:
             return self.verdict
@@ -246,7 +246,8 @@ class JudgingEngine(ScriptedEngine):
 
 
 async def test_with_label_judge_the_served_model_labels_what_equality_cannot(make_settings: Any) -> None:
-    settings = make_settings(semantic__enabled=True, semantic__decision="learner", semantic__label_judge=True)
+    settings = make_settings(semantic__enabled=True, semantic__decision="learner", semantic__label_judge=True,
+                             semantic__label_judge_min_agreement=0.0)  # no start-up check: the verdict is scripted
     # Close enough that answer embeddings alone would not call it wrong; the judge does.
     engine = JudgingEngine(["Open Settings, then Security, then Reset password.",
                             "Open Settings, then Privacy, then Reset password."], verdict="No")

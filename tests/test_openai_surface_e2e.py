@@ -218,3 +218,19 @@ def test_what_recent_sdks_send_is_accepted_and_custom_tools_name_the_engine(serv
         c.chat.completions.create(model=MODEL, messages=SKY, max_tokens=4, tools=[
             {"type": "custom", "custom": {"name": "sql", "description": "runs a query"}}])
     assert "custom tools" in str(info.value) and "llamacpp" in str(info.value)
+
+
+def test_cache_control_through_the_sdk(server: Server) -> None:
+    """only-if-cached is a 504 before the answer exists and a hit (with Age) after; no-cache recomputes."""
+    c = sdk(server)
+    request = dict(model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=8, temperature=0)
+    with pytest.raises(openai.InternalServerError) as info:
+        c.chat.completions.create(**request, extra_headers={"Cache-Control": "only-if-cached"})
+    assert info.value.status_code == 504 and "only-if-cached" in str(info.value)
+    first = c.chat.completions.with_raw_response.create(**request, extra_headers={"Cache-Control": "no-cache"})
+    hit = c.chat.completions.with_raw_response.create(**request, extra_headers={"Cache-Control": "only-if-cached"})
+    assert (first.headers["x-edgecache"], hit.headers["x-edgecache"]) == ("miss", "exact")
+    assert "age" not in first.headers and int(hit.headers["age"]) >= 0
+    assert stable(first.parse()) == stable(hit.parse())
+    again = c.chat.completions.with_raw_response.create(**request, extra_headers={"Cache-Control": "no-cache"})
+    assert again.headers["x-edgecache"] == "miss"

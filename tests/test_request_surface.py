@@ -337,6 +337,7 @@ def test_an_entry_written_before_choices_existed_still_decodes() -> None:
 
 
 async def test_openapi_document_is_generated_from_the_request_structs(client: httpx.AsyncClient) -> None:
+    from edgecache.http.feedback import FeedbackRequest
     from edgecache.http.request_surface import ChatCompletionRequest, CompletionRequest
 
     resp = await client.get("/openapi.json")
@@ -344,11 +345,12 @@ async def test_openapi_document_is_generated_from_the_request_structs(client: ht
     doc = resp.json()
     assert doc["openapi"].startswith("3.")
     schemas = doc["components"]["schemas"]
-    for struct in (ChatCompletionRequest, CompletionRequest):
+    for struct in (ChatCompletionRequest, CompletionRequest, FeedbackRequest):
         # Every field the decoder accepts is in the schema, and nothing else (it is the same struct).
         assert set(schemas[struct.__name__]["properties"]) == set(struct.__struct_encode_fields__)
         assert schemas[struct.__name__].get("additionalProperties") is False
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/v1/models/{model_id}"):
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/feedback", "/v1/models",
+                 "/v1/models/{model_id}"):
         assert path in doc["paths"]
     body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/ChatCompletionRequest"}

@@ -128,3 +128,125 @@ def test_no_request_gets_a_5xx(server_url: str, mode: GenerationMode) -> None:
                 assert mode is GenerationMode.NEGATIVE
     assert sum(seen.values()) >= len(ops)
     assert any(400 <= status < 500 for status in seen)
+
+
+def test_the_responses_routes_are_fuzzed_on_a_stored_response(server_url: str) -> None:
+    """The generic run above covers /v1/responses; its id routes get random ids there (404s), so here they are
+    fuzzed on a response that exists: every generated query is answered below 500, and a valid one with 200."""
+    ops = [op for op in operations(server_url) if op.path.startswith("/v1/responses/")]
+    assert sorted((op.method.upper(), op.path) for op in ops) == [
+        ("DELETE", "/v1/responses/{response_id}"), ("GET", "/v1/responses/{response_id}"),
+        ("GET", "/v1/responses/{response_id}/input_items")]
+    made = httpx.post(server_url + "/v1/responses", json={"model": "fake-model", "input": "Fuzz me.",
+                                                           "temperature": 0}, timeout=60).json()["id"]
+    statuses: dict[tuple[str, str], set[int]] = {}
+    with httpx.Client(base_url=server_url, timeout=60) as client:
+        for operation in sorted(ops, key=lambda op: op.method.upper() == "DELETE"):  # the delete last
+            for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+                @settings(max_examples=EXAMPLES // 2, deadline=None, database=None,
+                          suppress_health_check=list(HealthCheck))
+                @given(operation.as_strategy(generation_mode=mode))
+                def check(case: Any) -> None:
+                    path = operation.path.replace("{response_id}", made)
+                    resp = client.request(case.method, path, params=case.query)
+                    statuses.setdefault((case.method.upper(), operation.path), set()).add(resp.status_code)
+                    assert resp.status_code < 500, (case.method, path, case.query, resp.text[:500])
+                    assert "Traceback" not in resp.text
+                    if mode is GenerationMode.POSITIVE and case.method.upper() == "GET":
+                        assert resp.status_code == 200, (path, case.query, resp.text[:500])
+
+                try:
+                    check()
+                except Unsatisfiable:
+                    assert mode is GenerationMode.NEGATIVE
+    assert 200 in statuses[("GET", "/v1/responses/{response_id}/input_items")]
+    assert 200 in statuses[("DELETE", "/v1/responses/{response_id}")]
+
+
+# --- the schema and the server agree -------------------------------------------------------------------------------
+# Requests an earlier `schemathesis run /openapi.json --checks all` found the schema allowing and the server refusing
+# (400), and their schema-invalid neighbours: each must be valid to both, or invalid to both.
+
+CHAT_BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "agree"}], "temperature": 0}
+AGREED: list[tuple[str, dict[str, Any], bool]] = [
+    ("/v1/completions", {"model": "fake-model", "prompt": "x", "max_tokens": 4.0, "temperature": 0}, True),
+    ("/v1/completions", {"model": "fake-model", "prompt": ""}, False),
+    ("/v1/completions", {"model": "fake-model", "prompt": [""]}, False),
+    ("/v1/completions", {"model": "fake-model", "prompt": "x", "max_tokens": 4.5}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "n": 1.0, "function_call": None, "functions": None}, True),
+    ("/v1/chat/completions", {**CHAT_BODY, "function_call": "auto"}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "functions": [{"name": "f"}]}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "audio": {"voice": "alloy"}}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "user"}]}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "user", "content": None}]}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "tool", "content": "42"}]}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "tool", "content": "42", "tool_call_id": ""}]},
+     False),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [
+        {"role": "user", "content": "hi", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "user", "content": "hi", "reasoning": "r"}]}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.invalid/a.png"}}]}]},
+     False),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [
+        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": None}]}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "custom", "custom": {"name": "f", "input": "x"}}]}]}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [
+        {"role": "system", "content": [{"type": "text", "text": "be terse"}]},
+        {"role": "user", "content": "2+2?", "tool_calls": []},
+        {"role": "assistant", "content": None, "reasoning_content": "adding", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "4"},
+        {"role": "assistant", "refusal": "no"},
+        {"role": "user", "content": "thanks"}]}, True),
+    ("/admin/flush", {"all": True}, True),
+    ("/admin/flush", {"scenario": "default", "tenant": None}, True),
+    ("/admin/flush", {}, False),
+    ("/admin/flush", {"all": False}, False),
+    ("/admin/flush", {"tenant": None}, False),
+    ("/admin/warmup", {"lines": [{"line": 1, "request": {"prompt": "warm", "answer": "hot", "max_tokens": 8.0}}]},
+     True),
+    ("/admin/warmup", {"lines": [{"line": 1, "request": {"messages": [{"role": "user", "content": "hi"}],
+                                                          "prompt": None, "answer": "hello"}}]}, True),
+    ("/admin/warmup", {"lines": [{"line": 1, "request": {"scenario": "default"}}]}, False),
+    ("/admin/warmup", {"lines": [{"line": 1, "request": {"prompt": "a", "messages": [
+        {"role": "user", "content": "b"}]}}]}, False),
+]
+
+
+def body_validator(document: dict[str, Any], path: str) -> Any:
+    """The JSON Schema validator schemathesis itself uses (jsonschema-rs), for one route's request body."""
+    import jsonschema_rs
+
+    schema = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    return jsonschema_rs.Draft202012Validator({**schema, "components": document["components"]})
+
+
+@pytest.mark.parametrize(("path", "body", "valid"), AGREED)
+def test_the_schema_and_the_server_agree(server_url: str, path: str, body: dict[str, Any], valid: bool) -> None:
+    document = httpx.get(server_url + "/openapi.json").json()
+    errors = list(body_validator(document, path).iter_errors(body))
+    assert (not errors) == valid, [e.message for e in errors]
+    resp = httpx.post(server_url + path, json=body, timeout=60)
+    assert (resp.status_code == 200) == valid, resp.text
+    if not valid:
+        assert resp.status_code == 400, resp.text
+
+
+def test_an_integral_float_is_an_integer_for_embeddings_too(server_url: str) -> None:
+    """``dimensions: 2348117.0`` is an integer to JSON Schema: it is refused for its size (this embedder cannot
+    change its width), never for its type; the width itself, written as a float, is taken."""
+    document = httpx.get(server_url + "/openapi.json").json()
+    embedder = next(m["id"] for m in httpx.get(server_url + "/v1/models").json()["data"] if m["id"] != "fake-model")
+    width = len(httpx.post(server_url + "/v1/embeddings", json={"model": embedder, "input": "x"},
+                           timeout=60).json()["data"][0]["embedding"])
+    same = {"model": embedder, "input": "x", "dimensions": float(width)}
+    assert not list(body_validator(document, "/v1/embeddings").iter_errors(same))
+    assert httpx.post(server_url + "/v1/embeddings", json=same, timeout=60).status_code == 200
+    huge = httpx.post(server_url + "/v1/embeddings", json={**same, "dimensions": 2348117.0}, timeout=60)
+    assert huge.status_code == 400 and f"dimensions must be {width}" in huge.json()["error"]["message"]

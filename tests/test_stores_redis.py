@@ -159,6 +159,13 @@ async def test_both_backends_answer_the_one_store_protocol(backend: str, link: R
         assert await other.known_tenants() == ["t1"]  # found in the backend (its directory, or Redis) unopened
         other.close()
         assert (await store.stats())["memory_entries"] == 1
+        # One answer dropped (a caller marked a semantic hit's copy wrong): memory, backend and its bookkeeping.
+        await store.put("gone", answer("dropped"), tag="default")
+        assert await store.delete("gone") is True
+        assert store.get_memory("gone") is None and await store.get("gone") is None
+        assert await store.delete("gone") is False
+        stats = await store.stats()
+        assert stats["entries"] == 1 and stats["memory_entries"] == 1 and (await store.get("k")).text == "kept"  # type: ignore[union-attr]
     finally:
         node.close()
 

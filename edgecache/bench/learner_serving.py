@@ -27,7 +27,16 @@ server's labels are then as good as the simulation's (``label errors`` counts wh
 labels different within one group). ``--labels shipped`` keeps the profile's bar and floor (and its model judge, off
 on ``cpu``).
 
-Beside the two modes, ``--simulate`` (default on) runs ``eval_semantic.py --stream`` on the same set, limit, seed
+Feedback. ``--feedback wrong`` (the default) plays an application that knows the truth (the set's labels): after
+each semantic hit whose answer is wrong it posts ``POST /v1/feedback`` with the response's id and ``"correct":
+false``, as a user's thumbs-down would; ``all`` also marks the right hits right; ``none`` sends nothing. A mark is a
+label of the hit's decision (the learner is taught by it, and demotes after its rule); ``marked`` counts the marks
+sent, and every one must come back ``demoted`` (wrong) or ``labelled`` (right).
+
+Modes. ``threshold`` (the cosine rule), ``learner``, and ``shipped``: the profile's own ``semantic.decision``,
+whatever it is (the shipped default).
+
+Beside the modes, ``--simulate`` (default on) runs ``eval_semantic.py --stream`` on the same set, limit, seed
 and target, so the server's learner can be read against the simulation's figures in the same table.
 
 TTL. The run compresses hours of traffic into minutes, and the profile's TTL tier classifier gives texts that look
@@ -74,7 +83,7 @@ from edgecache.http.app import create_app
 from edgecache.semantic.decision_log import DecisionRecord, LabelRecord, read_records
 from edgecache.settings import resolve_settings
 
-MODES = ("threshold", "learner")
+MODES = ("threshold", "learner", "shipped")
 
 
 def answer_of(stream: Stream, i: int) -> str:
@@ -149,6 +158,8 @@ class ModeResult(msgspec.Struct):
     vetoed: int = 0  # lookups whose nearest candidate the guard refused (never put to the learner)
     inconsistent: int = 0
     unlogged: int = 0
+    marked_wrong: int = 0  # feedback marks sent (--feedback)
+    marked_right: int = 0
     seconds: float = 0.0
     oddities: list[str] = msgspec.field(default_factory=list)  # the first few of the above, to look at
 
@@ -162,8 +173,9 @@ class ModeResult(msgspec.Struct):
 
 
 def settings_for(args: argparse.Namespace, decision: str, data_dir: Path, target: float | None) -> Any:
-    overrides: dict[str, Any] = {"data_dir": str(data_dir), "semantic.enabled": True,
-                                 "semantic.decision": decision}
+    overrides: dict[str, Any] = {"data_dir": str(data_dir), "semantic.enabled": True}
+    if decision != "shipped":
+        overrides["semantic.decision"] = decision
     if target is not None:
         overrides[f"scenarios.{args.scenario}.target_false_hit_rate"] = target
     if args.ttl != "profile":
@@ -204,6 +216,17 @@ async def run_mode(stream: Stream, decision: str, args: argparse.Namespace, data
             served.append(resp.headers["x-edgecache"])
             answers.append(resp.json()["choices"][0]["message"]["content"])
             await settled(runtime)
+            if served[-1] == "semantic" and args.feedback != "none":
+                # The application knows the truth: a wrong answer gets a thumbs-down (and, with ``all``, a right
+                # one a thumbs-up), naming the response's id.
+                right = answers[-1] == answer_of(stream, n) and stream.group[n] >= 0
+                if args.feedback == "all" or not right:
+                    mark = await client.post("/v1/feedback",
+                                             json={"response_id": resp.json()["id"], "correct": right})
+                    if mark.status_code != 200 or mark.json()["effect"] != ("labelled" if right else "demoted"):
+                        raise RuntimeError(f"feedback on text {n}: {mark.status_code} {mark.text[:300]}")
+                    out.marked_right += right
+                    out.marked_wrong += not right
             if args.progress and (n + 1) % args.progress == 0:
                 print(f"  {decision}: {n + 1}/{len(stream.texts)} ({time.perf_counter() - started:.0f} s)",
                       file=sys.stderr)
@@ -296,7 +319,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "simulation), or 'profile' (the TTL tier classifier: 30 s for realtime-looking texts)")
     p.add_argument("--labels", choices=("exact", "shipped"), default="exact",
                    help="exact: a different answer is labelled wrong (bar = floor = 1.0); shipped: the profile's")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated: threshold, learner")
+    p.add_argument("--modes", default="threshold,learner",
+                   help="comma-separated: threshold, learner, shipped (the profile's own semantic.decision)")
+    p.add_argument("--feedback", choices=("wrong", "all", "none"), default="wrong",
+                   help="the client marks wrong semantic hits wrong (and with 'all', right ones right)")
     p.add_argument("--simulate", action=argparse.BooleanOptionalAction, default=True,
                    help="also run eval_semantic.py --stream on the same set, limit, seed and target")
     p.add_argument("--progress", type=int, default=500, help="a progress line every N requests (0: none)")
@@ -319,15 +345,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         resolve_settings(args.profile, {}, environ={}).scenarios[args.scenario].target_false_hit_rate
 
     print(f"stream {stream.name}: {len(stream.texts)} first-turn chat requests in seeded order (seed {args.seed}), "
-          f"scenario {args.scenario}, target {shown_target:.2%}, labels {args.labels}; through the server in "
-          f"process (real embedder and index, class-answer engine)")
+          f"scenario {args.scenario}, target {shown_target:.2%}, labels {args.labels}, feedback {args.feedback}; "
+          f"through the server in process (real embedder and index, class-answer engine)")
     print(f"{'':26}{'hit rate':>9}{'false':>8}{'explored':>9}{'labels':>7}{'bad':>5}{'none':>5}{'errors':>7}"
-          f"{'demoted':>8}{'vetoed':>7}{'s':>6}")
+          f"{'demoted':>8}{'vetoed':>7}{'marked':>7}{'s':>6}")
+    shipped = resolve_settings(args.profile, {}, environ={}).semantic.decision
     for mode, r in results.items():
-        name = "threshold (shipped)" if mode == "threshold" else "learner"
+        name = f"shipped ({shipped})" if mode == "shipped" else mode
         print(f"{name:26}{r.hit_rate:9.4f}{r.false_hit_rate:8.4f}{r.explorations:9d}{r.labels:7d}{r.labels_bad:5d}"
               f"{r.labels_unverified:5d}"
-              f"{r.label_errors:7d}{r.demoted:8d}{r.vetoed:7d}{r.seconds:6.0f}")
+              f"{r.label_errors:7d}{r.demoted:8d}{r.vetoed:7d}{r.marked_wrong + r.marked_right:7d}{r.seconds:6.0f}")
         if r.inconsistent or r.unlogged or r.explorations != round(r.metric_explorations):
             print(f"  ! {r.inconsistent} answers not the logged entry's, {r.unlogged} lookups not logged, "
                   f"explorations in /metrics {r.metric_explorations:.0f}")
@@ -346,7 +373,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{'simulation: static':26}{sim['static_hit_rate']:9.4f}{sim['static_false_hit_rate']:8.4f}"
               f"   (oracle at the learner's false hits {sim['oracle_hit_rate']:.4f})")
     result: dict[str, Any] = {"set": stream.name, "n": len(stream.texts), "scenario": args.scenario,
-                              "seed": args.seed, "target": shown_target, "labels": args.labels}
+                              "seed": args.seed, "target": shown_target, "labels": args.labels,
+                              "feedback": args.feedback, "shipped_decision": shipped}
     for mode, r in results.items():
         result.update({
             f"{mode}_hit_rate": round(r.hit_rate, 4), f"{mode}_false_hit_rate": round(r.false_hit_rate, 4),
@@ -354,7 +382,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{mode}_labels_taught": r.labels_taught, f"{mode}_labels_unverified": r.labels_unverified,
             f"{mode}_label_errors": r.label_errors, f"{mode}_unlabelled_wrong": r.unlabelled_wrong,
             f"{mode}_demoted": r.demoted, f"{mode}_vetoed": r.vetoed, f"{mode}_inconsistent": r.inconsistent,
-            f"{mode}_unlogged": r.unlogged,
+            f"{mode}_unlogged": r.unlogged, f"{mode}_marked_wrong": r.marked_wrong,
+            f"{mode}_marked_right": r.marked_right,
             f"{mode}_seconds": round(r.seconds, 1)})
     result["ratio_hit_rate"] = None if ratio_hit is None else round(ratio_hit, 3)
     result["ratio_false_hit_rate"] = None if ratio_false is None else round(ratio_false, 3)

@@ -1,9 +1,11 @@
 """The HTTP front: an app factory that builds the litestar app from one :class:`~edgecache.settings.Settings`.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models`` (OpenAI), ``POST /v1/messages``
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``POST /v1/responses`` with
+``GET``/``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` (OpenAI), ``POST /v1/messages``
 and ``POST /v1/messages/count_tokens`` (Anthropic, whose errors come in Anthropic's shape), ``GET /health``
 (503 while the model loads), ``GET /metrics`` (Prometheus), ``GET /stats`` (JSON), ``POST /admin/flush`` and
-``POST /admin/warmup`` (admin key when there is a tenants file). The state they share is a
+``POST /admin/warmup`` (admin key when there is a tenants file), ``POST /v1/feedback`` (a caller marks a response
+right or wrong: :mod:`edgecache.http.feedback`). The state they share is a
 :class:`~edgecache.runtime.Runtime`.
 
 Each API route authenticates, parses its body into the pipeline's :class:`~edgecache.call.Call` and picks its answer
@@ -25,17 +27,17 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
-from litestar import Litestar, Request, Response, get, post
+from litestar import Litestar, Request, Response, delete, get, post
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
-from litestar.params import PathParameter
+from litestar.params import PathParameter, QueryParameter
 from litestar.types import ASGIApp
 
 from edgecache.http.access_log import TENANT_SCOPE_KEY, AccessLog, AccessLogMiddleware
-from edgecache.http.calls import apply_headers, read_headers
+from edgecache.http.calls import apply_headers, read_body, read_headers
 from edgecache.canary import CanaryReport
 from edgecache.data_dir import DataDirLock
 from edgecache.engines.base import Engine
@@ -50,7 +52,9 @@ from edgecache.errors import (
 from edgecache.http import anthropic_api
 from edgecache.http.openai_api import ModelCard, ModelList, ResponseWriter
 from edgecache.http.replies import RawAnswer, respond
+from edgecache.http.responses_api import responses_names
 from edgecache.http.embeddings import EmbeddingRequest, embed
+from edgecache.http.feedback import FeedbackRequest, apply_feedback
 from edgecache.http.front import Front
 from edgecache.http.openapi import openapi_document
 from edgecache.http.request_surface import check_engine_supports, decode_body
@@ -90,16 +94,18 @@ def _credentials(request: Request[Any, Any, Any]) -> tuple[str | None, str | Non
 
 async def _generate(request: Request[Any, Any, Any], chat: bool) -> ASGIApp:
     started = time.perf_counter()
-    rt = _runtime(request.app.state)
+    state = request.app.state
+    rt, front = _runtime(state), _front(state)
     headers = read_headers(request.scope["headers"])
     tenant = rt.tenants.authenticate(headers.authorization, headers.api_key)           # 401 on an unknown key
     request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]  # for the access log
-    parsed = _front(request.app.state).parsed.parse(chat, await request.body(), tenant)                     # 400 / 413
+    body = await read_body(request.receive, rt.settings.server.max_body_bytes)         # 413
+    parsed = front.parsed.parse(chat, body, tenant)                                    # 400 / 413
     _check_ready(rt, parsed.model)                                                     # 503 / 404
     check_engine_supports(parsed.features, rt.engine)                                  # 400 naming field+engine
     parsed = apply_headers(parsed, headers, tenant, rt.settings)
     writer = ResponseWriter(chat=chat, model=rt.engine.model_id, include_usage=parsed.include_usage,
-                            response_id=_front(request.app.state).ids.next("chat" if chat else "text"))
+                            response_id=front.ids.next("chat" if chat else "text"))
     return await respond(rt, request, parsed.call, parsed.stream, writer, started)
 
 
@@ -111,6 +117,53 @@ async def chat_completions(request: Request[Any, Any, Any]) -> ASGIApp:
 @post("/v1/completions", status_code=200)
 async def completions(request: Request[Any, Any, Any]) -> ASGIApp:
     return await _generate(request, chat=False)
+
+
+@post("/v1/responses", status_code=200)
+async def create_response(request: Request[Any, Any, Any]) -> ASGIApp:
+    """The Responses API (:mod:`edgecache.http.responses_api`): the same call as chat, rendered as a Response."""
+    started = time.perf_counter()
+    rt, front = _runtime(request.app.state), _front(request.app.state)
+    headers = read_headers(request.scope["headers"])
+    tenant = rt.tenants.authenticate(headers.authorization, headers.api_key)           # 401 on an unknown key
+    request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]  # for the access log
+    body = await read_body(request.receive, rt.settings.server.max_body_bytes)         # 413
+    asked = await front.responses.parse(body, tenant)                                  # 400 / 413 / 404
+    _check_ready(rt, asked.parsed.model)                                               # 503 / 404
+    with responses_names():
+        check_engine_supports(asked.parsed.features, rt.engine)                        # 400 naming field+engine
+    parsed = apply_headers(asked.parsed, headers, tenant, rt.settings)
+    writer = front.responses.writer(asked, front.ids.next("response"), rt.engine.model_id, tenant.id)
+    return await respond(rt, request, parsed.call, parsed.stream, writer, started)
+
+
+@get("/v1/responses/{response_id:str}")
+async def retrieve_response(request: Request[Any, Any, Any],
+                            response_id: Annotated[str, PathParameter()]) -> ASGIApp:
+    rt = _runtime(request.app.state)
+    tenant = rt.tenants.authenticate(*_credentials(request))
+    stored = await _front(request.app.state).responses.stored(tenant.id, response_id)   # another tenant's: 404
+    return RawAnswer(stored.body, [])
+
+
+@delete("/v1/responses/{response_id:str}", status_code=200)
+async def delete_response(request: Request[Any, Any, Any],
+                          response_id: Annotated[str, PathParameter()]) -> ASGIApp:
+    rt = _runtime(request.app.state)
+    tenant = rt.tenants.authenticate(*_credentials(request))
+    return RawAnswer(await _front(request.app.state).responses.delete(tenant.id, response_id), [])
+
+
+@get("/v1/responses/{response_id:str}/input_items")
+async def response_input_items(
+        request: Request[Any, Any, Any], response_id: Annotated[str, PathParameter()],
+        limit: Annotated[int, QueryParameter(ge=1, le=100)] = 20,
+        order: Annotated[Literal["asc", "desc"], QueryParameter()] = "desc",
+        after: Annotated[str | None, QueryParameter()] = None) -> ASGIApp:
+    rt = _runtime(request.app.state)
+    tenant = rt.tenants.authenticate(*_credentials(request))
+    return RawAnswer(await _front(request.app.state).responses.input_items(
+        tenant.id, response_id, limit=limit, order=order, after=after), [])
 
 
 def _anthropic_error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
@@ -129,7 +182,8 @@ async def messages(request: Request[Any, Any, Any]) -> ASGIApp:
     tenant = rt.tenants.authenticate(headers.authorization, headers.api_key)
     request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]
     front = _front(request.app.state)
-    parsed = front.parsed.recall("messages", await request.body(), tenant, anthropic_api.parse_messages)
+    body = await read_body(request.receive, rt.settings.server.max_body_bytes)
+    parsed = front.parsed.recall("messages", body, tenant, anthropic_api.parse_messages)
     _check_ready(rt, parsed.model)
     check_engine_supports(parsed.features, rt.engine)
     parsed = apply_headers(parsed, headers, tenant, rt.settings)
@@ -155,6 +209,17 @@ def _model_cards(rt: Runtime) -> list[ModelCard]:
     if rt.semantic is not None:
         cards.append(ModelCard(id=rt.settings.semantic.embedder, created=rt.started_at))
     return cards
+
+
+@post("/v1/feedback", status_code=200)
+async def feedback(request: Request[Any, Any, Any]) -> ASGIApp:
+    """A caller marks a response it received right or wrong (:mod:`edgecache.http.feedback`)."""
+    rt = _runtime(request.app.state)
+    tenant = rt.tenants.authenticate(*_credentials(request))
+    request.scope[TENANT_SCOPE_KEY] = tenant.id  # type: ignore[literal-required]  # for the access log
+    mark = decode_body(await request.body(), FeedbackRequest)
+    done = await apply_feedback(rt, _front(request.app.state).ledger, tenant.id, mark)
+    return RawAnswer(_json.encode(done), [])
 
 
 @get("/v1/models")
@@ -237,6 +302,7 @@ async def stats(request: Request[Any, Any, Any]) -> Response[Any]:
     body["stores"] = stores
     if rt.semantic is not None and (learned := rt.semantic.learned()) is not None:
         body["semantic"]["learner"] = learned  # type: ignore[index]
+    body["semantic"]["labelling"]["judge"] = rt.judge_status()  # type: ignore[index]
     body["store"] = {field: sum(s[field] for s in stores.values())
                      for field in ("entries", "bytes", "budget_bytes", "memory_entries", "memory_bytes")}
     body["admission"] = {"running": rt.admission.running, "queued": rt.admission.queued,
@@ -259,10 +325,7 @@ async def admin_flush(request: Request[Any, Any, Any]) -> Response[Any]:
     """Drop cached entries across all layers: ``{"tenant": T}``, ``{"scenario": S}``, both, or ``{"all": true}``."""
     rt = _runtime(request.app.state)
     rt.tenants.authenticate_admin(*_credentials(request))
-    try:
-        body = msgspec.json.decode(await request.body() or b"{}", type=FlushRequest)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise BadRequest(f"invalid flush request: {exc}") from exc
+    body = decode_body(await request.body() or b"{}", FlushRequest)
     if not body.all and body.tenant is None and body.scenario is None:
         raise BadRequest("name a tenant, a scenario, or all: true")
     if body.tenant is not None and rt.tenants.get(body.tenant) is None and body.tenant not in \
@@ -283,10 +346,7 @@ async def admin_warmup(request: Request[Any, Any, Any]) -> Response[Any]:
     """Warm the caches with a batch of prompts-file lines (see :mod:`edgecache.warmup`); one result per line."""
     rt = _runtime(request.app.state)
     rt.tenants.authenticate_admin(*_credentials(request))
-    try:
-        batch = msgspec.json.decode(await request.body(), type=WarmupBatch)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise BadRequest(f"invalid warmup batch: {exc}") from exc
+    batch = decode_body(await request.body(), WarmupBatch)
     if not rt.ready:
         raise NotReady("the server is still loading")
     assert rt.pipeline is not None
@@ -363,7 +423,8 @@ def create_app(settings: Settings, engine: Engine | None = None,
             lock.release()
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, messages, count_tokens, embeddings, list_models,
+        route_handlers=[chat_completions, completions, create_response, retrieve_response, delete_response,
+                        response_input_items, messages, count_tokens, feedback, embeddings, list_models,
                         retrieve_model, openapi_json, health, metrics, stats, admin_flush, admin_warmup],
         lifespan=[lifespan],
         state=State({"openapi": _json.encode(openapi_document(_package_version()))}),

@@ -8,14 +8,15 @@ the body instead of a decode, a validation and the building of a call.
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, NamedTuple
 
 import msgspec
 
-from edgecache.errors import BadRequest, Forbidden, PayloadTooLarge
-from edgecache.call import POLICIES, Call
+from edgecache.errors import BadRequest, ClientGone, Forbidden, PayloadTooLarge
+from edgecache.call import CACHE_CONTROL, POLICIES, Call, PolicyName
 from edgecache.engines.base import GenerationRequest
 from edgecache.http.request_surface import (
     CacheOptions,
@@ -42,7 +43,6 @@ class Parsed(msgspec.Struct, frozen=True, kw_only=True):
 
 def parse(chat: bool, body: bytes, tenant: Tenant, settings: Settings) -> Parsed:
     req: ChatCompletionRequest | CompletionRequest
-    salt = tenant.id
     if chat:
         req = decode_request(body, ChatCompletionRequest)  # type: ignore[assignment]
         assert isinstance(req, ChatCompletionRequest)
@@ -51,6 +51,14 @@ def parse(chat: bool, body: bytes, tenant: Tenant, settings: Settings) -> Parsed
     else:
         req = decode_request(body, CompletionRequest)  # type: ignore[assignment]
         assert isinstance(req, CompletionRequest)
+    return parsed_from(req, tenant, settings)
+
+
+def parsed_from(req: ChatCompletionRequest | CompletionRequest, tenant: Tenant, settings: Settings) -> Parsed:
+    """A decoded request as the pipeline's call. Other APIs (Responses) build a ChatCompletionRequest and come
+    through here, so the same generation asked through any of them has one key."""
+    chat = isinstance(req, ChatCompletionRequest)
+    salt = tenant.id
     generation = req.generation(settings.engine.default_max_tokens, salt)
     if req.cache_salt:
         # A caller's own salt namespaces within its tenant: the tenant always leads the engine's salt.
@@ -79,6 +87,31 @@ def longest_ttl_s(settings: Settings) -> float:
     return max(tiers.realtime_s, tiers.near_realtime_s, tiers.static_s, *scenario_ttls)
 
 
+async def read_body(receive: Callable[[], Awaitable[Any]], limit: int) -> bytes:
+    """The request body from the ASGI messages, refused with a 413 once it grows past ``limit`` bytes.
+
+    litestar's ``Request.body()`` builds a header map to read the content length first, which was a fifth of an
+    in-process exact hit; counting the bytes as they come enforces the same limit."""
+    message = await receive()
+    if message["type"] == "http.request" and not message.get("more_body", False):
+        body: bytes = message.get("body", b"")  # the common case: the whole body in one message
+    else:
+        parts = []
+        while message["type"] == "http.request":
+            parts.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+            if sum(map(len, parts)) > limit:
+                break
+            message = await receive()
+        else:
+            raise ClientGone("the client closed the connection while sending its request")
+        body = b"".join(parts)
+    if len(body) > limit:
+        raise PayloadTooLarge(f"the request body is over this server's limit of {limit} bytes")
+    return body
+
+
 class CallHeaders(NamedTuple):
     """The request headers a call depends on."""
 
@@ -86,9 +119,12 @@ class CallHeaders(NamedTuple):
     scenario: str | None = None
     policy: str | None = None
     api_key: str | None = None  # x-api-key, Anthropic's clients' way to send the key (see tenants.presented_key)
+    cache_control: str | None = None
 
 
-_HEADER_FIELDS = {b"authorization": 0, b"x-edgecache-scenario": 1, b"x-edgecache-policy": 2, b"x-api-key": 3}
+_HEADER_FIELDS = {b"authorization": 0, b"x-edgecache-scenario": 1, b"x-edgecache-policy": 2, b"x-api-key": 3,
+                  b"cache-control": 4}
+_LIST_FIELDS = frozenset({4})  # HTTP list fields: several lines are one comma-separated value (RFC 9110, 5.3)
 
 
 def read_headers(raw: Iterable[tuple[bytes, bytes]]) -> CallHeaders:
@@ -97,24 +133,69 @@ def read_headers(raw: Iterable[tuple[bytes, bytes]]) -> CallHeaders:
 
     One rule for every route: a header that matters, sent twice, is a 400. Taking the first or the last copy is
     what let two ``Authorization`` headers name different tenants on different routes (each framework layer
-    picked its own copy)."""
+    picked its own copy). ``Cache-Control`` is a list by definition: its lines are joined, as HTTP says."""
     found: list[str | None] = [None] * len(_HEADER_FIELDS)
     for name, value in raw:
         index = _HEADER_FIELDS.get(name)
         if index is not None:
+            text = value.decode("latin-1")
             if found[index] is not None:
-                raise BadRequest(f"the {name.decode()} header was sent more than once; send it once",
-                                 param=name.decode())
-            found[index] = value.decode("latin-1")
+                if index not in _LIST_FIELDS:
+                    raise BadRequest(f"the {name.decode()} header was sent more than once; send it once",
+                                     param=name.decode())
+                text = f"{found[index]}, {text}"
+            found[index] = text
     return CallHeaders(*found)
 
 
+class RequestCacheControl(NamedTuple):
+    """What a request's ``Cache-Control`` asks of the cache: the named policies its directives amount to (in
+    :data:`~edgecache.call.CACHE_CONTROL` order, each once) and ``max-age`` in seconds (the smallest, if several)."""
+
+    policies: tuple[PolicyName, ...] = ()
+    max_age_s: float | None = None
+
+
+# One directive: a token, optionally "=" and a token or a quoted string (which may hold commas).
+_DIRECTIVE = re.compile(r'\s*([^\s=,]+)(?:\s*=\s*("(?:[^"\\]|\\.)*"|[^,]*))?\s*(?:,|$)')
+_DELTA_SECONDS = re.compile(r"[0-9]+")
+_MAX_DELTA_SECONDS = 2**31  # RFC 9111, 1.2.2: a larger delta-seconds is taken as this
+
+
+def parse_cache_control(value: str) -> RequestCacheControl:
+    """The request directives this cache implements; unknown ones are ignored (RFC 9111, 5.2.3). A ``max-age``
+    that is not delta-seconds (a non-negative integer) is a 400: guessing what the caller meant by an age could
+    serve an answer older than it accepts."""
+    policies: set[PolicyName] = set()
+    max_age: float | None = None
+    for match in _DIRECTIVE.finditer(value):
+        name, argument = match.group(1).lower(), (match.group(2) or "").strip()
+        if name == "max-age":
+            if len(argument) >= 2 and argument[0] == argument[-1] == '"':
+                argument = argument[1:-1]  # the quoted form, which a recipient must accept too
+            if not _DELTA_SECONDS.fullmatch(argument):
+                raise BadRequest(f"Cache-Control max-age must be a whole number of seconds, not {argument!r}",
+                                 param="Cache-Control")
+            seconds = float(min(int(argument), _MAX_DELTA_SECONDS))
+            max_age = seconds if max_age is None else min(max_age, seconds)
+        elif name in CACHE_CONTROL:
+            policies.add(CACHE_CONTROL[name])
+    return RequestCacheControl(tuple(p for p in CACHE_CONTROL.values() if p in policies), max_age)
+
+
 def apply_headers(parsed: Parsed, headers: CallHeaders, tenant: Tenant, settings: Settings) -> Parsed:
-    """``X-EdgeCache-Scenario`` and ``X-EdgeCache-Policy`` override the body; then both are checked."""
+    """``X-EdgeCache-Scenario`` and ``X-EdgeCache-Policy`` override the body, ``Cache-Control`` narrows the policy
+    (:meth:`~edgecache.call.Call.cache_policy`); then all of it is checked against the server and the plan: every
+    policy a request ends up under, named or from a directive, must be one its plan allows."""
     scenario, policy = headers.scenario, headers.policy
     call = parsed.call
     if (scenario is not None and scenario != call.scenario) or (policy is not None and policy != call.policy):
         call = msgspec.structs.replace(call, scenario=scenario or call.scenario, policy=policy or call.policy)
+    if headers.cache_control is not None:
+        control = parse_cache_control(headers.cache_control)
+        if control.policies or control.max_age_s is not None:
+            call = msgspec.structs.replace(call, narrowed_by=control.policies, max_age_s=control.max_age_s)
+    if call is not parsed.call:
         parsed = msgspec.structs.replace(parsed, call=call)
     if call.scenario not in settings.scenarios:
         raise BadRequest(f"unknown scenario {call.scenario!r}; this server has: "
@@ -125,6 +206,11 @@ def apply_headers(parsed: Parsed, headers: CallHeaders, tenant: Tenant, settings
     if call.policy not in tenant.plan.policies:
         raise Forbidden(f"the {tenant.plan_name!r} plan does not allow the cache policy {call.policy!r}",
                         param="edgecache.policy")
+    for name in call.narrowed_by:
+        if name not in tenant.plan.policies:
+            directive = next(d for d, p in CACHE_CONTROL.items() if p == name)
+            raise Forbidden(f"the {tenant.plan_name!r} plan does not allow the cache policy {name!r}, which "
+                            f"Cache-Control: {directive} asks for", param="Cache-Control")
     return parsed
 
 

@@ -204,10 +204,10 @@ class IdSource:
         self._prefix = os.urandom(8).hex()
         self._counter = itertools.count()
 
-    # Each API's own spelling: OpenAI's chatcmpl-/cmpl-, Anthropic's msg_.
-    _KINDS = {"chat": "chatcmpl-", "text": "cmpl-", "message": "msg_"}
+    # Each API's own spelling: OpenAI's chatcmpl-/cmpl-/resp_, Anthropic's msg_.
+    _KINDS = {"chat": "chatcmpl-", "text": "cmpl-", "response": "resp_", "message": "msg_"}
 
-    def next(self, kind: Literal["chat", "text", "message"]) -> str:
+    def next(self, kind: Literal["chat", "text", "response", "message"]) -> str:
         return f"{self._KINDS[kind]}{self._prefix}{next(self._counter):08x}"
 
 

@@ -14,9 +14,20 @@ import msgspec
 
 from edgecache.http.anthropic_api import CountTokensRequest, AnthropicError, MessageOut, MessagesRequest, TokenCount
 from edgecache.http.embeddings import EmbeddingList, EmbeddingRequest
+from edgecache.http.feedback import FeedbackReply, FeedbackRequest
 from edgecache.errors import ErrorBody
 from edgecache.http.openai_api import ChatCompletion, ChatCompletionChunk, ModelCard, ModelList, TextCompletion
-from edgecache.http.request_surface import ChatCompletionRequest, CompletionRequest
+from edgecache.http.request_surface import SCHEMA_RULES, ChatCompletionRequest, CompletionRequest
+from edgecache.http.responses_api import (
+    INPUT_ITEMS,
+    AllowedToolChoice,
+    DeletedResponse,
+    FunctionTool,
+    FunctionToolChoice,
+    InputItemList,
+    ResponseCreateRequest,
+    ResponseObject,
+)
 from edgecache.http.warmup_lines import WarmupBatch
 
 _REF = "#/components/schemas/{name}"
@@ -26,12 +37,15 @@ def _ref(struct: type) -> dict[str, str]:
     return {"$ref": _REF.format(name=struct.__name__)}
 
 
-def _errors(*statuses: int, shape: type = ErrorBody) -> dict[str, Any]:
+def _errors(*statuses: int, shape: type = ErrorBody, **described: str) -> dict[str, Any]:
+    """Error responses in ``shape``; ``described`` (``e404="..."``) words one for this route."""
     reasons = {400: "Invalid request (the error's param names the field)", 401: "Missing or unknown API key",
-               403: "Not allowed by the tenant's plan", 404: "Unknown model", 413: "Request too large",
-               429: "Overloaded; see Retry-After", 503: "The model is loading or failed to load"}
-    return {str(s): {"description": reasons[s], "content": {"application/json": {"schema": _ref(shape)}}}
-            for s in statuses}
+               403: "Not allowed by the tenant's plan", 404: "Unknown model, or no such stored response",
+               413: "Request too large",
+               429: "Overloaded; see Retry-After", 503: "The model is loading or failed to load",
+               504: "Cache-Control: only-if-cached (or that policy), and no cached answer; nothing was computed"}
+    return {str(s): {"description": described.get(f"e{s}", reasons[s]),
+                     "content": {"application/json": {"schema": _ref(shape)}}} for s in statuses}
 
 
 def _json_body(struct: type) -> dict[str, Any]:
@@ -47,14 +61,43 @@ def _generation(request: type, answer: type, summary: str, errors: type = ErrorB
                                    "says which layer served it (exact, shared, semantic, miss).",
                     "content": {"application/json": {"schema": _ref(answer)},
                                 "text/event-stream": {"schema": {"type": "string"}}}},
-            **_errors(400, 401, 403, 404, 413, 429, 503, shape=errors)}}}
+            **_errors(400, 401, 403, 404, 413, 429, 503, 504, shape=errors)}}}
+
+
+def _responses_items(components: dict[str, Any]) -> None:
+    """The Responses request decodes ``input`` items and ``tools`` one by one, by their type (so an unsupported one
+    is named); the schema lists the shapes that decoding accepts."""
+    properties = components[ResponseCreateRequest.__name__]["properties"]
+    for choice in properties["input"]["anyOf"]:
+        if choice.get("type") == "array":
+            choice["items"] = {"anyOf": [_ref(item) for item in INPUT_ITEMS]}
+    for choice in properties["tools"]["anyOf"]:
+        if choice.get("type") == "array":
+            choice["items"] = _ref(FunctionTool)
+    properties["tool_choice"]["anyOf"] = [
+        alternative for choice in properties["tool_choice"]["anyOf"]
+        for alternative in ([_ref(FunctionToolChoice), _ref(AllowedToolChoice)] if choice.get("type") == "object"
+                            else [choice])]
+
+
+def _response_id(summary: str, answer: type, *, query: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"summary": summary,
+            "parameters": [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}},
+                           *(query or [])],
+            "responses": {"200": {"description": "OK", "content": {"application/json": {"schema": _ref(answer)}}},
+                          **_errors(401, 404)}}
 
 
 def openapi_document(version: str) -> dict[str, Any]:
     structs = (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ChatCompletion, ChatCompletionChunk,
                TextCompletion, EmbeddingList, ModelList, ModelCard, ErrorBody, WarmupBatch, MessagesRequest,
-               CountTokensRequest, MessageOut, TokenCount, AnthropicError)
+               CountTokensRequest, MessageOut, TokenCount, AnthropicError, ResponseCreateRequest, *INPUT_ITEMS,
+               FunctionTool, FunctionToolChoice, AllowedToolChoice, ResponseObject, DeletedResponse, InputItemList,
+               FeedbackRequest, FeedbackReply)
     _, components = msgspec.json.schema_components(structs, ref_template=_REF)
+    _responses_items(components)
+    for name, rules in SCHEMA_RULES.items():
+        components[name].update(rules)
     plain_json = {"200": {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}}
     return {
         "openapi": "3.1.0",
@@ -63,6 +106,16 @@ def openapi_document(version: str) -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": _generation(ChatCompletionRequest, ChatCompletion, "Chat completion"),
             "/v1/completions": _generation(CompletionRequest, TextCompletion, "Text completion"),
+            "/v1/responses": _generation(ResponseCreateRequest, ResponseObject,
+                                         "Create a response (OpenAI Responses API)"),
+            "/v1/responses/{response_id}": {
+                "get": _response_id("A stored response (another tenant's is a 404)", ResponseObject),
+                "delete": _response_id("Delete a stored response", DeletedResponse)},
+            "/v1/responses/{response_id}/input_items": {"get": _response_id(
+                "A stored response's input items", InputItemList, query=[
+                    {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+                    {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}},
+                    {"name": "after", "in": "query", "schema": {"type": "string"}}])},
             "/v1/messages": _generation(MessagesRequest, MessageOut, "Anthropic Messages (errors in Anthropic's "
                                         "shape; the key may also come as x-api-key)", errors=AnthropicError),
             "/v1/messages/count_tokens": {"post": {
@@ -77,6 +130,14 @@ def openapi_document(version: str) -> dict[str, Any]:
                 "responses": {"200": {"description": "The vectors",
                                       "content": {"application/json": {"schema": _ref(EmbeddingList)}}},
                               **_errors(400, 401, 404, 413, 503)}}},
+            "/v1/feedback": {"post": {
+                "summary": "Mark a response this tenant received right or wrong (a wrong semantic answer is "
+                           "demoted); see docs/api.md",
+                "requestBody": _json_body(FeedbackRequest),
+                "responses": {"200": {"description": "What the mark did",
+                                      "content": {"application/json": {"schema": _ref(FeedbackReply)}}},
+                              **_errors(400, 401, 404, 413, e404="No such response for this API key's tenant "
+                                        "(never sent to it, or older than the last server.feedback_responses)")}}},
             "/v1/models": {"get": {"summary": "The chat model and the embedder", "responses": {
                 "200": {"description": "OK", "content": {"application/json": {"schema": _ref(ModelList)}}}}}},
             "/v1/models/{model_id}": {"get": {
@@ -93,10 +154,14 @@ def openapi_document(version: str) -> dict[str, Any]:
                 **plain_json, **_errors(401)}}},
             "/admin/flush": {"post": {
                 "summary": "Drop cached entries: {tenant}, {scenario}, both, or {all: true}",
-                "requestBody": {"content": {"application/json": {"schema": {
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
                     "type": "object", "additionalProperties": False,
-                    "properties": {"tenant": {"type": "string"}, "scenario": {"type": "string"},
-                                   "all": {"type": "boolean"}}}}}},
+                    "properties": {"tenant": {"type": ["string", "null"]}, "scenario": {"type": ["string", "null"]},
+                                   "all": {"type": "boolean"}},
+                    # The handler's rule: name something to flush (an empty body flushes nothing: a 400).
+                    "anyOf": [{"required": ["tenant"], "properties": {"tenant": {"type": "string"}}},
+                              {"required": ["scenario"], "properties": {"scenario": {"type": "string"}}},
+                              {"required": ["all"], "properties": {"all": {"const": True}}}]}}}},
                 "responses": {**plain_json, **_errors(400, 401, 404, 503)}}},
             "/admin/warmup": {"post": {
                 "summary": "Warm the caches with prompts-file lines", "requestBody": _json_body(WarmupBatch),

@@ -21,7 +21,7 @@ from litestar import Request
 from litestar.response import Stream
 from litestar.types import ASGIApp
 
-from edgecache.call import Call
+from edgecache.call import HITS, Call
 from edgecache.engines.base import Choice, Chunk
 from edgecache.errors import ClientGone, EdgeCacheError, Overloaded
 from edgecache.pipeline import Reply
@@ -117,6 +117,11 @@ class Renderings:
         return len(self._entries)
 
     def render(self, writer: AnswerWriter, answer: CachedAnswer, stream: bool) -> bytes:
+        own = getattr(writer, "render_stored", None)
+        if own is not None:
+            # A writer whose responses differ beyond their id (a Responses hit has its own time and is stored
+            # itself) keeps renderings of its own.
+            return own(answer, stream)  # type: ignore[no-any-return]
         shape = getattr(writer, "replay_shape", None)
         if shape is None:
             return render_answer(writer, answer, stream)
@@ -162,6 +167,11 @@ SSE = b"text/event-stream; charset=utf-8"
 
 def reply_headers(reply: Reply) -> list[tuple[bytes, bytes]]:
     headers = [(b"x-edgecache", reply.served.encode())]
+    if reply.answer is not None:
+        # HTTP's Age: seconds since the answer was made (a stored answer's; one still being made is 0 old).
+        headers.append((b"age", str(max(0, int(time.time() - reply.answer.created_at))).encode()))
+    elif reply.served in HITS:
+        headers.append((b"age", b"0"))
     if reply.ttl_s is not None:
         headers.append((b"x-edgecache-ttl", str(max(0, int(reply.ttl_s))).encode()))
     if reply.similarity is not None:
@@ -178,6 +188,7 @@ async def respond(rt: Runtime, request: Request[Any, Any, Any], call: Call, stre
     except Overloaded:
         rt.metrics.observe_request(call.tenant, call.scenario, "rejected", None)
         raise
+    request.app.state.front.ledger.remember(writer.id, call, reply)  # what served it, for the caller's feedback
     metrics = rt.metrics
     answer = reply.answer
     if answer is not None:

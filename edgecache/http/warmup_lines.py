@@ -38,9 +38,15 @@ class WarmupLine(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("give exactly one of `messages` and `prompt`")
 
 
+#: :meth:`WarmupLine.__post_init__`'s rule in the OpenAPI document: exactly one of ``messages`` and ``prompt``.
+ONE_OF_MESSAGES_OR_PROMPT = {"oneOf": [
+    {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+    {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}}]}
+
+
 class NumberedLine(msgspec.Struct, kw_only=True):
     line: int
-    request: WarmupLine
+    request: Annotated[WarmupLine, Meta(extra_json_schema=ONE_OF_MESSAGES_OR_PROMPT)]
 
 
 class WarmupBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -17,8 +17,9 @@ class SharedFlight(Protocol):
 
     chunks: list[Chunk]
 
-    def follow(self) -> AsyncIterator[Chunk]:
-        """Every chunk from the first, live; raises the flight's error if it fails."""
+    def follow(self, batch_s: float = 0.0) -> AsyncIterator[Chunk]:
+        """Every chunk from the first, live; raises the flight's error if it fails. With ``batch_s``, at most one
+        delivery per ``batch_s``, the text chunks published meanwhile merged into one."""
         ...
 
     def publish(self, chunk: Chunk) -> None: ...

@@ -38,45 +38,79 @@ class Flight:
         self.error: EdgeCacheError | None = None
         self.listeners = 0
         self.task: asyncio.Task[None] | None = None
-        self._changed = asyncio.Event()
+        self._waiters: list[asyncio.Future[None]] = []  # listeners waiting for the next chunk or the end
+        self._batch_waiters: list[asyncio.Future[None]] = []  # listeners holding a batch: woken by the end only
 
     def publish(self, chunk: Chunk) -> None:
         self.chunks.append(chunk)
         if chunk.finish_reason is not None:
             self.answered = True
-        self._wake()
+            self._wake(self._batch_waiters)
+        self._wake(self._waiters)
 
     def finish(self, error: EdgeCacheError | None = None) -> None:
         if self.done:
             return
         self.done = True
         self.error = error
-        self._wake()
+        self._wake(self._batch_waiters)
+        self._wake(self._waiters)
 
-    def _wake(self) -> None:
-        # Each waiter holds the event it saw; setting it and swapping in a new one wakes exactly those waiters.
-        self._changed.set()
-        self._changed = asyncio.Event()
+    @staticmethod
+    def _wake(waiters: list[asyncio.Future[None]]) -> None:
+        # A future per waiting listener, made only when one waits: a chunk nobody waits for costs a look at a list.
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        waiters.clear()
 
-    async def follow(self) -> AsyncIterator[Chunk]:
+    async def follow(self, batch_s: float = 0.0) -> AsyncIterator[Chunk]:
         """Every chunk of the flight from the first, live. Raises the flight's error if it fails.
+
+        With ``batch_s``, the listener takes at most one delivery per ``batch_s``, and the text chunks published
+        since its last delivery come merged into one (the final chunk follows as it is). The first chunk, and
+        the rest once the answer is complete, go at once. A client then gets the same text in fewer frames when
+        an engine produces tokens faster than every ``batch_s``, and each listener's work (its wake-up, its
+        frame, its write) is paid per delivery instead of per token.
 
         Use inside ``contextlib.aclosing`` so that leaving early releases the listener at once.
         """
         self.listeners += 1
+        loop = asyncio.get_running_loop()
         try:
             sent = 0
+            ready_at = 0.0  # batch_s after the last delivery
             while True:
                 if sent < len(self.chunks):
-                    chunk = self.chunks[sent]
-                    sent += 1
-                    yield chunk
+                    if not batch_s:
+                        chunk = self.chunks[sent]
+                        sent += 1
+                        yield chunk
+                        continue
+                    if not (self.answered or self.done) and (wait := ready_at - loop.time()) > 0:
+                        # More may come meanwhile; the answer completing ends the wait.
+                        held = loop.create_future()
+                        self._batch_waiters.append(held)
+                        timer = loop.call_later(wait, _resolve, held)
+                        try:
+                            await held
+                        finally:
+                            timer.cancel()
+                            if held in self._batch_waiters:  # the timer ended it: the end did not clear it
+                                self._batch_waiters.remove(held)
+                    chunks = self.chunks[sent:]
+                    sent += len(chunks)
+                    ready_at = loop.time() + batch_s
+                    for chunk in _merged(chunks):
+                        yield chunk
                     continue
                 if self.done:
                     if self.error is not None:
                         raise self.error
                     return
-                await self._changed.wait()
+                waiter = loop.create_future()
+                self._waiters.append(waiter)
+                await waiter
         finally:
             self.listeners -= 1
             if self.listeners == 0 and not self.answered and not self.done and self.task is not None:
@@ -85,6 +119,30 @@ class Flight:
                 # chunk is out the answer is whole: a listener that leaves then (every streaming client does, on
                 # the last frame) must not cancel the producer while it winds the engine down and stores it.
                 self.task.cancel()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _merged(chunks: list[Chunk]) -> list[Chunk]:
+    """Consecutive text chunks as one; a chunk that finishes the answer stays as it is."""
+    if len(chunks) == 1:
+        return chunks
+    out: list[Chunk] = []
+    texts: list[str] = []
+    for chunk in chunks:
+        if chunk.finish_reason is None and chunk.choices is None:
+            texts.append(chunk.text)
+            continue
+        if texts:
+            out.append(Chunk(text="".join(texts)))
+            texts = []
+        out.append(chunk)
+    if texts:
+        out.append(Chunk(text="".join(texts)))
+    return out
 
 
 Producer = Callable[[Flight], Awaitable[None]]

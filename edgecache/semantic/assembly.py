@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from edgecache.call import Call
 from edgecache.errors import EdgeCacheError, NotReady
 from edgecache.health import STORAGE_ERRORS, Health, StorageFaults
 from edgecache.semantic.cache import SemanticCache
@@ -175,14 +174,14 @@ class SemanticLayer:
         if taught:
             log.info("the semantic learner starts from %d labels of the decision log", taught)
 
-    def learn(self, call: Call, lookup: Lookup, answer_key: str, good: bool | None) -> None:
-        """A label of one of this node's decisions (None: could not tell): taught to the learner, and to the
-        fleet's."""
+    def learn(self, tenant: str, scenario: str, lookup: Lookup, answer_key: str | None, good: bool | None) -> None:
+        """A label of one of this node's decisions (None: could not tell; ``answer_key``: where the fresh answer
+        it was compared with is stored, None for a caller's mark): taught to the learner, and to the fleet's."""
         if self.cache is not None:
-            self.cache.learn(call.tenant, call.scenario, lookup, good, answer_key)
+            self.cache.learn(tenant, scenario, lookup, good, answer_key)
         feed = self._fleet.labels if self._fleet is not None else None
         if feed is not None and lookup.learned is not None and lookup.candidate is not None:
-            feed.publish(call.tenant, call.scenario, lookup.candidate.store_key, lookup.candidate.similarity, good,
+            feed.publish(tenant, scenario, lookup.candidate.store_key, lookup.candidate.similarity, good,
                          answer_key)
 
     def _apply_shared_label(self, label: SharedLabel) -> None:

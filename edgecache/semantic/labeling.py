@@ -1,7 +1,7 @@
 """Labels: whether a cached answer serves a query, told by comparing it with the answer the engine computed fresh.
 
 A :class:`Labeler` compares two answer texts for one request and says True (the cached answer serves), False
-(it does not) or None (it cannot tell). Two ship:
+(it does not) or None (it cannot tell). Three ship:
 
 - :class:`EqualityLabeler`: for greedy (temperature-0) requests, the same text up to whitespace is the same answer.
   A different text is not called wrong by it (a paraphrase can reword a correct answer); it says None and leaves
@@ -14,13 +14,9 @@ A :class:`Labeler` compares two answer texts for one request and says True (the 
   rewrite get answers whose cosine has a median of 0.71, unrelated queries' answers a median of 0.15 (at most 0.60);
   calling everything under 0.95 wrong would have labelled 97 % of true paraphrases as false hits. Below 0.3: 13 % of
   the paraphrases and 83 % of the unrelated pairs.
-
-- :class:`ModelJudgeLabeler` (``semantic.label_judge``, on in the GPU profiles): the served model itself, asked for
-  one token, whether the cached answer answers the question as the fresh one does. Its instructions come first and
-  are the same for every label, so the engine's prefix cache holds them and a label costs the question and the two
-  answers' prefill (each answer cut to ``max_answer_chars``) and one decoded token. It asks only while the engine has
-  a free slot and nothing queued (``may_run``), so it never delays a request; otherwise it cannot tell. A small model
-  judges poorly (the shipped CPU model: ``scripts/measure_answer_labels.py --judge``), hence off on the cpu profile.
+- :class:`~edgecache.semantic.judge.ModelJudgeLabeler` (``semantic.label_judge``): the served model itself, asked
+  for one token, whether the cached answer answers the question as the fresh one does; used only where the served
+  model can judge and once it has passed its check at start (:mod:`edgecache.semantic.judge`).
 
 :class:`FirstVerdict` chains them: equality first, then the judge (when on), then embeddings.
 
@@ -38,15 +34,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
-import msgspec
 import numpy as np
 
 from edgecache.call import Call
 from edgecache.semantic.decision_log import DecisionLog
-from edgecache.engines.base import Chunk, GenerationRequest, Message, SamplingParams
+from edgecache.engines.base import GenerationRequest
 from edgecache.semantic.lookup import Lookup
 from edgecache.stores import ResultStore
 
@@ -102,53 +97,6 @@ class AnswerEmbeddingLabeler:
         if cosine >= self.bar:
             return True
         return False if cosine < self.floor else None
-
-
-JUDGE_INSTRUCTIONS = (
-    "You check a cache. A user asked a question; answer A was written earlier for a similar question, answer B was "
-    "written for this one. Reply with one word: yes if answer A answers the user's question as correctly and "
-    "specifically as answer B does, no if it does not (a different amount, place, person, product, step or "
-    "meaning is no).")
-
-
-class ModelJudgeLabeler:
-    """The served model's one-token judgement: does the cached answer serve the question as the fresh one does?
-
-    ``generate`` runs one engine call (the runtime's: inside an admission slot); ``may_run`` says whether the engine
-    can take it now without delaying a request. Answers and question are cut to ``max_answer_chars`` each, so a
-    label's prompt is bounded whatever the answers' size."""
-
-    name = "model-judge"
-
-    def __init__(self, generate: Callable[[GenerationRequest], AsyncIterator[Chunk]], *,
-                 may_run: Callable[[], bool] = lambda: True, max_answer_chars: int = 1500) -> None:
-        self.generate = generate
-        self.may_run = may_run
-        self.max_answer_chars = max_answer_chars
-        self.asked = 0
-
-    def prompt(self, question: str, cached: str, fresh: str) -> GenerationRequest:
-        cut = self.max_answer_chars
-        body = (f"Question: {question[:cut]}\n\nAnswer A:\n{cached[:cut]}\n\nAnswer B:\n{fresh[:cut]}\n\n"
-                "Does answer A answer the question as answer B does? Reply yes or no.")
-        return GenerationRequest(messages=(Message(role="system", content=JUDGE_INSTRUCTIONS),
-                                           Message(role="user", content=body)),
-                                 params=SamplingParams(temperature=0.0, max_tokens=1))
-
-    async def label(self, cached: str, fresh: str, request: GenerationRequest) -> bool | None:
-        users = [m.content for m in request.messages or () if m.role == "user"]
-        if not users or not cached.strip() or not fresh.strip() or not self.may_run():
-            return None
-        # The tenant's salt: the judge's prompt holds the tenant's text, and its prefix must stay the tenant's.
-        judged = msgspec.structs.replace(self.prompt(users[-1], cached, fresh), salt=request.salt)
-        self.asked += 1
-        text = ""
-        async for chunk in self.generate(judged):
-            text += chunk.text
-        word = text.strip().lower()
-        if word.startswith("yes"):
-            return True
-        return False if word.startswith("no") else None
 
 
 class FirstVerdict:

@@ -11,7 +11,14 @@ read here; no other module writes or parses one by hand.
 ``veto:<rule>``        the same, found by the verifier's rules
 ``explore``            the learner refused a candidate it would serve, to label it against the engine's answer
 ``learner:<reason>``   the learner refused it (``<reason>`` is its :data:`~edgecache.semantic.learner.Reason`)
+``marked_wrong``       the caller marked this candidate's answer wrong for this very request (``POST
+                       /v1/feedback``; :mod:`edgecache.semantic.marks`)
 =====================  ======================================================================================
+
+Refused **for want of labels** (:func:`for_want_of_labels`, counted on ``/stats``): the learner's estimate would
+serve the candidate but its bound is too wide, so it explored it (``explore``: refused to get a label; an audit of
+a confident serve is one too: about 2 % of them) or, its exploration budget spent, missed it
+(``learner:unsure``). More labels (a model judge, the callers' feedback) turn these into hits.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 BELOW_THRESHOLD = "below_threshold"
 BELOW_CUT = "below_cut"
 EXPLORE = "explore"
+MARKED_WRONG = "marked_wrong"
 
 _GUARD = "guard:"
 _VETO = "veto:"
@@ -49,3 +57,11 @@ def is_rule(refusal: str | None) -> bool:
 def guard_rule(refusal: str | None) -> str | None:
     """The guard's rule of a ``guard:<rule>`` refusal, else None."""
     return refusal[len(_GUARD):] if refusal is not None and refusal.startswith(_GUARD) else None
+
+
+def for_want_of_labels(refusal: str | None) -> bool:
+    """The learner refused the candidate because it has too few labels to be sure of it (see the module)."""
+    return refusal in _WANT_OF_LABELS
+
+
+_WANT_OF_LABELS = frozenset({EXPLORE, _LEARNER + "unsure"})

@@ -232,6 +232,12 @@ class DiskResultStore:
         on_disk = await self._on_disk(self._reader, "reads answered as misses", [False] * len(keys), False, read)
         return [self._memory.holds(key, now) or hit for key, hit in zip(keys, on_disk)]
 
+    async def delete(self, key: str) -> bool:
+        """Drop one answer, from memory and disk; True when the disk held it (False too when the disk failed:
+        counted as a fault)."""
+        self._memory.pop(key)
+        return await self._on_disk(self._writer, "delete skipped", False, True, lambda disk: bool(disk.delete(key)))
+
     async def clear(self, tag: str | None = None) -> int:
         """Drop every entry, or those stored with ``tag`` (a scenario). Returns how many went from disk."""
         self._memory.forget()

@@ -87,6 +87,10 @@ class MemoryTier:
     def put(self, key: str, answer: CachedAnswer, size: int) -> None:
         self._lru.put(key, answer, size)
 
+    def pop(self, key: str) -> None:
+        """Drop the copy of one answer (the backend drops its own)."""
+        self._lru.pop(key)
+
     def replay_reads(self) -> None:
         """Hand the noted reads to the backend now (before a write, at close); kept when it cannot take them."""
         if self._unsynced_reads and self._replay(self._unsynced_reads):

@@ -79,6 +79,13 @@ if value then redis.call('ZADD', KEYS[2], 'XX', ARGV[1], KEYS[1]) end
 return value
 """
 
+# KEYS: entry, lru zset, sizes hash, tags hash, byte counter. ARGV: tag-set prefix.
+_DELETE = """
+local dropped = redis.call('DEL', KEYS[1])
+forget(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1])
+return dropped
+"""
+
 # KEYS: lru zset, sizes hash, tags hash, byte counter. ARGV: tag ("" for every entry), tag-set prefix.
 _CLEAR = """
 local members
@@ -120,6 +127,7 @@ class RedisScripts:
         self.put = link.client.register_script(_FORGET + _PUT)
         self.get = link.client.register_script(_GET)
         self.clear = link.client.register_script(_FORGET + _CLEAR)
+        self.delete = link.client.register_script(_FORGET + _DELETE)
         self.prune = link.client.register_script(_FORGET + _PRUNE)
 
 
@@ -223,6 +231,20 @@ class RedisResultStore:
 
     async def contains_many(self, keys: Sequence[str]) -> list[bool]:
         return [await self.get(key) is not None for key in keys]
+
+    async def delete(self, key: str) -> bool:
+        """Drop one answer from Redis and this node's memory tier (another node's memory copy lives on until it
+        ages out of that tier's LRU); False when Redis is away."""
+        self._memory.pop(key)
+        if not self._link.up:
+            return False
+        try:
+            dropped = await self._link.run(self._scripts.delete(
+                keys=[self.entry_key(key), self._lru, self._sizes, self._tags, self._bytes],
+                args=[self._tag_prefix]))
+        except LinkDown:
+            return False
+        return bool(dropped)
 
     async def clear(self, tag: str | None = None) -> int:
         self._memory.forget()
