@@ -109,6 +109,26 @@ def confusable_stream(n: int, seed: int) -> tuple[eval_semantic.Stream, np.ndarr
     return eval_semantic.Stream([f"text {i}" for i in range(n)], group, set(), "confusable"), sim
 
 
+def test_the_default_profiles_decision_holds_its_target_where_its_threshold_does_not() -> None:
+    from edgecache.semantic.assembly import learner_for
+    from edgecache.semantic.embedders import DEFAULT_THRESHOLDS
+    from edgecache.settings import resolve_settings
+
+    settings = resolve_settings("cpu", {}, environ={})
+    assert settings.semantic.decision == "learner"
+    scenario = "support"
+    target = settings.scenarios[scenario].target_false_hit_rate
+    threshold = DEFAULT_THRESHOLDS["use-multilingual-v3-0.2.1"][scenario]
+    stream, sim = confusable_stream(2000, seed=1)
+    static = eval_semantic.run_stream(stream, sim, lambda i, j, s: "serve" if s >= threshold else "miss")
+    assert static.false_hit_rate > 5 * target  # the threshold serves wrong answers here
+    learner = learner_for(settings)
+    assert learner is not None
+    learned, _ = eval_semantic.learner_stream(stream, sim, scenario=scenario, target=target, shipped=threshold,
+                                              learner=learner)
+    assert learned.false_hit_rate <= target and learned.hits > 0.25 * static.hits
+
+
 def test_the_storage_rule_stores_a_refused_lookup_only_when_its_candidate_was_wrong() -> None:
     stream, sim = synthetic_stream(600, seed=2)
     every, _ = eval_semantic.learner_stream(stream, sim, scenario="support", target=0.01, shipped=0.85, seed=0)
