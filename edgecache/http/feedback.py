@@ -47,11 +47,9 @@ from edgecache.pipeline import Reply
 from edgecache.runtime import Runtime
 from edgecache.semantic.learner import Decision
 from edgecache.semantic.lookup import Lookup, SemanticHit
+from edgecache.semantic.marks import FEEDBACK_LABELER
 
 log = logging.getLogger("edgecache")
-
-#: The labeler name a mark's label is recorded under in the decision log.
-FEEDBACK_LABELER = "feedback"
 
 Effect = Literal["demoted", "labelled", "recorded", "already_marked"]
 
