@@ -84,7 +84,7 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         ByteSize(1_000_000)
     max_messages: Annotated[int, Meta(ge=1), _help("Most messages one chat request may carry.")] = 256
     feedback_responses: Annotated[int, Meta(ge=1), _help(
-        "How many of the latest responses POST /v1/feedback can mark (about 200 bytes each, kept across a clean "
+        "How many of the latest responses POST /v1/feedback can mark (about 300 bytes each, kept across a clean "
         "restart); also the most requests whose wrongly served semantic answer stays refused.")] = 65_536
     log_level: Annotated[Literal["debug", "info", "warning", "error"], _help("Server log level.")] = "info"
     max_header_bytes: Annotated[ByteSize, _help(

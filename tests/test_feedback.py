@@ -191,3 +191,20 @@ def test_the_hourly_label_count_forgets_what_is_older_than_an_hour() -> None:
     assert count.last_hour() == 2
     now[0] = 5500.0
     assert count.last_hour() == 0 and count.total == 3 and count.per_hour() == 3 * 3600 / 5500
+
+
+def test_tune_leaves_the_callers_marks_out(tmp_path: Path) -> None:
+    # A caller marks what it noticed (mostly wrong answers), not a sample of the hits: weighted as one, a single
+    # mark would stand for every hit.
+    from edgecache.semantic.decision_log import DecisionLog
+    from edgecache.semantic.tuning import join
+
+    log = DecisionLog(tmp_path, max_bytes=1 << 20)
+    hit = log.decided("t", "s", "q1", "hit", store_key="k", vector_key=1, similarity=0.9)
+    refused = log.decided("t", "s", "q2", "refused", reason="below_threshold", store_key="k", vector_key=1,
+                          similarity=0.8)
+    log.labelled(hit, False, "feedback")
+    log.labelled(refused, False, "answer-embedding")
+    log.close()
+    group = join(read_records(tmp_path), pooled=False)[("t", "s")]
+    assert [(s.similarity, s.good) for s in group.labelled] == [(0.8, False)]
