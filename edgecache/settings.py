@@ -84,7 +84,7 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         ByteSize(1_000_000)
     max_messages: Annotated[int, Meta(ge=1), _help("Most messages one chat request may carry.")] = 256
     feedback_responses: Annotated[int, Meta(ge=1), _help(
-        "How many of the latest responses POST /v1/feedback can mark (about 200 bytes each, kept across a clean "
+        "How many of the latest responses POST /v1/feedback can mark (about 300 bytes each, kept across a clean "
         "restart); also the most requests whose wrongly served semantic answer stays refused.")] = 65_536
     log_level: Annotated[Literal["debug", "info", "warning", "error"], _help("Server log level.")] = "info"
     max_header_bytes: Annotated[ByteSize, _help(
@@ -216,11 +216,14 @@ class SemanticSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     gpu_mem_limit: Annotated[ByteSize | None, _help(
         "GPU memory the ONNX embedder may take on cuda (onnxruntime's gpu_mem_limit).")] = None
     decision: Annotated[Literal["threshold", "verifier", "learner"], _help(
-        "How a semantic candidate is accepted: threshold (its cosine reaches the scenario's threshold, else the "
-        "value calibrated for the embedder, and the guard finds no difference), verifier (a calibrated score over "
-        "the nearest candidates meets the scenario's target_false_hit_rate; fitted for use-multilingual only) or "
-        "learner (learns from this box's own labels when the nearest candidate serves, within the scenario's "
-        "target_false_hit_rate, exploring where unsure; the threshold is its prior).")] = "threshold"
+        "How a semantic candidate is accepted: learner (the default: serves the nearest candidate only while the "
+        "expected wrong answers stay within the scenario's target_false_hit_rate of its lookups; its prior is the "
+        "verifier's calibrated probability where the verifier fits the embedder, else a flat one around the "
+        "threshold, and this box's labels move it; explores where unsure), verifier (a calibrated score over the "
+        "nearest candidates meets the target; fitted for use-multilingual only; measured over its target on "
+        "unseen sets) or threshold (an explicit opt-in: the cosine reaches the scenario's threshold, else the "
+        "value calibrated for the embedder, and the guard finds no difference; it holds no target: README's "
+        "'Semantic reuse' has the false hits it served on unseen traffic).")] = "learner"
     candidates: Annotated[int, Meta(ge=1, le=16), _help(
         "Nearest stored prompts the verifier scores per lookup; the best-scored one over the cut serves.")] = 3
     verifier_params: Annotated[str | None, _help(

@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from edgecache.bench import relay
-from edgecache.bench.harness import free_port, percentile, start_server, wait_ready
+from edgecache.bench.harness import cpu_seconds, free_port, percentile, start_server, wait_ready
 
 MODEL = "SmolLM2-135M-Instruct"
 HIT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
@@ -86,12 +86,6 @@ def bare_app():  # the baseline: nothing but litestar, uvicorn, uvloop and httpt
         return Response(content=body, media_type="application/json", headers={"X-EdgeCache": "exact"})
 
     return Litestar([constant], openapi_config=None)
-
-
-def cpu_seconds(pid: int) -> float:
-    """The CPU time (user + system) process ``pid`` has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run_wrk(url: str, body: dict, duration: int, connections: int, workdir: Path,
@@ -178,17 +172,31 @@ def bench_relay(duration: int, rounds: int, tokens: int, work: Path) -> dict[str
             text = relay.sample_text(asyncio.run(relay.drive(port, 1, 0.5, 32)).sample)
             assert text == relay.TokenEngine.token * 32, (name, text[:200])
         out: dict[str, dict[str, float]] = {}
+        pids = {"bare": [procs[0].pid], "inprocess": [procs[1].pid], "upstream": [procs[2].pid]}
         for n in RELAY_STREAMS:
-            seen: dict[str, list[float]] = {name: [] for name in ports}
+            rate: dict[str, list[float]] = {name: [] for name in ports}
+            per_cpu: dict[str, list[float]] = {name: [] for name in ports}  # tokens per CPU-second of the server
             for _ in range(rounds):
                 for name, port in ports.items():
-                    seen[name].append(asyncio.run(relay.drive(port, n, duration, tokens)).tokens_per_s)
-            med = {name: statistics.median(values) for name, values in seen.items()}
+                    before = [cpu_seconds(pid) for pid in pids[name]]
+                    tally = asyncio.run(relay.drive(port, n, duration, tokens))
+                    used = sum(cpu_seconds(pid) - b for pid, b in zip(pids[name], before))
+                    rate[name].append(tally.tokens_per_s)
+                    per_cpu[name].append(tally.tokens / used if used else 0.0)
+            med = {name: statistics.median(values) for name, values in rate.items()}
+            cpu = {name: statistics.median(values) for name, values in per_cpu.items()}
             out[str(n)] = {"bare_tokens_per_s": round(med["bare"]),
                            "inprocess_tokens_per_s": round(med["inprocess"]),
                            "upstream_tokens_per_s": round(med["upstream"]),
                            "inprocess_over_bare": round(med["inprocess"] / med["bare"], 3),
-                           "upstream_over_bare": round(med["upstream"] / med["bare"], 3)}
+                           "upstream_over_bare": round(med["upstream"] / med["bare"], 3),
+                           # tokens per CPU-second of the serving process: bare, EdgeCache with the double in
+                           # process, and EdgeCache relaying --upstream (its own process, not the upstream's)
+                           "bare_tokens_per_cpu_s": round(cpu["bare"]),
+                           "inprocess_tokens_per_cpu_s": round(cpu["inprocess"]),
+                           "upstream_relay_tokens_per_cpu_s": round(cpu["upstream"]),
+                           "inprocess_over_bare_cpu": round(cpu["inprocess"] / cpu["bare"], 3),
+                           "upstream_over_bare_cpu": round(cpu["upstream"] / cpu["bare"], 3)}
         return out
     finally:
         for p in procs:
@@ -198,16 +206,23 @@ def bench_relay(duration: int, rounds: int, tokens: int, work: Path) -> dict[str
 
 
 def print_relay(figures: dict[str, dict[str, float]], tokens: int) -> None:
-    print(f"\ntoken path: N streamed misses of {tokens} tokens each from an engine double (tokens/s, median round)")
-    print(f"{'N':>4}{'bare':>12}{'in process':>12}{'ratio':>8}{'--upstream':>12}{'ratio':>8}")
+    print(f"\ntoken path: N streamed misses of {tokens} tokens each from an engine double (median round); "
+          f"tokens/s, and tokens per CPU-second of the serving process")
+    print(f"{'N':>4}{'bare':>10}{'in process':>12}{'ratio':>8}{'--upstream':>12}{'ratio':>8}"
+          f"{'bare/cpu':>10}{'in proc/cpu':>13}{'ratio':>8}{'relay/cpu':>11}{'ratio':>8}")
     for n, f in figures.items():
-        print(f"{n:>4}{f['bare_tokens_per_s']:>12}{f['inprocess_tokens_per_s']:>12}{f['inprocess_over_bare']:>8}"
-              f"{f['upstream_tokens_per_s']:>12}{f['upstream_over_bare']:>8}")
+        print(f"{n:>4}{f['bare_tokens_per_s']:>10}{f['inprocess_tokens_per_s']:>12}{f['inprocess_over_bare']:>8}"
+              f"{f['upstream_tokens_per_s']:>12}{f['upstream_over_bare']:>8}{f['bare_tokens_per_cpu_s']:>10}"
+              f"{f['inprocess_tokens_per_cpu_s']:>13}{f['inprocess_over_bare_cpu']:>8}"
+              f"{f['upstream_relay_tokens_per_cpu_s']:>11}{f['upstream_over_bare_cpu']:>8}")
 
 
-def relay_over_bare(figures: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+def relay_over_bare(figures: dict[str, dict[str, float]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Through EdgeCache over bare at each N: by tokens/s, and by tokens per CPU-second of the serving process."""
     return {"inprocess": {n: f["inprocess_over_bare"] for n, f in figures.items()},
-            "upstream": {n: f["upstream_over_bare"] for n, f in figures.items()}}
+            "upstream": {n: f["upstream_over_bare"] for n, f in figures.items()},
+            "inprocess_cpu": {n: f["inprocess_over_bare_cpu"] for n, f in figures.items()},
+            "upstream_cpu": {n: f["upstream_over_bare_cpu"] for n, f in figures.items()}}
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """``POST /v1/feedback`` over HTTP: a wrong mark on a semantic hit is a label and stops that answer being served for
 that request (after a restart too); a mark cannot cross tenants; an unknown id is a 404; a mark on the engine's own
-answer is only counted. The real embedder and index, in-process with a scripted engine."""
+answer is only counted. The real embedder and index, in-process with a scripted engine; the threshold rule where a
+test needs a paraphrase served at first sight (an untaught learner serves nothing), the learner where it learns."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ async def mark(c: httpx.AsyncClient, response_id: str, correct: bool,
 
 async def test_a_wrong_mark_on_a_semantic_hit_is_a_label_and_the_answer_is_no_longer_served_for_that_request(
         make_settings: Any) -> None:
-    settings = make_settings(semantic__enabled=True)
+    settings = make_settings(semantic__enabled=True, semantic__decision="threshold")
     engine = FakeEngine()
     async with serve_in_process(create_app(settings, engine=engine)) as c:
         rt = c.app.state.runtime  # type: ignore[attr-defined]
@@ -70,7 +71,7 @@ async def test_a_wrong_mark_on_a_semantic_hit_is_a_label_and_the_answer_is_no_lo
 
 
 async def test_the_demotion_and_the_response_ids_survive_a_restart(make_settings: Any) -> None:
-    settings = make_settings(semantic__enabled=True)
+    settings = make_settings(semantic__enabled=True, semantic__decision="threshold")
     async with serve_in_process(create_app(settings, engine=FakeEngine())) as c:
         await ask(c, ORIGINAL)
         served, _, hit_id = await ask(c, PARAPHRASE)
@@ -84,7 +85,7 @@ async def test_the_demotion_and_the_response_ids_survive_a_restart(make_settings
 
 
 async def test_a_mark_on_the_repeat_of_a_semantic_hit_is_a_mark_of_that_hit(make_settings: Any) -> None:
-    settings = make_settings(semantic__enabled=True)
+    settings = make_settings(semantic__enabled=True, semantic__decision="threshold")
     async with serve_in_process(create_app(settings, engine=FakeEngine())) as c:
         await ask(c, ORIGINAL)
         assert (await ask(c, PARAPHRASE))[0] == "semantic"
@@ -97,7 +98,7 @@ async def test_a_mark_on_the_repeat_of_a_semantic_hit_is_a_mark_of_that_hit(make
 
 
 async def test_a_mark_on_the_engines_own_answer_is_counted_and_drops_nothing(make_settings: Any) -> None:
-    settings = make_settings(semantic__enabled=True)
+    settings = make_settings(semantic__enabled=True, semantic__decision="threshold")
     async with serve_in_process(create_app(settings, engine=FakeEngine())) as c:
         served, _, miss_id = await ask(c, ORIGINAL)
         assert served == "miss"
@@ -114,7 +115,7 @@ async def test_a_mark_on_the_engines_own_answer_is_counted_and_drops_nothing(mak
 
 async def test_feedback_cannot_cross_tenants_and_an_unknown_id_is_a_404(make_settings: Any, tmp_path: Path) -> None:
     tenants = write_tenants_file(tmp_path / "tenants.toml")
-    settings = make_settings(semantic__enabled=True, tenants_file=str(tenants))
+    settings = make_settings(semantic__enabled=True, semantic__decision="threshold", tenants_file=str(tenants))
     async with serve_in_process(create_app(settings, engine=FakeEngine())) as c:
         await ask(c, ORIGINAL, auth("t01"))
         served, _, hit_id = await ask(c, PARAPHRASE, auth("t01"))
@@ -191,3 +192,20 @@ def test_the_hourly_label_count_forgets_what_is_older_than_an_hour() -> None:
     assert count.last_hour() == 2
     now[0] = 5500.0
     assert count.last_hour() == 0 and count.total == 3 and count.per_hour() == 3 * 3600 / 5500
+
+
+def test_tune_leaves_the_callers_marks_out(tmp_path: Path) -> None:
+    # A caller marks what it noticed (mostly wrong answers), not a sample of the hits: weighted as one, a single
+    # mark would stand for every hit.
+    from edgecache.semantic.decision_log import DecisionLog
+    from edgecache.semantic.tuning import join
+
+    log = DecisionLog(tmp_path, max_bytes=1 << 20)
+    hit = log.decided("t", "s", "q1", "hit", store_key="k", vector_key=1, similarity=0.9)
+    refused = log.decided("t", "s", "q2", "refused", reason="below_threshold", store_key="k", vector_key=1,
+                          similarity=0.8)
+    log.labelled(hit, False, "feedback")
+    log.labelled(refused, False, "answer-embedding")
+    log.close()
+    group = join(read_records(tmp_path), pooled=False)[("t", "s")]
+    assert [(s.similarity, s.good) for s in group.labelled] == [(0.8, False)]

@@ -224,7 +224,9 @@ async def test_a_leader_failing_mid_stream_fails_every_follower_and_stores_nothi
 async def test_a_paraphrase_stored_on_one_node_is_a_semantic_hit_on_another(
         make_settings: Any, tmp_path: Path, redis_url: str) -> None:
     engines = [FakeEngine(), FakeEngine()]
-    async with fleet(make_settings, tmp_path, redis_url, engines, semantic__enabled=True) as (a, b):
+    # The threshold rule (opt-in) serves a paraphrase at first sight: this test is about the shared vectors.
+    async with fleet(make_settings, tmp_path, redis_url, engines, semantic__enabled=True,
+                     semantic__decision="threshold") as (a, b):
         first = await ask(a, "How do I reset my password?")
         assert served(first) == "miss"
         feed = b.app.state.runtime.fleet.vectors  # type: ignore[attr-defined]
@@ -235,7 +237,7 @@ async def test_a_paraphrase_stored_on_one_node_is_a_semantic_hit_on_another(
         assert sum(e.calls for e in engines) == 1
         # A restarted node replays the stream from where it stopped: a third node starting now catches up too.
         async with fleet(make_settings, tmp_path / "late", redis_url, [FakeEngine()],
-                         semantic__enabled=True) as (c,):
+                         semantic__enabled=True, semantic__decision="threshold") as (c,):
             late_feed = c.app.state.runtime.fleet.vectors  # type: ignore[attr-defined]
             await until(lambda: late_feed.applied >= 1)
             assert served(await ask(c, "how do I reset my password?")) == "semantic"
@@ -246,7 +248,8 @@ async def test_a_warmup_on_one_node_makes_a_paraphrase_a_semantic_hit_on_another
     # A warmup indexes its vectors in batches (SemanticIndex.add_many): those must reach the fleet like a miss's
     # single addition does. They once stayed on the warming node: SharedIndex shared only ``add``.
     engines = [FakeEngine(), FakeEngine()]
-    async with fleet(make_settings, tmp_path, redis_url, engines, semantic__enabled=True) as (a, b):
+    async with fleet(make_settings, tmp_path, redis_url, engines, semantic__enabled=True,
+                     semantic__decision="threshold") as (a, b):
         lines = [{"line": 1, "request": {"messages": [{"role": "user", "content": "How do I reset my password?"}],
                                          "max_tokens": 16, "answer": "Use the 'Forgot password' link."}},
                  {"line": 2, "request": {"messages": [{"role": "user", "content": "Where is my parcel?"}],

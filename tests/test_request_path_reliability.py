@@ -37,7 +37,9 @@ async def test_a_client_that_has_its_answer_finds_it_in_every_layer(make_setting
     answer) before the answer's vector was indexed, so a paraphrase sent at once missed the index. Slowing the
     index add shows it: the paraphrase must still be a semantic hit."""
     engine = FakeEngine()
-    async with serve_in_process(create_app(make_settings(semantic__enabled=True), engine=engine)) as c:
+    # The threshold rule (opt-in) serves a paraphrase at first sight; the default learner would need labels first.
+    settings = make_settings(semantic__enabled=True, semantic__decision="threshold")
+    async with serve_in_process(create_app(settings, engine=engine)) as c:
         semantic = c.app.state.runtime.semantic  # type: ignore[attr-defined]
         remember = semantic.remember
 
@@ -119,7 +121,8 @@ async def test_a_burst_of_identical_requests_embeds_once_and_computes_once(make_
 
 async def test_a_burst_of_paraphrases_is_one_semantic_hit_written_once(make_settings: Any) -> None:
     engine = FakeEngine()
-    async with serve_in_process(create_app(make_settings(semantic__enabled=True), engine=engine)) as c:
+    settings = make_settings(semantic__enabled=True, semantic__decision="threshold")  # a hit at first sight
+    async with serve_in_process(create_app(settings, engine=engine)) as c:
         await c.post("/v1/chat/completions", json=chat_body(PARAPHRASES[0]))
         rt = c.app.state.runtime  # type: ignore[attr-defined]
         store = rt.stores("default")

@@ -5,6 +5,7 @@ tests/test_responses_e2e.py."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -433,3 +434,27 @@ async def test_feedback_finds_a_responses_id(client: httpx.AsyncClient) -> None:
     marked = await client.post("/v1/feedback", json={"response_id": made["id"], "correct": True})
     assert marked.status_code == 200 and marked.json()["effect"] == "recorded"
     assert (await client.post("/v1/feedback", json={"response_id": "resp_never", "correct": True})).status_code == 404
+
+
+async def test_stored_responses_live_in_the_data_dir_until_their_ttl(make_settings: Callable[..., Settings]) -> None:
+    settings = make_settings(store__responses_ttl_s=1.0)
+    async with serve_in_process(create_app(settings, engine=FakeEngine())) as c:
+        made = (await c.post("/v1/responses", json={"model": MODEL, "input": "Keep me.", "temperature": 0})).json()
+    async with serve_in_process(create_app(settings, engine=FakeEngine())) as c:  # a restart: read from disk
+        got = await c.get(f"/v1/responses/{made['id']}")
+        assert got.status_code == 200 and got.json() == made
+        await asyncio.sleep(1.2)
+        assert (await c.get(f"/v1/responses/{made['id']}")).status_code == 404
+
+
+async def test_a_store_that_cannot_write_still_answers_and_says_why_it_cannot_read(
+        make_settings: Callable[..., Settings]) -> None:
+    settings = make_settings()
+    settings.data_path.mkdir(parents=True, exist_ok=True)
+    (settings.data_path / "responses").write_text("a file where the store's folder goes")
+    async with serve_in_process(create_app(settings, engine=FakeEngine())) as c:
+        made = await c.post("/v1/responses", json={"model": MODEL, "input": "Unkept.", "temperature": 0})
+        assert made.status_code == 200 and made.json()["output"][0]["content"][0]["text"] == "answer to: Unkept."
+        await c.app.state.front.responses.store.flushed()  # type: ignore[attr-defined]
+        got = await c.get(f"/v1/responses/{made.json()['id']}")
+        assert got.status_code == 503 and got.json()["error"]["type"] == "storage_unavailable"

@@ -177,6 +177,33 @@ AGREED: list[tuple[str, dict[str, Any], bool]] = [
     ("/v1/chat/completions", {**CHAT_BODY, "function_call": "auto"}, False),
     ("/v1/chat/completions", {**CHAT_BODY, "functions": [{"name": "f"}]}, False),
     ("/v1/chat/completions", {**CHAT_BODY, "audio": {"voice": "alloy"}}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "user"}]}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "user", "content": None}]}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "tool", "content": "42"}]}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "tool", "content": "42", "tool_call_id": ""}]},
+     False),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [
+        {"role": "user", "content": "hi", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "user", "content": "hi", "reasoning": "r"}]}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.invalid/a.png"}}]}]},
+     False),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [
+        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": None}]}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "custom", "custom": {"name": "f", "input": "x"}}]}]}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "messages": [
+        {"role": "system", "content": [{"type": "text", "text": "be terse"}]},
+        {"role": "user", "content": "2+2?", "tool_calls": []},
+        {"role": "assistant", "content": None, "reasoning_content": "adding", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "4"},
+        {"role": "assistant", "refusal": "no"},
+        {"role": "user", "content": "thanks"}]}, True),
     ("/admin/flush", {"all": True}, True),
     ("/admin/flush", {"scenario": "default", "tenant": None}, True),
     ("/admin/flush", {}, False),

@@ -24,7 +24,9 @@ def ask(content: str, *, system: str | None = None, **extra: Any) -> dict[str, A
 
 @pytest.fixture
 def semantic_settings(make_settings: Any) -> Any:
-    return lambda **kw: make_settings(semantic__enabled=True, **kw)
+    # These tests are about the index, the guard and the namespaces under the plain threshold (an explicit opt-in
+    # since issue 24; the learner, the default, is tested in test_learner_serving.py).
+    return lambda **kw: make_settings(semantic__enabled=True, semantic__decision="threshold", **kw)
 
 
 async def post(c: httpx.AsyncClient, body: dict[str, Any], **headers: str) -> httpx.Response:

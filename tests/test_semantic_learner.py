@@ -28,7 +28,8 @@ def _confident_pool(learner: SemanticLearner, *, tenant: str = "t", scenario: st
 
 
 def test_an_unsure_candidate_is_explored_not_served() -> None:
-    learner = SemanticLearner(prior_cut=0.9)
+    # A fixed margin: after 50 lookups z deviations of one coin-toss serve would already spend the budget.
+    learner = SemanticLearner(prior_cut=0.9, z=None)
     _far_lookups(learner, 50)
     d = learner.decide("t", "s", "new", 0.95, TARGET)
     # Above the static prior cut, so the point estimate would serve, but no label backs it: compute fresh.
@@ -199,9 +200,15 @@ def test_the_stream_eval_prints_the_keys(tmp_path, capsys) -> None:
             ("I forgot my password", "reset"), ("what is my balance", "balance"), ("show my balance", "balance"),
             ("how much money do I have", "balance"), ("play some jazz music", "oos")]
     data.write_text("".join(json.dumps({"text": t, "intent": i}) + "\n" for t, i in rows), encoding="utf-8")
-    result = eval_semantic.main(["--stream", "--intents", str(data), "--scenario", "support", "--oracle-step", "0.05"])
+    vectors = tmp_path / "vectors"
+    result = eval_semantic.main(["--stream", "--intents", str(data), "--scenario", "support", "--oracle-step", "0.05",
+                                 "--embed-cache", str(vectors)])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last == result
+    assert len(list(vectors.glob("*.npy"))) == 1  # the texts' vectors, kept for the next run
+    again = eval_semantic.main(["--stream", "--intents", str(data), "--scenario", "support", "--oracle-step",
+                                "0.05", "--embed-cache", str(vectors)])
+    assert {k: v for k, v in again.items() if k != "_pair"} == result and len(list(vectors.glob("*.npy"))) == 1
     for key in ("hit_rate", "false_hit_rate", "explorations", "oracle_hit_rate", "static_hit_rate"):
         assert key in last
     assert last["n"] == len(rows)
@@ -256,6 +263,8 @@ def test_labels_move_the_calibrated_prior_per_pool() -> None:
     # Wrong labels at a probability the prior trusts: that pool's estimate there follows them; another pool's
     # (tenant's) stays the prior's.
     learner = SemanticLearner(signal="probability", audit_share=0.0, demote_after=10**6)
+    for i in range(50):
+        learner.decide("u", "s", f"w{i}", 0.9999, TARGET)  # the other pool has some lookups to spend on
     for i in range(400):
         learner.record("t", "s", f"y{i}", 0.9999, i % 4 != 0)  # wrong one time in four
     taught = learner.decide("t", "s", "z", 0.9999, TARGET, may_explore=False)
@@ -269,7 +278,7 @@ def test_a_margin_of_z_deviations_shrinks_as_lookups_accumulate() -> None:
     # served errors keep back less and less of it (the deviation grows as the square root of their number): it
     # serves a growing share, past the fixed margin's, and its expected wrong answers with their z deviations stay
     # within the target.
-    fixed = SemanticLearner(signal="probability", audit_share=0.0, margin=0.5)
+    fixed = SemanticLearner(signal="probability", audit_share=0.0, margin=0.5, z=None)
     shrinking = SemanticLearner(signal="probability", audit_share=0.0, z=1.645)
     n, late = 6000, 1000
     served = {"fixed": [0, 0], "z": [0, 0]}  # [early, late]

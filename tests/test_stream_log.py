@@ -24,7 +24,7 @@ def test_a_stream_run_writes_a_decision_log_that_tune_reads(tmp_path: Path, caps
     data.write_text("".join(json.dumps({"text": t, "intent": i}) + "\n" for t, i in rows), encoding="utf-8")
     logs = tmp_path / "decisions"
     result = eval_semantic.main(["--stream", "--intents", str(data), "--scenario", "support", "--oracle-step",
-                                 "0.05", "--log", str(logs)])
+                                 "0.05", "--log", str(logs), "--embed-cache", "none"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
     assert result["log"] == str(logs) and set(result["tune"]) == set(eval_semantic.TUNE_VARIANTS)
     records = list(read_records(logs))
@@ -46,7 +46,8 @@ def test_a_stream_run_writes_a_decision_log_that_tune_reads(tmp_path: Path, caps
     again = CliRunner().invoke(cli, ["tune", str(logs)])
     assert again.exit_code == 0
     try:
-        eval_semantic.main(["--stream", "--intents", str(data), "--scenario", "support", "--log", str(logs)])
+        eval_semantic.main(["--stream", "--intents", str(data), "--scenario", "support", "--log", str(logs),
+                            "--embed-cache", "none"])
     except SystemExit as exc:
         assert "already holds a decision log" in str(exc)
     else:
@@ -107,6 +108,26 @@ def confusable_stream(n: int, seed: int) -> tuple[eval_semantic.Stream, np.ndarr
         sim[i, rng.choice(others, 3, replace=False)] = rng.uniform(0.86, 0.97, 3)
     sim = np.maximum(sim, sim.T)
     return eval_semantic.Stream([f"text {i}" for i in range(n)], group, set(), "confusable"), sim
+
+
+def test_the_default_profiles_decision_holds_its_target_where_its_threshold_does_not() -> None:
+    from edgecache.semantic.assembly import learner_for
+    from edgecache.semantic.embedders import DEFAULT_THRESHOLDS
+    from edgecache.settings import resolve_settings
+
+    settings = resolve_settings("cpu", {}, environ={})
+    assert settings.semantic.decision == "learner"
+    scenario = "support"
+    target = settings.scenarios[scenario].target_false_hit_rate
+    threshold = DEFAULT_THRESHOLDS["use-multilingual-v3-0.2.1"][scenario]
+    stream, sim = confusable_stream(2000, seed=1)
+    static = eval_semantic.run_stream(stream, sim, lambda i, j, s: "serve" if s >= threshold else "miss")
+    assert static.false_hit_rate > 5 * target  # the threshold serves wrong answers here
+    learner = learner_for(settings)
+    assert learner is not None
+    learned, _ = eval_semantic.learner_stream(stream, sim, scenario=scenario, target=target, shipped=threshold,
+                                              learner=learner)
+    assert learned.false_hit_rate <= target and learned.hits > 0.25 * static.hits
 
 
 def test_the_storage_rule_stores_a_refused_lookup_only_when_its_candidate_was_wrong() -> None:

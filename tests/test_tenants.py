@@ -87,7 +87,8 @@ PROMPTS = ["How do I reset my password?", "How can I reset my password?", "How d
 async def test_no_tenant_ever_sees_another_tenants_answer(make_settings: Any, tenants_file: Path) -> None:
     """Ten tenants, colliding prompts (identical and paraphrased), random interleavings, every layer on."""
     engine = TenantMarkingEngine()
-    settings = make_settings(tenants_file=str(tenants_file), semantic__enabled=True)
+    # The threshold rule (opt-in) serves paraphrases at first sight, so every layer is exercised within the run.
+    settings = make_settings(tenants_file=str(tenants_file), semantic__enabled=True, semantic__decision="threshold")
     rng = random.Random(7)
     async with serve_in_process(create_app(settings, engine=engine)) as c:
         served: dict[str, int] = {}
@@ -291,8 +292,9 @@ async def test_a_different_model_never_answers_from_old_entries(make_settings: A
 
 async def test_flush_by_tenant_by_scenario_and_all(make_settings: Any, tenants_file: Path) -> None:
     engine = FakeEngine()
-    async with serve_in_process(create_app(make_settings(tenants_file=str(tenants_file), semantic__enabled=True),
-                                           engine=engine)) as c:
+    settings = make_settings(tenants_file=str(tenants_file), semantic__enabled=True,
+                             semantic__decision="threshold")  # a paraphrase hits at first sight
+    async with serve_in_process(create_app(settings, engine=engine)) as c:
         for tenant in ("t01", "t02"):
             await ask(c, tenant, "How do I reset my password?")
             await ask(c, tenant, "How do I close my account?", headers={"X-EdgeCache-Scenario": "support"})

@@ -133,7 +133,9 @@ async def ask_pair(settings: Any, keys: tuple[str, ...] = ("",)) -> list[tuple[s
 
 
 async def test_the_overlay_tune_writes_turns_a_miss_into_a_hit(tmp_path: Path) -> None:
-    before = resolve_settings("cpu", {"data_dir": str(tmp_path / "before"), "semantic.enabled": True}, environ={})
+    # Tune's overlay sets cosine thresholds: the threshold rule's cut (an explicit opt-in since issue 24).
+    rule = {"semantic.enabled": True, "semantic.decision": "threshold"}
+    before = resolve_settings("cpu", {"data_dir": str(tmp_path / "before"), **rule}, environ={})
     [(served, decision)] = await ask_pair(before)
     assert served == "miss" and decision.decision == "refused" and decision.reason == "below_threshold"
     similarity = decision.similarity  # below the embedder's calibrated cut for `default` (it missed)
@@ -143,7 +145,7 @@ async def test_the_overlay_tune_writes_turns_a_miss_into_a_hit(tmp_path: Path) -
     synthetic_log(logs, cut=similarity - 0.03, scenario="default")
     overlay = tmp_path / "cuts.toml"
     assert runner.invoke(cli, ["tune", str(logs), "--write", str(overlay)]).exit_code == 0
-    after = resolve_settings("cpu", {"data_dir": str(tmp_path / "after"), "semantic.enabled": True}, environ={},
+    after = resolve_settings("cpu", {"data_dir": str(tmp_path / "after"), **rule}, environ={},
                              overlays=[overlay])
     assert after.scenarios["default"].threshold is not None and after.scenarios["default"].threshold < similarity
     [(served, decision)] = await ask_pair(after)
@@ -158,7 +160,7 @@ async def test_the_overlay_tune_writes_turns_a_miss_into_a_hit(tmp_path: Path) -
     tenants = tmp_path / "tenants.toml"
     tenants.write_text('[plans.basic]\n[[tenants]]\nid = "acme"\nplan = "basic"\nkeys = ["sk-acme-0001"]\n'
                        '[[tenants]]\nid = "globex"\nplan = "basic"\nkeys = ["sk-globex-001"]\n')
-    per_tenant = resolve_settings("cpu", {"data_dir": str(tmp_path / "per-tenant"), "semantic.enabled": True,
+    per_tenant = resolve_settings("cpu", {"data_dir": str(tmp_path / "per-tenant"), **rule,
                                           "tenants_file": str(tenants)}, environ={}, overlays=[acme_overlay])
     assert per_tenant.scenarios["default"].threshold is None and per_tenant.tenant_thresholds["acme"]["default"] < \
         similarity

@@ -51,7 +51,10 @@ async def test_warmup_over_the_admin_route(make_settings: Any, tmp_path: Path) -
     engine = FakeEngine()
     items = list(read_lines(lines_file(tmp_path / "p.jsonl").read_text().splitlines()))
     good = [i for i in items if isinstance(i, NumberedLine)]
-    async with serve_in_process(create_app(make_settings(semantic__enabled=True), engine=engine)) as c:
+    # The threshold rule (opt-in) serves a warmed answer to a paraphrase at first sight; the default learner waits
+    # for labels.
+    settings = make_settings(semantic__enabled=True, semantic__decision="threshold")
+    async with serve_in_process(create_app(settings, engine=engine)) as c:
         body = msgspec.json.encode({"lines": good})
         resp = await c.post("/admin/warmup", content=body, headers={"content-type": "application/json"})
         assert resp.status_code == 200, resp.text

@@ -1,5 +1,5 @@
 """What every measurement shares: a free port, a server started (in a subprocess, or in this process behind an ASGI
-client) and awaited until ready, percentiles, and where the data sets live."""
+client) and awaited until ready, a process's CPU time, percentiles, and where the data sets live."""
 
 from __future__ import annotations
 
@@ -26,6 +26,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user + system) process ``pid`` has used so far (Linux). On a busy box a server's CPU time per
+    request moves far less than its requests/s, so measurements report both."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -147,6 +148,7 @@ async def drive(port: int, streams: int, seconds: float, tokens: int) -> Tally:
     the caller to check its text."""
     tally = Tally()
     counter = itertools.count()
+    run = os.urandom(6).hex()  # every prompt new, across runs against the same server: each stream is a miss
     marker = TokenEngine.token.encode()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
@@ -158,7 +160,7 @@ async def drive(port: int, streams: int, seconds: float, tokens: int) -> Tally:
             while loop.time() < deadline:
                 body = msgspec.json.encode({  # temperature 0: cacheable, so the miss runs the whole cached path
                     "model": MODEL, "max_tokens": tokens, "stream": True, "temperature": 0,
-                    "messages": [{"role": "user", "content": f"stream {next(counter)}"}]})
+                    "messages": [{"role": "user", "content": f"stream {run} {next(counter)}"}]})
                 writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\n"
                              b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
                 buf = bytearray()
@@ -167,7 +169,7 @@ async def drive(port: int, streams: int, seconds: float, tokens: int) -> Tally:
                     if not data:
                         raise RuntimeError(f"the server closed the stream: {bytes(buf[-300:])!r}")
                     buf += data
-                if not buf.startswith(b"HTTP/1.1 200") or b"data: [DONE]" not in buf:
+                if not buf.startswith(b"HTTP/1.1 200") or b"data: [DONE]" not in buf or b"x-edgecache: exact" in buf:
                     raise RuntimeError(f"a stream failed: {bytes(buf[:300])!r} ... {bytes(buf[-300:])!r}")
                 tally.sample = bytes(buf)
                 tally.streams += 1

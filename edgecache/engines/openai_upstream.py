@@ -249,24 +249,32 @@ class OpenAIUpstreamEngine:
             async with client.stream("POST", path, json=payload) as response:
                 if response.status_code >= 400:
                     raise self._status_error(response.status_code, await response.aread())
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue  # blank separators, comments (": ping"), event names
-                    data = line[5:].strip()
-                    if data == _DONE:
+                # Bytes as they arrive, cut into lines here (httpx's line iterator decodes and scans each one in
+                # Python first), and every event of one read relayed as one chunk: a fast upstream's tokens cost
+                # the relay per read, not per token.
+                partial, done = b"", False
+                async for data in response.aiter_bytes():
+                    lines = (partial + data).split(b"\n")
+                    partial = lines.pop()
+                    texts = []
+                    for line in lines:
+                        if not line.startswith(b"data:"):
+                            continue  # blank separators, comments (": ping"), event names
+                        body = line[5:].strip()
+                        if body == b"[DONE]":
+                            done = True
+                            break
+                        text, reason, event_usage = self._event(body)
+                        usage = event_usage or usage
+                        if reason is not None:
+                            finish = self._finish_reason(reason)
+                        if text:
+                            content_events += 1
+                            texts.append(text)
+                    if texts:
+                        yield Chunk(text="".join(texts))
+                    if done:
                         break
-                    event = self._decode(data)
-                    if not isinstance(event, Mapping):
-                        raise EngineError(f"upstream {self.base_url} sent an event that is not an object")
-                    if "error" in event:
-                        raise EngineError(f"upstream {self.base_url} failed mid-stream: {_error_message(event)}")
-                    usage = event.get("usage") or usage
-                    text, reason = _choice(event)
-                    if reason is not None:
-                        finish = self._finish_reason(reason)
-                    if text:
-                        content_events += 1
-                        yield Chunk(text=text)
         except httpx.HTTPError as exc:
             raise self._transport_error(exc) from exc
         if finish is None:
@@ -277,6 +285,29 @@ class OpenAIUpstreamEngine:
         last = _with_usage(Chunk(finish_reason=finish), usage)
         self._count(last)
         yield last
+
+    def _event(self, body: bytes) -> tuple[str, object, Mapping[str, Any] | None]:
+        """One stream event's text, finish reason and usage. Decoded into the few fields read (the rest skipped
+        unparsed); an event of another shape, or one that carries an error, takes the general path."""
+        if b'"error"' not in body:
+            try:
+                event = _decode_event(body)
+            except msgspec.DecodeError:
+                pass  # the general path names the fault
+            else:
+                if not event.choices:
+                    return "", None, event.usage
+                choice = event.choices[0]
+                text = choice.delta.content if choice.delta is not None else choice.text
+                return text or "", choice.finish_reason, event.usage
+        event = self._decode(body)
+        if not isinstance(event, Mapping):
+            raise EngineError(f"upstream {self.base_url} sent an event that is not an object")
+        if "error" in event:
+            raise EngineError(f"upstream {self.base_url} failed mid-stream: {_error_message(event)}")
+        text, reason = _choice(event)
+        usage = event.get("usage")
+        return text, reason, usage if isinstance(usage, Mapping) else None
 
     def _whole_answer(self, body: Any, *, whole: bool = False, chat: bool = True) -> Chunk:
         if not isinstance(body, Mapping):
@@ -395,6 +426,27 @@ class OpenAIUpstreamEngine:
         self._closed = True
         if client is not None:
             await client.aclose()
+
+
+class _EventDelta(msgspec.Struct):
+    content: str | None = None
+
+
+class _EventChoice(msgspec.Struct):
+    delta: _EventDelta | None = None
+    text: str | None = None
+    finish_reason: str | None = None
+
+
+class _StreamEvent(msgspec.Struct):
+    """The fields of an upstream stream event the relay reads (chat ``delta.content`` or completion ``text``, the
+    finish reason, usage); msgspec skips the rest without building it."""
+
+    choices: list[_EventChoice] | None = None
+    usage: dict[str, Any] | None = None
+
+
+_decode_event = msgspec.json.Decoder(_StreamEvent).decode
 
 
 def _choice(event: Mapping[str, Any]) -> tuple[str, object]:

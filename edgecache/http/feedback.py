@@ -23,7 +23,7 @@ Every mark is counted in ``edgecache_feedback_total{tenant, served, verdict}``. 
 mark answers ``already_marked`` and changes nothing.
 
 Which response was what (:class:`ResponseLedger`): the last ``server.feedback_responses`` responses, by id, in memory
-(about 200 bytes each), and for each copy a semantic hit stored, the hit it came from. Written to
+(about 300 bytes each), and for each copy a semantic hit stored, the hit it came from. Written to
 ``<data_dir>/feedback/responses.msgpack`` at a clean shutdown and read at start, so a restart forgets none of them
 (a crash forgets the responses of that run: marks of them get 404; the labels already given stay in the decision
 log).
@@ -47,11 +47,9 @@ from edgecache.pipeline import Reply
 from edgecache.runtime import Runtime
 from edgecache.semantic.learner import Decision
 from edgecache.semantic.lookup import Lookup, SemanticHit
+from edgecache.semantic.marks import FEEDBACK_LABELER
 
 log = logging.getLogger("edgecache")
-
-#: The labeler name a mark's label is recorded under in the decision log.
-FEEDBACK_LABELER = "feedback"
 
 Effect = Literal["demoted", "labelled", "recorded", "already_marked"]
 
@@ -209,6 +207,7 @@ async def apply_feedback(rt: Runtime, responses: ResponseLedger, tenant: str, ma
     if mark.correct:
         return reply("labelled")
     if hit.key is not None:
-        await rt.stores(tenant).delete(hit.key)
+        # Refused first, then dropped: a lookup between the two must not store the copy again.
         rt.marks.mark(tenant, hit.key, hit.candidate.store_key)
+        await rt.stores(tenant).delete(hit.key)
     return reply("demoted")

@@ -17,7 +17,7 @@ from edgecache.http.embeddings import EmbeddingList, EmbeddingRequest
 from edgecache.http.feedback import FeedbackReply, FeedbackRequest
 from edgecache.errors import ErrorBody
 from edgecache.http.openai_api import ChatCompletion, ChatCompletionChunk, ModelCard, ModelList, TextCompletion
-from edgecache.http.request_surface import ChatCompletionRequest, CompletionRequest
+from edgecache.http.request_surface import SCHEMA_RULES, ChatCompletionRequest, CompletionRequest
 from edgecache.http.responses_api import (
     INPUT_ITEMS,
     AllowedToolChoice,
@@ -42,7 +42,8 @@ def _errors(*statuses: int, shape: type = ErrorBody, **described: str) -> dict[s
     reasons = {400: "Invalid request (the error's param names the field)", 401: "Missing or unknown API key",
                403: "Not allowed by the tenant's plan", 404: "Unknown model, or no such stored response",
                413: "Request too large",
-               429: "Overloaded; see Retry-After", 503: "The model is loading or failed to load"}
+               429: "Overloaded; see Retry-After", 503: "The model is loading or failed to load",
+               504: "Cache-Control: only-if-cached (or that policy), and no cached answer; nothing was computed"}
     return {str(s): {"description": described.get(f"e{s}", reasons[s]),
                      "content": {"application/json": {"schema": _ref(shape)}}} for s in statuses}
 
@@ -60,7 +61,7 @@ def _generation(request: type, answer: type, summary: str, errors: type = ErrorB
                                    "says which layer served it (exact, shared, semantic, miss).",
                     "content": {"application/json": {"schema": _ref(answer)},
                                 "text/event-stream": {"schema": {"type": "string"}}}},
-            **_errors(400, 401, 403, 404, 413, 429, 503, shape=errors)}}}
+            **_errors(400, 401, 403, 404, 413, 429, 503, 504, shape=errors)}}}
 
 
 def _responses_items(components: dict[str, Any]) -> None:
@@ -95,6 +96,8 @@ def openapi_document(version: str) -> dict[str, Any]:
                FeedbackRequest, FeedbackReply)
     _, components = msgspec.json.schema_components(structs, ref_template=_REF)
     _responses_items(components)
+    for name, rules in SCHEMA_RULES.items():
+        components[name].update(rules)
     plain_json = {"200": {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}}
     return {
         "openapi": "3.1.0",

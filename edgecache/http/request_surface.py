@@ -159,6 +159,36 @@ class ChatMessageIn(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
                        tool_call_id=self.tool_call_id)
 
 
+_NOT_NULL = {"not": {"type": "null"}}
+_HOLDS = {"required": ["content"], "properties": {"content": _NOT_NULL}}
+
+#: What :meth:`ChatMessageIn.to_message` and its content parts check in code, stated in JSON Schema for the OpenAPI
+#: document (by struct name), so that a body the schema allows is one the server takes.
+SCHEMA_RULES: dict[str, dict[str, Any]] = {
+    "ChatMessageIn": {"allOf": [
+        {"if": {"properties": {"role": {"const": "tool"}}},
+         "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string", "minLength": 1}}}},
+        {"if": {"properties": {"role": {"const": "assistant"}}},
+         "then": {"anyOf": [_HOLDS, {"required": ["tool_calls"],
+                                     "properties": {"tool_calls": {"type": "array", "minItems": 1}}},
+                            {"required": ["refusal"], "properties": {"refusal": {"type": "string"}}}]},
+         "else": {"allOf": [_HOLDS, {"properties": {
+             "tool_calls": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]},
+             **{name: {"type": "null"} for name in ("reasoning_content", "reasoning", "reasoning_details",
+                                                    "annotations")}}}]}},
+        {"properties": {"tool_calls": {"anyOf": [{"type": "null"}, {"type": "array", "items": {
+            "properties": {"type": {"const": "function"}}}}]}}},
+    ]},
+    "ContentPart": {"allOf": [
+        {"properties": {"type": {"enum": ["text", "refusal"]}}},
+        {"if": {"properties": {"type": {"const": "text"}}},
+         "then": {"required": ["text"], "properties": {"text": {"type": "string"}}}},
+        {"if": {"properties": {"type": {"const": "refusal"}}},
+         "then": {"required": ["refusal"], "properties": {"refusal": {"type": "string"}}}},
+    ]},
+}
+
+
 # --- tools and structured output ---------------------------------------------------------------------------------
 
 

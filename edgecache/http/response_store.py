@@ -125,7 +125,7 @@ class ResponseStore:
     async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
         try:
             return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             raise StorageUnavailable(f"the stored responses could not be read: {exc}") from exc
 
     # ---- the writer thread's side ----
@@ -148,7 +148,7 @@ class ResponseStore:
             return
         try:
             self._write(batch)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             log.warning("stored responses: %d not kept (%s)", len(batch), exc)
         finally:
             with self._lock:
@@ -164,19 +164,19 @@ class ResponseStore:
             if now - self._purged_at >= self.PURGE_INTERVAL_S:
                 self._drop_expired(db, now)
                 self._purged_at = now
-            tenants = set()
+            rows, added = [], {}
             for (tenant, response_id), record in batch.items():
                 blob = self._encoder.encode(record)
                 if len(blob) > self.tenant_bytes:
                     log.warning("stored responses: %s of tenant %s not kept: %d bytes, over the tenant's %d",
                                 response_id, tenant, len(blob), self.tenant_bytes)
                     continue
-                self._remove(db, tenant, response_id)
-                db.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?)",
-                           (tenant, response_id, record.created_at, record.expires_at, len(blob), blob))
-                self._add_bytes(db, tenant, len(blob))
-                tenants.add(tenant)
-            for tenant in tenants:
+                rows.append((tenant, response_id, record.created_at, record.expires_at, len(blob), blob))
+                added[tenant] = added.get(tenant, 0) + len(blob)
+            # Response ids are new (a random per-process prefix and a counter): plain inserts, in one statement.
+            db.executemany("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?)", rows)
+            for tenant, size in added.items():
+                self._add_bytes(db, tenant, size)
                 self._evict(db, tenant)
             db.execute("COMMIT")
         except BaseException:

@@ -199,6 +199,21 @@ class ResponsesStreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_obfuscation: bool | None = None
 
 
+#: The request fields refused when set to anything but their "off" value (false, 0) or null, each with why.
+REFUSED_WHEN_SET: dict[str, str] = {
+    "background": "this server answers while the request is open; send background: false or leave it out",
+    "conversation": "this server keeps no conversations; send previous_response_id",
+    "prompt": "this server keeps no reusable prompts; send input and instructions",
+    "top_logprobs": "logprobs are served on /v1/chat/completions here",
+}
+
+
+def _refused(name: str, off: object = None) -> Meta:
+    """The schema of a :data:`REFUSED_WHEN_SET` field: only its off value or null, and why."""
+    return Meta(extra_json_schema={"enum": [off, None]} if off is not None else {"type": "null"},
+                description=f"Refused when set: {REFUSED_WHEN_SET[name]}.")
+
+
 class ResponseCreateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The body of ``POST /v1/responses``. ``input`` items and ``tools`` are decoded item by item (each by its
     ``type``, strictly), so an unsupported one is named; /openapi.json lists the item shapes."""
@@ -231,23 +246,16 @@ class ResponseCreateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     service_tier: str | None = None
     client_metadata: dict[str, Any] | None = None
     max_tool_calls: Annotated[int, Meta(ge=1)] | None = None
-    # Refused when set: each needs what this server does not have.
-    background: bool | None = None
-    conversation: str | dict[str, Any] | None = None
-    prompt: dict[str, Any] | None = None
-    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    # Refused when set (their "off" value and null are accepted): each needs what this server does not have.
+    background: Annotated[bool | None, _refused("background", False)] = None
+    conversation: Annotated[str | dict[str, Any] | None, _refused("conversation")] = None
+    prompt: Annotated[dict[str, Any] | None, _refused("prompt")] = None
+    top_logprobs: Annotated[int | None, _refused("top_logprobs", 0)] = None
 
     def refuse_unsupported(self) -> None:
-        if self.background:
-            raise BadRequest("background responses are not supported: this server answers while the request is "
-                             "open; send background: false or leave it out", param="background")
-        for name, hint in (("conversation", "this server keeps no conversations; send previous_response_id"),
-                           ("prompt", "this server keeps no reusable prompts; send input and instructions")):
-            if getattr(self, name) is not None:
-                raise BadRequest(f"{name} is not supported: {hint}", param=name)
-        if self.top_logprobs:
-            raise BadRequest("top_logprobs is not supported on /v1/responses here; chat completions serve logprobs",
-                             param="top_logprobs")
+        for name in REFUSED_WHEN_SET:
+            if getattr(self, name):
+                raise BadRequest(f"{name} is not supported: {REFUSED_WHEN_SET[name]}", param=name)
 
 
 # --- from the request to chat's request --------------------------------------------------------------------------

@@ -37,6 +37,14 @@ is the load-shedding switch: no exploration, and an unsure candidate is decided 
 saves engine time instead of turning would-be hits into misses. An entry labelled wrong ``demote_after`` times at
 similarities where its pool would serve is demoted: never served until forgotten.
 
+Issue 24 added three things, each measured with ``scripts/eval_semantic.py --stream`` (README, "The online
+learner"): the margin the cut and the ledger keep back can be ``z`` standard deviations of the expected false hits
+(``served error + z * sqrt(served variance) <= target * lookups``) instead of a fixed share ``margin`` of the target,
+so it shrinks relative to the target as lookups accumulate; a class with ``slope_after`` labels of both outcomes
+gets a slope of its own on top of its shift; and the signal may be a probability (``signal="probability"``: the
+verifier's score, binned on its logit) whose prior is the probability itself instead of the flat one around a cosine
+cut.
+
 Memory is bounded: an entry (or its class) keeps its last ``entry_labels`` labels; at most ``max_entries`` entries
 are tracked (least recently used dropped); a pool is a few fixed-size arrays. Everything here is pure: no I/O, no
 clock, no threads; randomness comes from a seeded ``random.Random`` so a replay makes the same decisions. Measured
@@ -174,9 +182,9 @@ class SemanticLearner:
         impute: bool = True,
         calibration_band: float = 3.0,
         margin: float = 0.5,
-        z: float | None = None,
+        z: float | None = 1.645,
         signal: Signal = "cosine",
-        slope_after: int | None = None,
+        slope_after: int | None = 6,
         slope_spread: float = 1.0,
         max_error: float = 0.5,
         confidence: float = 1.0,

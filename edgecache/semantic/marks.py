@@ -26,6 +26,10 @@ from edgecache.health import STORAGE_ERRORS
 
 log = logging.getLogger("edgecache")
 
+#: The labeler a caller's mark is recorded under in the decision log (``POST /v1/feedback``). A caller marks what it
+#: noticed, not a random sample of what was served, so ``edgecache tune`` leaves such labels out of its estimates.
+FEEDBACK_LABELER = "feedback"
+
 _Row = tuple[str, str, list[str]]  # tenant, request key, the store keys refused for it
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(list[_Row])

@@ -40,6 +40,7 @@ from edgecache.semantic.decision_log import DecisionRecord, LabelRecord, Record
 from edgecache.semantic.false_hits import wilson_upper
 from edgecache.semantic import refusals
 from edgecache.semantic.learner import AUDIT, BUDGET
+from edgecache.semantic.marks import FEEDBACK_LABELER
 
 ALL = "*"
 
@@ -104,6 +105,8 @@ def join(records: Iterable[Record], *, tenant: str | None = None, scenario: str 
             if (tenant is None or record.tenant == tenant) and (scenario is None or record.scenario == scenario):
                 decisions[record.id] = record
         elif isinstance(record, LabelRecord):
+            if record.labeler == FEEDBACK_LABELER:
+                continue  # a caller's mark: what it noticed, not a sample of its stratum (the weights would lie)
             if record.good is not None:
                 labels[record.id] = record.good
             elif unverified == "bad":  # compared, and no labeler could tell: not evidence that it serves
