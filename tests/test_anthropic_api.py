@@ -249,6 +249,35 @@ async def test_feedback_finds_a_message_by_its_id(client: httpx.AsyncClient) -> 
     assert unknown.status_code == 404
 
 
+def test_a_whole_answer_streams_as_blocks_the_sdk_accumulates() -> None:
+    """A tool call streams whole: a text block, then the call's arguments as one input_json_delta; the SDK's own
+    accumulator (what messages.stream runs) rebuilds the message from the events."""
+    from anthropic.lib.streaming._messages import accumulate_event
+
+    from edgecache.engines.base import Choice, ToolCall
+    from edgecache.http.anthropic_api import MessageWriter
+    from edgecache.http.replies import Counts
+
+    writer = MessageWriter(model="m", message_id="msg_1")
+    choice = Choice(index=0, text="Let me look.", finish_reason="tool_calls",
+                    tool_calls=(ToolCall(id="call_a", name="get_weather", arguments='{"city": "Paris"}'),))
+    events = anthropic_events(writer.sse_whole((choice,), Counts(prompt=10, completion=5, cached=4)).decode())
+    assert [name for name, _ in events] == [
+        "message_start", "ping", "content_block_start", "content_block_delta", "content_block_stop",
+        "content_block_start", "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+    snapshot: Any = None
+    buffers: dict[int, bytes] = {}
+    for name, data in events:
+        if name != "ping":
+            snapshot = accumulate_event(event=data, current_snapshot=snapshot,  # type: ignore[arg-type]
+                                        json_bufs=buffers)
+    assert snapshot.stop_reason == "tool_use" and snapshot.id == "msg_1"
+    assert snapshot.content[0].text == "Let me look."
+    assert (snapshot.content[1].id, snapshot.content[1].input) == ("call_a", {"city": "Paris"})
+    assert (snapshot.usage.input_tokens, snapshot.usage.cache_read_input_tokens, snapshot.usage.output_tokens) == \
+        (6, 4, 5)
+
+
 async def test_count_tokens(client: httpx.AsyncClient) -> None:
     c = sdk_on(client)
     count = await c.messages.count_tokens(model="fake-model", system="one two",

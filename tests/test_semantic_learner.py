@@ -200,9 +200,15 @@ def test_the_stream_eval_prints_the_keys(tmp_path, capsys) -> None:
             ("I forgot my password", "reset"), ("what is my balance", "balance"), ("show my balance", "balance"),
             ("how much money do I have", "balance"), ("play some jazz music", "oos")]
     data.write_text("".join(json.dumps({"text": t, "intent": i}) + "\n" for t, i in rows), encoding="utf-8")
-    result = eval_semantic.main(["--stream", "--intents", str(data), "--scenario", "support", "--oracle-step", "0.05"])
+    vectors = tmp_path / "vectors"
+    result = eval_semantic.main(["--stream", "--intents", str(data), "--scenario", "support", "--oracle-step", "0.05",
+                                 "--embed-cache", str(vectors)])
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last == result
+    assert len(list(vectors.glob("*.npy"))) == 1  # the texts' vectors, kept for the next run
+    again = eval_semantic.main(["--stream", "--intents", str(data), "--scenario", "support", "--oracle-step",
+                                "0.05", "--embed-cache", str(vectors)])
+    assert {k: v for k, v in again.items() if k != "_pair"} == result and len(list(vectors.glob("*.npy"))) == 1
     for key in ("hit_rate", "false_hit_rate", "explorations", "oracle_hit_rate", "static_hit_rate"):
         assert key in last
     assert last["n"] == len(rows)

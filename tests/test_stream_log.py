@@ -24,7 +24,7 @@ def test_a_stream_run_writes_a_decision_log_that_tune_reads(tmp_path: Path, caps
     data.write_text("".join(json.dumps({"text": t, "intent": i}) + "\n" for t, i in rows), encoding="utf-8")
     logs = tmp_path / "decisions"
     result = eval_semantic.main(["--stream", "--intents", str(data), "--scenario", "support", "--oracle-step",
-                                 "0.05", "--log", str(logs)])
+                                 "0.05", "--log", str(logs), "--embed-cache", "none"])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
     assert result["log"] == str(logs) and set(result["tune"]) == set(eval_semantic.TUNE_VARIANTS)
     records = list(read_records(logs))
@@ -46,7 +46,8 @@ def test_a_stream_run_writes_a_decision_log_that_tune_reads(tmp_path: Path, caps
     again = CliRunner().invoke(cli, ["tune", str(logs)])
     assert again.exit_code == 0
     try:
-        eval_semantic.main(["--stream", "--intents", str(data), "--scenario", "support", "--log", str(logs)])
+        eval_semantic.main(["--stream", "--intents", str(data), "--scenario", "support", "--log", str(logs),
+                            "--embed-cache", "none"])
     except SystemExit as exc:
         assert "already holds a decision log" in str(exc)
     else:

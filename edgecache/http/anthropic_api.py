@@ -471,15 +471,16 @@ class MessageWriter:
             id=self.id, model=self.model, content=[], stop_reason=None, usage=MessageUsage(0, 0))})
 
     def _block(self, index: int, block: TextOut | ToolUseOut) -> bytes:
+        delta: dict[str, str] | None
         if isinstance(block, TextOut):
             start = {"type": "text", "text": ""}
-            delta = {"type": "text_delta", "text": block.text}
+            delta = {"type": "text_delta", "text": block.text} if block.text else None  # an empty text: no delta
         else:
             start = {"type": "tool_use", "id": block.id, "name": block.name, "input": {}}
             delta = {"type": "input_json_delta", "partial_json": self._encoder.encode(block.input).decode()}
         out = self._event(b"content_block_start", {"type": "content_block_start", "index": index,
                                                    "content_block": start})
-        if delta.get("text", True):
+        if delta is not None:
             out += self._event(b"content_block_delta", {"type": "content_block_delta", "index": index,
                                                         "delta": delta})
         return out + self._event(b"content_block_stop", {"type": "content_block_stop", "index": index})
