@@ -108,7 +108,10 @@ async def test_a_large_batch_of_answered_lines_is_stored_and_indexed_whole(make_
     system = {"role": "system", "content": "You answer questions about ACME orders."}
     lines = [NumberedLine(line=i + 1, request=msgspec.convert(
         {"messages": [system, {"role": "user", "content": f"Where is order number {i} right now?"}],
-         "answer": f"Order {i} is on its way.", "max_tokens": 16}, WarmupLine)) for i in range(3000)]
+         "answer": f"Order {i} is on its way.", "max_tokens": 16,
+         # "right now" is the realtime tier (30 s): on a loaded box the batch took longer than that, and its first
+         # answers had expired before they were asked for. The test is about batching, not about expiry.
+         "ttl": 3600}, WarmupLine)) for i in range(3000)]
     lines.append(NumberedLine(line=3001, request=lines[10].request))  # the same line twice: stored once
     async with serve_in_process(create_app(make_settings(semantic__enabled=True), engine=engine)) as c:
         body = msgspec.json.encode({"lines": lines})
@@ -127,9 +130,10 @@ async def test_a_large_batch_of_answered_lines_is_stored_and_indexed_whole(make_
         assert para.headers["x-edgecache"] in ("semantic", "miss")
         if para.headers["x-edgecache"] == "semantic":
             assert "Order 1234 " in para.text
+        calls = engine.calls  # 1, or 2 when the paraphrase was computed (the untaught learner may refuse it)
         again = await c.post("/admin/warmup", content=body, headers={"content-type": "application/json"})
         assert {r["outcome"] for r in again.json()["results"]} == {"skipped"}
-        assert engine.calls == 1  # the prefill is remembered across batches
+        assert engine.calls == calls  # the prefill is remembered across batches
 
 
 class _RecordingEmbedder:
