@@ -589,8 +589,10 @@ async def test_sigterm_stops_a_server_on_sglang_gracefully_and_its_answers_survi
         port = sock.getsockname()[1]
         server = uvicorn.Server(uvicorn_config(app, settings, loop="asyncio", log_level="warning"))
         serving = asyncio.create_task(server.serve(sockets=[sock]))
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-            for _ in range(500):
+        # Bounds on a hang, not timing assertions: on a loaded box the embedder's first load and its first
+        # embedding took longer than httpx's default 5 s read timeout.
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+            for _ in range(6000):
                 if server.started and (await client.get("/health")).status_code == 200:
                     break
                 await asyncio.sleep(0.02)
