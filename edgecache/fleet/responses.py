@@ -104,6 +104,7 @@ class RedisResponseStore:
         # Records not yet sent, and the batch being sent: both readable here until Redis has them.
         self._queued: dict[tuple[str, str], tuple[bytes, float, float]] = {}
         self._sending: dict[tuple[str, str], tuple[bytes, float, float]] = {}
+        self._sent = asyncio.Event()  # set when the batch in ``_sending`` has been written (or failed)
         self._writer: asyncio.Task[None] | None = None
         self._closed = False
         self.evicted = 0
@@ -132,7 +133,7 @@ class RedisResponseStore:
         # or finds it done and starts the next.
         while self._queued:
             batch, self._queued = self._queued, {}
-            self._sending = batch
+            self._sending, self._sent = batch, asyncio.Event()
             try:
                 await self._write(batch)
             except LinkDown as exc:
@@ -140,6 +141,7 @@ class RedisResponseStore:
                 log.warning("stored responses: %d not kept (the fleet's Redis: %s)", len(batch), exc)
             finally:
                 self._sending = {}
+                self._sent.set()
 
     async def _write(self, batch: dict[tuple[str, str], tuple[bytes, float, float]]) -> None:
         if not self._link.up:
@@ -181,8 +183,9 @@ class RedisResponseStore:
 
     async def delete(self, tenant: str, response_id: str) -> bool:
         queued = self._queued.pop((tenant, response_id), None) is not None
-        if (tenant, response_id) in self._sending and self._writer is not None:
-            await asyncio.wait([self._writer])  # its write first, or this delete could land before it
+        if (tenant, response_id) in self._sending:
+            # Its batch first (not the writer's later ones): on another connection this delete could overtake it.
+            await self._sent.wait()
         if queued and not self._link.up:
             return True  # never reached Redis: dropping it here is the whole delete
         dropped = await self._command(self._delete(keys=self.keys(tenant, response_id)))
