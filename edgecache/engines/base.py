@@ -173,6 +173,13 @@ class Chunk(msgspec.Struct, kw_only=True):
     choices: tuple[Choice, ...] | None = None
 
 
+#: A stream's reader takes at most one delivery per this many seconds; the tokens produced meanwhile come as one
+#: chunk. Below what a reader notices, above the time a fast engine takes for a token, so the relay's work per
+#: delivery (a wake-up, a frame, a write; a socket read from an upstream) is not paid per token. Used by a flight's
+#: listeners (``Flight.follow``) and by the upstream engine's reads (``engines/http_transport``).
+STREAM_BATCH_S = 0.005
+
+
 #: The request fields, beyond messages/prompt and plain sampling, that an engine may or may not honour; each engine
 #: lists those it does in :attr:`Engine.features`, and a request that uses another is refused naming the field (the
 #: first missing one in this order: custom_tools leads, being the more precise word for a request with custom tools).
