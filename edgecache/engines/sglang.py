@@ -77,7 +77,7 @@ from edgecache.engines.structured_output import (
     template_message,
     tool_call_id,
 )
-from edgecache.errors import BadRequest, EngineError, NotReady
+from edgecache.errors import BadRequest, EngineError, NotReady, PromptTooLong
 
 SGLANG_REQUIREMENT = "sglang>=0.5.23,<0.5.24"
 """The SGLang releases this adapter is checked against (tests/test_sglang_contract.py reads their source in CI);
@@ -331,6 +331,10 @@ def _finish_reason(meta_info: Mapping[str, Any], request: GenerationRequest) -> 
     raise EngineError(f"SGLang finished with an unknown reason: {reason!r}")
 
 
+#: SGLang's words for a prompt its context cannot hold (``TokenizerManager._validate_one_request``).
+_TOO_LONG = re.compile(r"The input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)")
+
+
 def refusal(message: str, request: GenerationRequest) -> BadRequest:
     """SGLang's refusal of a request (a ``ValueError`` before any output, as its own HTTP server turns into a 400,
     or an abort with status 400) as the 400 naming the request field it is about."""
@@ -338,6 +342,9 @@ def refusal(message: str, request: GenerationRequest) -> BadRequest:
     if "context length" in message:
         field = "max_tokens" if message.startswith("Requested token count") else (
             "messages" if request.messages is not None else "prompt")
+        counts = _TOO_LONG.match(message)
+        if counts is not None:
+            return PromptTooLong(text, param=field, tokens=int(counts[1]), context=int(counts[2]))
         return BadRequest(text, param=field, code="context_length_exceeded")
     if message.startswith("Failed to compile"):  # the grammar of json_schema (a forced tool call or a schema)
         return BadRequest(text, param="tools" if output_schema(request) is not None and request.tools

@@ -13,7 +13,8 @@ Each request field is one of three kinds, as on the OpenAI routes (:mod:`edgecac
   to switch; no thinking block is returned), ``thinking`` and ``redacted_thinking`` blocks echoed back in the
   history (Anthropic drops earlier turns' thinking from the context too), ``output_config.effort``,
   ``context_management`` (this server never edits the context), ``service_tier``, ``speed``, ``inference_geo``,
-  ``diagnostics``, a tool's ``eager_input_streaming``, a tool result's ``is_error`` and a text block's
+  ``diagnostics``, a tool's ``eager_input_streaming``, a tool with ``defer_loading: true`` (tool search: a deferred
+  tool is not in the model's context, so it is not offered), a tool result's ``is_error`` and a text block's
   ``citations`` (no chat template here renders them);
 - **refused** with a 400 naming it: ``image`` and ``document`` blocks (the models are text-only), server tools
   (``web_search``, ``bash``, ``code_execution``, ...), ``mcp_servers``, ``container``, ``max_tokens: 0`` (cache
@@ -33,7 +34,7 @@ from msgspec import Meta
 
 from edgecache.engines.base import Choice, GenerationRequest, Message, OutputFormat, SamplingParams, ToolCall, \
     ToolSpec
-from edgecache.errors import BadRequest, EdgeCacheError, PayloadTooLarge
+from edgecache.errors import BadRequest, EdgeCacheError, PayloadTooLarge, PromptTooLong
 from edgecache.http.calls import Parsed, build_call
 from edgecache.http.replies import Counts
 from edgecache.http.request_surface import MAX_STOPS, MAX_TOOLS, CacheOptions, decode_body, features_used
@@ -112,6 +113,9 @@ class ClientTool(msgspec.Struct, forbid_unknown_fields=True):
     strict: bool | None = None
     cache_control: CacheControl | None = None
     eager_input_streaming: bool | None = None
+    # Tool search: a deferred tool is not loaded into the model's context (Claude Code sends a placeholder so
+    # marked, and lists its deferred tools by name in the conversation), so it is not offered, and not in the key.
+    defer_loading: bool | None = None
 
 
 class ToolChoiceAuto(msgspec.Struct, tag_field="type", tag="auto", forbid_unknown_fields=True):
@@ -276,6 +280,8 @@ def _tools(raw: list[dict[str, Any]] | None) -> tuple[ToolSpec, ...]:
             tool = msgspec.convert(item, ClientTool)
         except msgspec.ValidationError as exc:
             raise BadRequest(f"invalid request: {exc} (in tools[{i}])", param=f"tools[{i}]") from exc
+        if tool.defer_loading:
+            continue
         tools.append(ToolSpec(name=tool.name, description=tool.description or "",
                               parameters=_canonical(tool.input_schema), strict=bool(tool.strict)))
     if len({t.name for t in tools}) != len(tools):
@@ -420,8 +426,13 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 
 
 def error_out(error: EdgeCacheError) -> AnthropicError:
-    return AnthropicError(AnthropicErrorDetail(type=ERROR_TYPES.get(error.status, "api_error"),
-                                               message=error.message))
+    message = error.message
+    if isinstance(error, PromptTooLong):
+        # Anthropic's own words, which Claude Code reads (the counts) to say the conversation is too long instead
+        # of retrying the request in other shapes. The most a prompt may have is the context less the one token
+        # the answer needs.
+        message = (f"prompt is too long: {error.tokens} tokens > {error.context - 1} maximum ({error.message})")
+    return AnthropicError(AnthropicErrorDetail(type=ERROR_TYPES.get(error.status, "api_error"), message=message))
 
 
 def usage(counts: Counts) -> MessageUsage:
