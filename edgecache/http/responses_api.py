@@ -28,12 +28,13 @@ Each field is one of three kinds (README's table lists them):
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -60,12 +61,17 @@ from edgecache.http.request_surface import (
     ToolIn,
     decode_body,
 )
-from edgecache.http.response_store import ResponseStore, StoredResponse
+from edgecache.http.response_store import ResponseStore, StoredResponse, open_response_store
 from edgecache.stores import CachedAnswer
 from edgecache.settings import Settings
 from edgecache.tenants import Tenant
 
+if TYPE_CHECKING:
+    from edgecache.fleet import Fleet
+
 MAX_ITEMS = 2048  # input items per request; server.max_messages bounds the conversation they make
+
+log = logging.getLogger("edgecache")
 
 _json = msgspec.json.Encoder()
 
@@ -915,10 +921,11 @@ class ResponsesApi:
     MEMO_ENTRIES = 4096
     MEMO_BODY_BYTES = 16_384
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, fleet: Fleet | None = None) -> None:
         self.settings = settings
-        self.store = ResponseStore(settings.data_path / "responses", tenant_bytes=settings.store.responses_bytes,
-                                   ttl_s=settings.store.responses_ttl_s)
+        self.store: ResponseStore = open_response_store(settings, fleet)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(StoredResponse)
         self._memo: OrderedDict[tuple[str, bytes], Asked] = OrderedDict()
         self.renderings = StoredRenderings()
 
@@ -927,8 +934,18 @@ class ResponsesApi:
         self._memo.clear()
         self.renderings.clear()
 
-    def close(self) -> None:
-        self.store.close()
+    async def close(self) -> None:
+        await self.store.close()
+
+    async def _get(self, tenant: str, response_id: str) -> StoredResponse | None:
+        record = await self.store.get(tenant, response_id)
+        if record is None:
+            return None
+        try:
+            return self._decoder.decode(record)
+        except msgspec.DecodeError:
+            log.warning("stored response %s of tenant %s is unreadable: treated as gone", response_id, tenant)
+            return None
 
     async def parse(self, body: bytes, tenant: Tenant) -> Asked:
         key = (tenant.id, body)
@@ -939,7 +956,7 @@ class ResponsesApi:
         request = decode_body(body, ResponseCreateRequest)
         previous: StoredResponse | None = None
         if request.previous_response_id is not None:
-            previous = await self.store.get(tenant.id, request.previous_response_id)
+            previous = await self._get(tenant.id, request.previous_response_id)
             if previous is None:
                 raise NotFound(f"no stored response has the id {request.previous_response_id!r}",
                                param="previous_response_id")
@@ -990,14 +1007,15 @@ class ResponsesApi:
 
         def keep(response_id: str, body: bytes, said: ChatMessageIn) -> None:
             now = time.time()
-            self.store.put(tenant, response_id, StoredResponse(
-                body=body, input_items=_json.encode(items), history=(*asked.history, said), created_at=now,
-                expires_at=now + self.store.ttl_s))
+            expires_at = now + self.store.ttl_s
+            record = StoredResponse(body=body, input_items=_json.encode(items), history=(*asked.history, said),
+                                    created_at=now, expires_at=expires_at)
+            self.store.put(tenant, response_id, self._encoder.encode(record), now, expires_at)
 
         return ResponsesWriter(template, keep, asked.shape, self.renderings)
 
     async def stored(self, tenant: str, response_id: str) -> StoredResponse:
-        record = await self.store.get(tenant, response_id)
+        record = await self._get(tenant, response_id)
         if record is None:
             raise NotFound(f"no stored response has the id {response_id!r}", param="response_id")
         return record
