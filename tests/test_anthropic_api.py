@@ -496,6 +496,34 @@ def test_e2e_missing_max_tokens_is_anthropics_error(server: Server) -> None:
 
 
 @pytest.mark.e2e
+def test_e2e_a_stop_sequence_that_ended_the_answer_is_named(server: Server) -> None:
+    """The llama.cpp engine says which stop string ended an answer: Messages reports stop_reason "stop_sequence"
+    with the string, on the miss, in the stream and on a hit (the stored answer keeps it)."""
+    c = sdk(server)
+    ask = dict(model=MODEL, max_tokens=16, extra_body={"temperature": 0},
+               messages=[{"role": "user", "content": "List three fruits, separated by commas."}])
+    free = c.messages.create(**ask)
+    text = free.content[0].text  # type: ignore[union-attr]
+    assert free.stop_sequence is None and free.stop_reason in ("end_turn", "max_tokens")
+    words = text.split()
+    assert len(words) >= 3, text
+    stop = words[2]  # a word the greedy answer writes after its start: it ends the same answer there
+    stopped = dict(ask, stop_sequences=[stop, "never-written-xyz"])
+    miss = c.messages.with_raw_response.create(**stopped)
+    hit = c.messages.with_raw_response.create(**stopped)
+    assert (miss.headers["x-edgecache"], hit.headers["x-edgecache"]) == ("miss", "exact")
+    for message in (miss.parse(), hit.parse()):
+        assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
+        assert message.content[0].text == text[:text.index(stop)]  # type: ignore[union-attr]
+    # Streamed, as a miss (another max_tokens: another key; the greedy answer stops at the same place).
+    with c.messages.stream(**dict(stopped, max_tokens=17)) as stream:
+        assert stream.response.headers["x-edgecache"] == "miss"
+        streamed = stream.get_final_message()
+    assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", stop)
+    assert streamed.content[0].text == text[:text.index(stop)]  # type: ignore[union-attr]
+
+
+@pytest.mark.e2e
 def test_e2e_a_prompt_longer_than_the_context_is_anthropics_prompt_is_too_long(server: Server) -> None:
     """What Claude Code reads to say the conversation is too long (instead of retrying it in other shapes): a 400
     invalid_request_error "prompt is too long: N tokens > M maximum". The OpenAI routes keep their own shape, code

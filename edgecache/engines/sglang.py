@@ -67,6 +67,7 @@ from edgecache.engines.base import (
     GenerationRequest,
     SamplingParams,
     ToolCall,
+    matched_stop,
 )
 from edgecache.engines.chat_prompt import ChatPromptEncoder
 from edgecache.engines.structured_output import (
@@ -310,6 +311,12 @@ def _constraint(request: GenerationRequest) -> dict[str, object]:
     if schema is None and request.response_format is not None:
         schema = {"type": "object"}  # json_object: any JSON object
     return {"json_schema": json.dumps(schema)} if schema is not None else {}
+
+
+def _stop_sequence(meta_info: Mapping[str, Any], request: GenerationRequest) -> str | None:
+    """The stop string a ``stop`` finish matched (``{"type": "stop", "matched": ...}``: the string, or a token id)."""
+    reason = meta_info.get("finish_reason")
+    return matched_stop(reason.get("matched") if isinstance(reason, Mapping) else None, request.params.stop)
 
 
 def _finish_reason(meta_info: Mapping[str, Any], request: GenerationRequest) -> FinishReason | None:
@@ -569,6 +576,7 @@ class SGLangEngine:
                         prompt_tokens=int(meta.get("prompt_tokens") or 0),
                         completion_tokens=int(meta.get("completion_tokens") or 0),
                         cached_tokens=int(meta.get("cached_tokens") or 0),
+                        stop_sequence=_stop_sequence(meta, request) if reason == "stop" else None,
                     )
                     if calls_tools:
                         chunk = self._tool_answer(request, "".join(whole) + piece, chunk)
@@ -598,7 +606,7 @@ class SGLangEngine:
         """The whole answer of a request with tools: a call when the text is one, else the text."""
         calls = parse_tool_calls(text, request, forced=request.tool_choice != "auto")
         assert final.finish_reason is not None
-        choice = Choice(index=0, text=text, finish_reason=final.finish_reason)
+        choice = Choice(index=0, text=text, finish_reason=final.finish_reason, stop_sequence=final.stop_sequence)
         if calls:
             choice = Choice(index=0, text="", finish_reason="tool_calls", tool_calls=tuple(
                 ToolCall(id=tool_call_id(request, 0, j), name=name, arguments=arguments)

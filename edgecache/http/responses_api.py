@@ -659,7 +659,7 @@ class ResponsesWriter:
         return body
 
     def body(self, text: str, finish_reason: str | None, counts: Counts,
-             choices: tuple[Choice, ...] | None = None) -> bytes:
+             choices: tuple[Choice, ...] | None = None, stop_sequence: str | None = None) -> bytes:
         output, said = self._output(text, choices, finish_reason)
         return self._complete(self._final(output, finish_reason, counts), said)
 
@@ -731,7 +731,7 @@ class ResponsesWriter:
         self._texts.append(text)
         return self._event(_TextDelta("response.output_text.delta", f"msg_{self._suffix}", 0, 0, text))
 
-    def sse_end(self, finish_reason: str | None, counts: Counts) -> bytes:
+    def sse_end(self, finish_reason: str | None, counts: Counts, stop_sequence: str | None = None) -> bytes:
         text = "".join(self._texts)
         output, said = self._output(text, None, finish_reason)
         item = output[0]
