@@ -75,7 +75,7 @@ def replay(answer: CachedAnswer) -> AsyncIterator[Chunk]:
             yield Chunk(text=answer.text)
         yield Chunk(finish_reason=answer.finish_reason, prompt_tokens=answer.prompt_tokens,  # type: ignore[arg-type]
                     completion_tokens=answer.completion_tokens, cached_tokens=answer.prompt_tokens,
-                    choices=answer.choices)
+                    choices=answer.choices, stop_sequence=answer.stop_sequence)
 
     return chunks()
 
@@ -381,7 +381,8 @@ class RequestPipeline:
                 text=text,
                 finish_reason=first.finish_reason if first else final.finish_reason,
                 prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
-                created_at=now, expires_at=now + ttl_s, choices=final.choices), tag=call.scenario)
+                created_at=now, expires_at=now + ttl_s, choices=final.choices,
+                stop_sequence=first.stop_sequence if first else final.stop_sequence), tag=call.scenario)
             if probe is not None and lookup is not None and self.semantic is not None:
                 vector = (lookup.vector if lookup.vector is not None
                           else await self.semantic.batcher.embed(probe.text))

@@ -467,3 +467,38 @@ async def test_every_event_is_read_whatever_the_reads_and_lines_look_like(shape:
     assert (chunks[-1].finish_reason, chunks[-1].prompt_tokens, chunks[-1].completion_tokens) == ("stop", 5, 4)
     if shape == "plain":
         assert len(chunks) == 2  # one read, one chunk of text, then the end
+
+
+async def test_the_stop_string_an_upstream_matched_is_the_answers_stop_sequence() -> None:
+    """vLLM says which stop ended an answer in ``stop_reason``, SGLang in ``matched_stop`` (a string, or a stop
+    token's id); a string among the request's stops is the answer's stop_sequence, anything else is unknown."""
+    reports: list[dict[str, object]] = []
+
+    def respond(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        report = reports[len(seen)]
+        seen.append(body)
+        if not body["stream"]:
+            return httpx.Response(200, json={"choices": [{"index": 0, "message": {"content": "Blue"},
+                                                          "finish_reason": "stop", **report}],
+                                             "usage": {"prompt_tokens": 9, "completion_tokens": 1}})
+        delta = {"choices": [{"index": 0, "delta": {"content": "Blue"}, "finish_reason": None}]}
+        done = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop", **report}],
+                "usage": {"prompt_tokens": 9, "completion_tokens": 1}}
+        return httpx.Response(200, content=_sse(delta, done, b"[DONE]"), headers={"content-type": "text/event-stream"})
+
+    seen: list[dict[str, object]] = []
+    engine = OpenAIUpstreamEngine("http://vllm:8000/v1", model="m", transport=httpx.MockTransport(respond))
+    await engine.start()
+    stopped = GenerationRequest(messages=CHAT.messages, params=SamplingParams(max_tokens=8, stop=("END", "\n\n")))
+    for report, expected in (({"stop_reason": "END"}, "END"), ({"matched_stop": "\n\n"}, "\n\n"),
+                             ({"stop_reason": 128009}, None), ({"stop_reason": "other"}, None), ({}, None)):
+        reports.append(report)
+        assert (await collect(engine, stopped))[-1].stop_sequence == expected, report
+    # A whole answer (tools offered) is asked unstreamed: the same, on its choice.
+    tools = msgspec.structs.replace(stopped, tools=(ToolSpec(name="f", parameters='{"type": "object"}'),))
+    reports.append({"matched_stop": "END"})
+    final = (await collect(engine, tools))[-1]
+    assert final.choices is not None and final.choices[0].stop_sequence == "END"
+    assert seen[0]["stop"] == ["END", "\n\n"]
+    await engine.close()

@@ -24,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 from edgecache.errors import StorageUnavailable
 from edgecache.fleet.link import LinkDown, RedisLink, tenant_part
@@ -195,7 +197,8 @@ class RedisResponseStore:
         records, used = await self._command(self._usage(keys=self.keys(tenant, "")[1:]))
         return int(records), int(used)
 
-    async def _command(self, command):  # type: ignore[no-untyped-def]
+    async def _command(self, command: Coroutine[Any, Any, Any]) -> Any:
+        """One read or delete: a 503 (never a wait) while the link is down, and when the command fails."""
         if not self._link.up:
             command.close()  # the coroutine is never awaited: say so to Python, not as a warning
             raise StorageUnavailable(f"the stored responses are in the fleet's Redis, which is unreachable "

@@ -53,13 +53,16 @@ class AnswerWriter(Protocol):
     replay_shape: Hashable | None
 
     def body(self, text: str, finish_reason: str | None, counts: Counts,
-             choices: tuple[Choice, ...] | None = None) -> bytes: ...
+             choices: tuple[Choice, ...] | None = None, stop_sequence: str | None = None) -> bytes: ...
 
     def sse_start(self) -> bytes: ...
 
     def sse_delta(self, text: str) -> bytes: ...
 
-    def sse_end(self, finish_reason: str | None, counts: Counts) -> bytes: ...
+    def sse_end(self, finish_reason: str | None, counts: Counts, stop_sequence: str | None = None) -> bytes:
+        """The stream's end. ``stop_sequence``: the stop string that ended the answer (an API that reports it
+        does; see :class:`~edgecache.engines.base.Chunk`)."""
+        ...
 
     def sse_whole(self, choices: tuple[Choice, ...], counts: Counts) -> bytes:
         """A whole answer (tool calls, logprobs, several choices), streamed at once."""
@@ -154,11 +157,11 @@ def render_answer(writer: AnswerWriter, answer: CachedAnswer, stream: bool) -> b
     for the stored answer's replay: start, its text, end; or a whole answer at once)."""
     counts = Counts(answer.prompt_tokens, answer.completion_tokens, answer.prompt_tokens)  # a hit computed nothing
     if not stream:
-        return writer.body(answer.text, answer.finish_reason, counts, answer.choices)
+        return writer.body(answer.text, answer.finish_reason, counts, answer.choices, answer.stop_sequence)
     if answer.choices is not None:
         return writer.sse_whole(answer.choices, counts)
     return (writer.sse_start() + (writer.sse_delta(answer.text) if answer.text else b"")
-            + writer.sse_end(answer.finish_reason, counts))
+            + writer.sse_end(answer.finish_reason, counts, answer.stop_sequence))
 
 
 SSE_HEADERS = [(b"cache-control", b"no-cache")]
@@ -230,7 +233,8 @@ async def respond(rt: Runtime, request: Request[Any, Any, Any], call: Call, stre
             await chunks.aclose()
         metrics.observe_request(call.tenant, call.scenario, reply.served, ttft)
         body = writer.body("".join(texts), final.finish_reason,
-                           Counts(final.prompt_tokens, final.completion_tokens, final.cached_tokens), final.choices)
+                           Counts(final.prompt_tokens, final.completion_tokens, final.cached_tokens), final.choices,
+                           final.stop_sequence)
         return RawAnswer(body, reply_headers(reply))
 
     headers = {name.decode(): value.decode() for name, value in reply_headers(reply)}
@@ -279,7 +283,8 @@ async def _sse(rt: Runtime, call: Call, served: str, writer: AnswerWriter, first
                     yield writer.sse_delta(chunk.text)
                 if chunk.finish_reason is not None:
                     yield writer.sse_end(chunk.finish_reason,
-                                         Counts(chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_tokens))
+                                         Counts(chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_tokens),
+                                         chunk.stop_sequence)
                     outcome = served
                     return
                 chunk = await anext(chunks, None)

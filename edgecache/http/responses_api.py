@@ -11,13 +11,14 @@ Responses event stream, and hands each complete answer to the :class:`~edgecache
 Each field is one of three kinds (README's table lists them):
 
 - **in the key**: ``input``, ``instructions``, ``previous_response_id`` (the conversation it brings), function
-  ``tools``, ``tool_choice`` (incl. ``allowed_tools``), ``parallel_tool_calls`` (with tools), ``text.format``,
+  ``tools`` (also inside ``namespace`` tools, whose own name and description the model is not shown), ``tool_choice`` (incl. ``allowed_tools``), ``parallel_tool_calls`` (with tools), ``text.format``,
   ``max_output_tokens``, ``temperature``, ``top_p``, ``seed``, and, as on chat, ``reasoning.effort`` and
   ``text.verbosity`` (chat-template variables);
 - **accepted, out of the key** (they cannot change what the model writes): ``store``, ``stream``,
   ``stream_options``, ``metadata``, ``user``, ``safety_identifier``, ``prompt_cache_key``,
   ``prompt_cache_retention``, ``include``, ``reasoning.summary``, ``truncation``, ``service_tier``,
   ``client_metadata``, ``max_tool_calls`` (it counts built-in tool calls), items' ``id``, ``status`` and ``phase``,
+  a ``function_call`` item's ``namespace``,
   ``reasoning`` input items (this model reads none), ``prompt_cache_breakpoint`` on text parts (the engine's
   prefix cache is automatic);
 - **refused** with a 400 naming the field: built-in tools (web search, file search, computer use, code
@@ -122,6 +123,9 @@ class FunctionCallItem(msgspec.Struct, forbid_unknown_fields=True):
     arguments: str
     id: str | None = None
     status: ItemStatus | None = None
+    # The namespace tool the function belongs to: its name already says which function it was (names are unique
+    # across namespaces here), so it is accepted and left out of the key.
+    namespace: str | None = None
 
 
 class FunctionCallOutputItem(msgspec.Struct, forbid_unknown_fields=True):
@@ -155,15 +159,26 @@ class _Typed(msgspec.Struct):
     type: str | None = None
 
 
-class FunctionTool(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+class FunctionTool(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, tag_field="type",
+                   tag="function"):
     """A function the model may call (Responses spell it flat: no ``function`` wrapper)."""
 
-    type: Literal["function"]
     name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     # OpenAI's Responses default is strict; a tool sent without it is strict here too.
     strict: bool | None = None
+
+
+class NamespaceTool(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, tag_field="type",
+                    tag="namespace"):
+    """A group of function tools (Codex sends its sub-agent tools as one). The functions are offered to the model
+    as the plain function tools they are; the group's name and description are not shown to it (no chat template
+    here renders them), so they stay out of the key. A call to one of the functions names its namespace."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    description: str | None = None
+    tools: Annotated[list[FunctionTool], Meta(max_length=MAX_TOOLS)] = []
 
 
 class FunctionToolChoice(msgspec.Struct, forbid_unknown_fields=True, tag_field="type", tag="function"):
@@ -357,20 +372,49 @@ def conversation_of(request: ResponseCreateRequest) -> Conversation:
     return Conversation(messages=tuple(messages), items=tuple(items))
 
 
-def _tools(request: ResponseCreateRequest) -> list[FunctionTool]:
-    tools = []
-    for i, raw in enumerate(request.tools or ()):
-        at = f"tools[{i}]"
-        try:
-            kind = msgspec.json.decode(raw, type=_Typed).type
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise BadRequest(f"invalid tool: {exc}", param=at) from exc
-        if kind != "function":
-            what = "custom (free-form) tools" if kind == "custom" else f"the built-in tool {kind!r}"
-            raise BadRequest(f"{what} is not supported: this server runs the model alone; send function tools",
-                             param=f"{at}.type")
-        tools.append(_decode_at(raw, FunctionTool, at))
-    return tools
+#: Why a built-in tool is refused, and for Codex (which sends ``web_search`` unless told not to) how to leave it out.
+_BUILT_IN = {"web_search": "this server searches nothing; Codex leaves the tool out with web_search = \"disabled\" "
+                           "in its config.toml"}
+
+
+def _tool(raw: msgspec.Raw, at: str, *, nested: bool = False) -> FunctionTool | NamespaceTool:
+    try:
+        kind = msgspec.json.decode(raw, type=_Typed).type
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise BadRequest(f"invalid tool: {exc}", param=at) from exc
+    if kind == "namespace" and not nested:
+        group = _decode_at(raw, _NamespaceRaw, at)
+        return NamespaceTool(name=group.name, description=group.description, tools=[
+            _tool(t, f"{at}.tools[{j}]", nested=True) for j, t in enumerate(group.tools)])  # type: ignore[misc]
+    if kind != "function":
+        what = "custom (free-form) tools" if kind == "custom" else f"the built-in tool {kind!r}"
+        why = _BUILT_IN.get(str(kind), "this server runs the model alone; send function tools")
+        raise BadRequest(f"{what} is not supported: {why}", param=f"{at}.type")
+    return _decode_at(raw, FunctionTool, at)
+
+
+class _NamespaceRaw(msgspec.Struct, forbid_unknown_fields=True):
+    """A namespace tool whose functions are decoded one by one (so an unsupported one is named)."""
+
+    type: Literal["namespace"]
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    description: str | None = None
+    tools: Annotated[list[msgspec.Raw], Meta(max_length=MAX_TOOLS)] = []
+
+
+def _tools(request: ResponseCreateRequest) -> list[FunctionTool | NamespaceTool]:
+    """The tools as sent (a namespace holds its functions)."""
+    return [_tool(raw, f"tools[{i}]") for i, raw in enumerate(request.tools or ())]
+
+
+def _functions(tools: list[FunctionTool | NamespaceTool]) -> list[FunctionTool]:
+    """Every function the model is offered: the top-level ones and those in namespaces, in order."""
+    return [f for t in tools for f in (t.tools if isinstance(t, NamespaceTool) else (t,))]
+
+
+def _namespaces(tools: list[FunctionTool | NamespaceTool]) -> dict[str, str]:
+    """The namespace of each function that is in one (what a call to it names)."""
+    return {f.name: t.name for t in tools if isinstance(t, NamespaceTool) for f in t.tools}
 
 
 ToolChoice = Literal["none", "auto", "required"] | FunctionToolChoice | AllowedToolChoice
@@ -460,12 +504,13 @@ class OutputMessage(msgspec.Struct, tag_field="type", tag="message"):
     role: str = "assistant"
 
 
-class OutputFunctionCall(msgspec.Struct, tag_field="type", tag="function_call"):
+class OutputFunctionCall(msgspec.Struct, tag_field="type", tag="function_call", omit_defaults=True):
     id: str
     call_id: str
     name: str
     arguments: str
-    status: ItemStatus = "completed"
+    status: ItemStatus
+    namespace: str | None = None  # the namespace tool the function is in (absent for a top-level function)
 
 
 class InputTokensDetails(msgspec.Struct):
@@ -524,7 +569,7 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     temperature: float = 1.0
     text: TextOut = msgspec.field(default_factory=TextOut)
     tool_choice: str | FunctionToolChoice | AllowedToolChoice = "auto"
-    tools: list[FunctionTool] = []
+    tools: list[FunctionTool | NamespaceTool] = []
     top_p: float = 1.0
     truncation: str = "disabled"
     usage: ResponseUsage | None = None
@@ -561,7 +606,7 @@ class ResponsesWriter:
     :class:`~edgecache.http.replies.AnswerWriter`). Every event carries its ``sequence_number``; the items' ids
     derive from the response's id. ``on_complete`` receives each complete answer (never an error or a part)."""
 
-    __slots__ = ("id", "template", "on_complete", "shape", "renderings", "_seq", "_texts", "_suffix")
+    __slots__ = ("id", "template", "on_complete", "shape", "renderings", "_seq", "_texts", "_suffix", "_namespaces")
 
     _encoder = msgspec.json.Encoder()
 
@@ -575,6 +620,7 @@ class ResponsesWriter:
         self._seq = 0
         self._texts: list[str] = []
         self._suffix = self.id.split("_", 1)[1]
+        self._namespaces = _namespaces(template.tools)
 
     # ---- the output ----
 
@@ -593,7 +639,8 @@ class ResponsesWriter:
             output.append(OutputMessage(id=f"msg_{self._suffix}", status=status, content=content))
         for j, call in enumerate(calls):
             output.append(OutputFunctionCall(id=f"fc_{self._suffix}_{j}", call_id=call.id, name=call.name,
-                                             arguments=call.arguments))
+                                             arguments=call.arguments, status="completed",
+                                             namespace=self._namespaces.get(call.name)))
         said = ChatMessageIn(role="assistant", content=text or None if calls else text, tool_calls=[
             ToolCallIn(id=c.id, function=FunctionCallIn(name=c.name, arguments=c.arguments)) for c in calls] or None)
         return output, said
@@ -612,7 +659,7 @@ class ResponsesWriter:
         return body
 
     def body(self, text: str, finish_reason: str | None, counts: Counts,
-             choices: tuple[Choice, ...] | None = None) -> bytes:
+             choices: tuple[Choice, ...] | None = None, stop_sequence: str | None = None) -> bytes:
         output, said = self._output(text, choices, finish_reason)
         return self._complete(self._final(output, finish_reason, counts), said)
 
@@ -684,7 +731,7 @@ class ResponsesWriter:
         self._texts.append(text)
         return self._event(_TextDelta("response.output_text.delta", f"msg_{self._suffix}", 0, 0, text))
 
-    def sse_end(self, finish_reason: str | None, counts: Counts) -> bytes:
+    def sse_end(self, finish_reason: str | None, counts: Counts, stop_sequence: str | None = None) -> bytes:
         text = "".join(self._texts)
         output, said = self._output(text, None, finish_reason)
         item = output[0]
@@ -849,6 +896,13 @@ class StoredRenderings:
 # --- the front's side: parsing, storing, reading back ------------------------------------------------------------
 
 
+def _strict(tool: FunctionTool | NamespaceTool) -> FunctionTool | NamespaceTool:
+    """The tool as echoed: a function without ``strict`` is strict (OpenAI's Responses default)."""
+    if isinstance(tool, NamespaceTool):
+        return msgspec.structs.replace(tool, tools=[_strict(f) for f in tool.tools])  # type: ignore[misc]
+    return msgspec.structs.replace(tool, strict=True if tool.strict is None else tool.strict)
+
+
 class Asked(msgspec.Struct, frozen=True, kw_only=True):
     """A validated Responses request: the call (as chat would build it) and what its answer echoes and stores."""
 
@@ -926,7 +980,7 @@ class ResponsesApi:
                                   f"the stored conversation previous_response_id brings")
         tools, choice = _tools(request), _tool_choice(request)
         with responses_names():
-            parsed = parsed_from(chat_request(request, messages, tools, choice), tenant, self.settings)
+            parsed = parsed_from(chat_request(request, messages, _functions(tools), choice), tenant, self.settings)
         text = request.text
         template = ResponseObject(
             id="", created_at=0, status="completed", model=request.model, instructions=request.instructions,
@@ -936,7 +990,7 @@ class ResponsesApi:
             text=TextOut(format=text.format or TextFormat(type="text"), verbosity=text.verbosity)
             if text is not None else TextOut(),
             tool_choice=choice or "auto",
-            tools=[msgspec.structs.replace(t, strict=True if t.strict is None else t.strict) for t in tools],
+            tools=[_strict(t) for t in tools],
             truncation=request.truncation or "disabled", user=request.user, metadata=request.metadata or {},
             reasoning=ReasoningOut(effort=request.reasoning.effort, summary=request.reasoning.summary)
             if request.reasoning is not None else ReasoningOut())
