@@ -37,14 +37,13 @@ class Front:
         self.renderings = Renderings()  # stored answers rendered once per writer shape, for hits
         self.access_log = AccessLog(enabled=settings.server.access_log, count_refusal=count_refusal)
         self.warm_prefilled: Prefilled = set()  # system prompts /admin/warmup has prefilled (see edgecache.warmup)
-        self.responses = ResponsesApi(settings, fleet)
+        self.responses = ResponsesApi(settings, self.parsed, fleet)
 
     def after_flush(self, tenant: str | None, scenario: str | None) -> None:
         """Entries were dropped: forget the parsed bodies and the answers' renderings, and (everything flushed, the
         engine's prefix cache with it) which system prompts were prefilled."""
         self.parsed.clear()
         self.renderings.clear()
-        self.responses.forget()
         self.ledger.drop(tenant)
         if tenant is None and scenario is None:
             self.warm_prefilled.clear()

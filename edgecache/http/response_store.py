@@ -46,14 +46,20 @@ _EVICT_BATCH = 64
 
 class StoredResponse(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     """One stored response: ``body`` is the Response object as served (JSON), ``input_items`` the request's own
-    input items (a JSON array, for ``input_items``), ``history`` the conversation a follow-up continues (every message
-    but the instructions, this response's output last)."""
+    input items (a JSON array, for ``input_items``), ``history`` the conversation before it (every message but the
+    instructions) and ``said`` its output as the assistant's message: :attr:`conversation`, what a follow-up
+    continues. A record written before ``said`` was a field has its output last in ``history``."""
 
     body: bytes
     input_items: bytes
     history: tuple[ChatMessageIn, ...]
     created_at: float
     expires_at: float
+    said: ChatMessageIn | None = None
+
+    @property
+    def conversation(self) -> tuple[ChatMessageIn, ...]:
+        return self.history if self.said is None else (*self.history, self.said)
 
 
 class ResponseStore(Protocol):
