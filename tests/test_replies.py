@@ -188,7 +188,8 @@ def responses_writer(kind: str, response_id: str, store: bool, kept: Kept, creat
 def hit(renderings: Renderings, writer: ResponsesWriter, stored: CachedAnswer, stream: bool) -> bytes:
     """What :func:`~edgecache.http.replies.respond` does for a hit: the rendering, then the writer's replayed."""
     out = renderings.render(writer, stored, stream)
-    writer.replayed(stored, renderings)
+    if writer.replayed is not None:
+        writer.replayed(stored, renderings.render(writer, stored, False) if stream else out)
     return out
 
 
@@ -229,6 +230,7 @@ async def test_a_responses_hit_writes_and_stores_what_the_streaming_path_does(ki
             else:
                 assert said.content == (stored.choices[0].text if stored.choices else stored.text)
     assert len(renderings) == (2 if store and stream else 1)  # the stream, and the JSON body a stored hit keeps
+    assert (w.replayed is None) is (not store)  # an unstored hit does nothing besides its rendering
 
 
 async def test_responses_renderings_are_per_shape_and_per_second() -> None:

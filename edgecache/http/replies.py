@@ -51,8 +51,8 @@ class AnswerWriter(Protocol):
     without the attribute, or None, renders each hit afresh. Rendering has no side effects beyond the writer's own
     stream state; a writer that keeps what it serves (a stored Response) does so in ``replayed`` for a hit.
 
-    ``replayed(answer, renderings)``, where a writer has it, is called once a stored answer is rendered for this
-    response (a hit); ``renderings`` renders it in the other form too.
+    ``replayed``, where a writer has it and it is not None, is called as ``replayed(answer, body)`` once a stored
+    answer is rendered for this response (a hit), ``body`` the answer as this response's JSON body.
     """
 
     id: str
@@ -115,7 +115,9 @@ class Renderings:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._entries: OrderedDict[tuple[int, bool, Hashable], tuple[CachedAnswer, list[bytes], int]] = OrderedDict()
+        # key -> (the answer, its rendering's pieces around the id's tail, their size, the id's kind)
+        self._entries: OrderedDict[tuple[int, bool, Hashable], tuple[CachedAnswer, list[bytes], int, str]] = \
+            OrderedDict()
         # Stands for the id's tail while a rendering is made: random, so no answer's text can hold it.
         self._slot = f"edgecachereplay{os.urandom(12).hex()}"
 
@@ -132,10 +134,10 @@ class Renderings:
             return render_answer(writer, answer, stream)
         key = (id(answer), stream, shape)
         entry = self._entries.get(key)
-        kind, tail = id_tail(writer.id)
-        if entry is not None and entry[0] is answer:
+        if entry is not None and entry[0] is answer and writer.id.startswith(entry[3]):
             self._entries.move_to_end(key)
-            return tail.encode().join(entry[1])
+            return writer.id[len(entry[3]):].encode().join(entry[1])
+        kind, tail = id_tail(writer.id)
         own_id, writer.id = writer.id, kind + self._slot
         try:
             pieces = render_answer(writer, answer, stream).split(self._slot.encode())
@@ -145,7 +147,7 @@ class Renderings:
         if size <= self.max_bytes // 8:
             if entry is not None:
                 self._drop(key)
-            self._entries[key] = (answer, pieces, size)
+            self._entries[key] = (answer, pieces, size, kind)
             self.bytes += size
             while self.bytes > self.max_bytes or len(self._entries) > self.max_entries:
                 self._drop(next(iter(self._entries)))
@@ -214,7 +216,7 @@ async def respond(rt: Runtime, request: Request[Any, Any, Any], call: Call, stre
         body = renderings.render(writer, answer, stream)
         replayed = getattr(writer, "replayed", None)
         if replayed is not None:
-            replayed(answer, renderings)
+            replayed(answer, renderings.render(writer, answer, False) if stream else body)
         if stream:
             return RawAnswer(body, reply_headers(reply) + SSE_HEADERS, content_type=SSE)
         return RawAnswer(body, reply_headers(reply))

@@ -41,7 +41,7 @@ from msgspec import Meta
 from edgecache.engines.base import Choice
 from edgecache.errors import BadRequest, EdgeCacheError, NotFound, PayloadTooLarge
 from edgecache.http.calls import Parsed, ParsedRequests, parsed_from
-from edgecache.http.replies import Counts, Renderings, id_tail
+from edgecache.http.replies import Counts, id_tail
 from edgecache.http.request_surface import (
     MAX_TOOLS,
     CacheOptions,
@@ -617,10 +617,10 @@ class ResponsesWriter:
 
     A stored answer is rendered once per ``replay_shape`` (:class:`~edgecache.http.replies.Renderings`): the
     request's settings the Response echoes (``shape``, the template encoded), the model and the time; a hit joins
-    in its own id, and :meth:`replayed` hands the answer to ``on_complete``.
+    in its own id, and ``replayed`` hands the answer to ``on_complete``.
     """
 
-    __slots__ = ("id", "template", "on_complete", "replay_shape", "_seq", "_texts", "_namespaces")
+    __slots__ = ("id", "template", "on_complete", "replay_shape", "replayed", "_seq", "_texts")
 
     _encoder = msgspec.json.Encoder()
 
@@ -629,9 +629,10 @@ class ResponsesWriter:
         self.template = template
         self.on_complete = on_complete
         self.replay_shape = ("responses", shape, template.model, template.created_at)
+        # What a hit does besides sending its rendering (see AnswerWriter): keep it, or nothing.
+        self.replayed = self._keep_replayed if on_complete is not None else None
         self._seq = 0
         self._texts: list[str] = []
-        self._namespaces = _namespaces(template.tools)
 
     @property
     def _suffix(self) -> str:
@@ -653,10 +654,11 @@ class ResponsesWriter:
             if refusal is not None:
                 content.append(OutputRefusal(refusal=refusal))
             output.append(OutputMessage(id=f"msg_{self._suffix}", status=status, content=content))
+        namespaces = _namespaces(self.template.tools) if calls else {}
         for j, call in enumerate(calls):
             output.append(OutputFunctionCall(id=f"fc_{self._suffix}_{j}", call_id=call.id, name=call.name,
                                              arguments=call.arguments, status="completed",
-                                             namespace=self._namespaces.get(call.name)))
+                                             namespace=namespaces.get(call.name)))
         return output, said_in(text, choices)
 
     def _final(self, output: list[OutputMessage | OutputFunctionCall], finish_reason: str | None,
@@ -673,10 +675,10 @@ class ResponsesWriter:
             self.on_complete(self.id, body, said)
         return body
 
-    def replayed(self, answer: CachedAnswer, renderings: Renderings) -> None:
-        """A stored answer was served as this response (a hit): kept like any other, as its JSON body."""
-        if self.on_complete is not None:
-            self.on_complete(self.id, renderings.render(self, answer, False), said_in(answer.text, answer.choices))
+    def _keep_replayed(self, answer: CachedAnswer, body: bytes) -> None:
+        """A stored answer was served as this response (a hit), ``body`` its JSON: kept like any other."""
+        assert self.on_complete is not None
+        self.on_complete(self.id, body, said_in(answer.text, answer.choices))
 
     def body(self, text: str, finish_reason: str | None, counts: Counts,
              choices: tuple[Choice, ...] | None = None, stop_sequence: str | None = None) -> bytes:
