@@ -4,6 +4,7 @@
 
     EdgeCacheError                  500 server_error
      ├─ BadRequest                  400 invalid_request_error
+     │   └─ PromptTooLong               400 context_length_exceeded (the prompt does not fit the context)
      ├─ Unauthorized                401 authentication_error
      ├─ Forbidden                   403 permission_error (a policy the plan does not allow)
      ├─ NotFound                    404 not_found_error (unknown model, unknown route)
@@ -41,6 +42,19 @@ class EdgeCacheError(Exception):
 class BadRequest(EdgeCacheError):
     status = 400
     error_type = "invalid_request_error"
+
+
+class PromptTooLong(BadRequest):
+    """The prompt does not fit the model's context. ``tokens`` is its count (or a lower bound that already does
+    not fit), ``context`` the context's size in tokens: each API words it its own way (Anthropic's clients read
+    "prompt is too long: N tokens > M maximum")."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, message: str, *, tokens: int, context: int, param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.tokens = tokens
+        self.context = context
 
 
 class Unauthorized(EdgeCacheError):

@@ -30,7 +30,7 @@ import numpy as np
 from edgecache.admission import AdmissionGate
 from edgecache.call import Call, CachePolicy, Served
 from edgecache.semantic.decision_log import DecisionLog
-from edgecache.engines.base import Chunk, Engine
+from edgecache.engines.base import STREAM_BATCH_S, Chunk, Engine
 from edgecache.errors import EngineError, NotCached
 from edgecache.semantic.guard import rule_of as guard_rule_of
 from edgecache.inflight import FlightTable, SharedFlight
@@ -42,12 +42,6 @@ from edgecache.semantic.lookup import Lookup, Probe, probe_for, record_lookup
 from edgecache.semantic.cache import SemanticCache
 from edgecache.semantic import refusals
 from edgecache.semantic.marks import MarkedWrong
-
-#: A listener of a flight takes at most one delivery per this many seconds; the tokens an engine produced meanwhile
-#: come as one chunk (see ``Flight.follow``). Below what a reader notices, above the time a fast engine takes for a
-#: token, so the relay's work per delivery (a wake-up, a frame, a write) is not paid per token.
-STREAM_BATCH_S = 0.005
-
 
 class Reply(msgspec.Struct, kw_only=True):
     """Who served the call, and the answer: a stored one (``answer``) or a stream of chunks (text deltas; the
@@ -81,7 +75,7 @@ def replay(answer: CachedAnswer) -> AsyncIterator[Chunk]:
             yield Chunk(text=answer.text)
         yield Chunk(finish_reason=answer.finish_reason, prompt_tokens=answer.prompt_tokens,  # type: ignore[arg-type]
                     completion_tokens=answer.completion_tokens, cached_tokens=answer.prompt_tokens,
-                    choices=answer.choices)
+                    choices=answer.choices, stop_sequence=answer.stop_sequence)
 
     return chunks()
 
@@ -387,7 +381,8 @@ class RequestPipeline:
                 text=text,
                 finish_reason=first.finish_reason if first else final.finish_reason,
                 prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
-                created_at=now, expires_at=now + ttl_s, choices=final.choices), tag=call.scenario)
+                created_at=now, expires_at=now + ttl_s, choices=final.choices,
+                stop_sequence=first.stop_sequence if first else final.stop_sequence), tag=call.scenario)
             if probe is not None and lookup is not None and self.semantic is not None:
                 vector = (lookup.vector if lookup.vector is not None
                           else await self.semantic.batcher.embed(probe.text))

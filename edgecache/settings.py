@@ -169,13 +169,13 @@ class StoreSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
         "Byte budget of the in-memory copy of recently used results, which serves hits without touching disk.")] \
         = ByteSize(64 * 2**20)
     responses_bytes: Annotated[ByteSize, _help(
-        "Byte budget of each tenant's stored Responses (POST /v1/responses with store, the default); the oldest "
-        "go first past it.")] = ByteSize(256 * 2**20)
+        "Byte budget of each tenant's stored Responses (POST /v1/responses with store, the default), on the node's "
+        "disk or, for a fleet, in Redis; the oldest go first past it.")] = ByteSize(256 * 2**20)
     responses_ttl_s: Annotated[float, Meta(gt=0), _help(
         "How long a stored Response can be read back or continued with previous_response_id.")] = 7 * 86400.0
     backend: Annotated[Literal["disk", "redis"], _help(
-        "Where results, flights and vectors are shared: disk (this node alone, the default) or redis (every node "
-        "of a fleet pointing at store.redis_url; see docs/fleet.md).")] = "disk"
+        "Where results, flights, vectors and stored Responses are shared: disk (this node alone, the default) or "
+        "redis (every node of a fleet pointing at store.redis_url; see docs/fleet.md).")] = "disk"
     redis_url: Annotated[str | None, _help(
         "The fleet's Redis, e.g. redis://10.0.0.9:6379/0 (store.backend = redis; `serve --redis URL` sets both).")] \
         = None

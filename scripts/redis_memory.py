@@ -6,7 +6,9 @@ backends, and reads ``used_memory`` from ``INFO memory`` before and after:
 - a result: one answer of --answer-chars characters in the store (value, LRU member, size, tag);
 - a flight: one finished flight's lease and stream of --chunks chunks, as it is during its finished window;
 - a vector: one record of a --dim-dimension vector (float16) and its prompt text in a tenant's vector stream;
-- a label: one semantic learner label in the fleet's label stream.
+- a label: one semantic learner label in the fleet's label stream;
+- a stored response: one Responses API response (a --answer-chars answer to a one-line question: the Response as
+  served, its input items and the conversation) with its tenant's bookkeeping (age order, size, byte counter).
 
     python scripts/redis_memory.py [--n 2000] [--answer-chars 600] [--chunks 40] [--dim 512]
 """
@@ -27,8 +29,13 @@ from edgecache.bench.harness import free_port
 from edgecache.engines.base import Chunk
 from edgecache.fleet.labels import LABELS, SharedLabel
 from edgecache.fleet.link import RedisLink
+from edgecache.fleet.responses import RedisResponseStore
 from edgecache.fleet.vectors import VectorRecord
 from edgecache.inflight.local import Flight
+from edgecache.http.request_surface import ChatMessageIn
+from edgecache.http.response_store import StoredResponse
+from edgecache.http.responses_api import (InputTokensDetails, OutputMessage, OutputText, OutputTokensDetails,
+                                          ResponseObject, ResponseUsage)
 from edgecache.inflight.redis import RedisFlightTable
 from edgecache.stores import CachedAnswer
 from edgecache.stores.redis import RedisTenantStores
@@ -89,6 +96,27 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, float]:
                 similarity=0.8731, good=False, answer_key=f"{i + 1:032x}"))})
         await pipe.execute()
         out["label"] = (await used(link) - before) / args.n
+
+        question = "How do I reset my password on the mobile app?"
+        responses = RedisResponseStore(link, tenant_bytes=10**12, ttl_s=3600)
+        before = await used(link)
+        for i in range(args.n):
+            response_id = f"resp_{i:024x}"
+            body = __import__("msgspec").json.encode(ResponseObject(
+                id=response_id, created_at=int(now), status="completed", model="SmolLM2-135M-Instruct",
+                output=[OutputMessage(id=f"msg_{i:024x}", status="completed", content=[OutputText(text=text)])],
+                usage=ResponseUsage(input_tokens=40, input_tokens_details=InputTokensDetails(cached_tokens=0),
+                                    output_tokens=150, output_tokens_details=OutputTokensDetails(),
+                                    total_tokens=190)))
+            items = __import__("msgspec").json.encode([{"type": "message", "role": "user", "content": question,
+                                                        "id": f"msg_{i:024x}_in0"}])
+            record = encode(StoredResponse(body=body, input_items=items, history=(
+                ChatMessageIn(role="user", content=question), ChatMessageIn(role="assistant", content=text)),
+                created_at=now, expires_at=now + 3600))
+            responses.put("tenant-a", response_id, record, now, now + 3600)
+        await responses.flushed()
+        out["response"] = (await used(link) - before) / args.n
+        out["response_record"] = len(record)
     finally:
         await link.close()
     return out
@@ -118,7 +146,8 @@ def main() -> None:
     for label, value in ((f"result ({args.answer_chars}-char answer)", figures["result"]),
                          (f"flight ({args.chunks} chunks, finished window)", figures["flight"]),
                          (f"vector ({args.dim}-dim f16 + prompt text)", figures["vector"]),
-                         ("learner label", figures["label"])):
+                         ("learner label", figures["label"]),
+                         (f"stored response ({figures['response_record']:.0f}-byte record)", figures["response"])):
         print(f"  {label:42}{value:8.0f} B")
 
 

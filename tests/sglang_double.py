@@ -9,8 +9,9 @@ the adapter depends on, as read in SGLang's source (``python/sglang/srt/entrypoi
 - ``await async_generate(..., stream=True, rid=..., cache_salt=...)`` returns an async generator of
   ``{"text", "output_ids", "meta_info"}``; ``text`` is cumulative unless ``incremental_streaming_output`` is set.
   ``meta_info`` has ``id``, ``prompt_tokens``, ``completion_tokens``, ``cached_tokens`` and ``finish_reason``:
-  ``None`` until the end, then ``{"type": "stop", "matched": ...}``, ``{"type": "length", "length": n}`` or
-  ``{"type": "abort", "message": ..., "status_code": ..., "err_type": ...}``.
+  ``None`` until the end, then ``{"type": "stop", "matched": ...}`` (the end-of-sequence token's id, or the stop
+  string of ``sampling_params["stop"]`` that ended the text, trimmed from it), ``{"type": "length", "length": n}``
+  or ``{"type": "abort", "message": ..., "status_code": ..., "err_type": ...}``.
 - ``cached_tokens`` comes from a radix cache namespaced by ``cache_salt``: a prompt reuses the longest prefix of
   an earlier prompt with the same salt, never one of another salt, and at least its last token is recomputed.
 - ``tokenizer_manager.abort_request(rid)`` is synchronous, ignores unknown rids and makes a running request end
@@ -222,6 +223,7 @@ class FakeTokenizerManager:
         cached = self._match_prefix(cache_salt, input_ids)
         max_new = int(sampling_params.get("max_new_tokens", 128))
         pieces = script.pieces[:max_new]
+        stops = [str(stop) for stop in sampling_params.get("stop") or ()]
         text = ""
         try:
             for i, piece in enumerate(pieces):
@@ -239,6 +241,13 @@ class FakeTokenizerManager:
                         finish = {"type": "length", "length": max_new}
                     else:
                         finish = {"type": "stop", "matched": EOS_ID}
+                if finish is None or finish["type"] != "abort":
+                    # A stop string ends the answer there, trimmed from it (SGLang's default: no_stop_trim off).
+                    hits = sorted((at, len(stop), stop) for stop in stops if (at := (text + piece).find(stop)) >= 0)
+                    if hits:
+                        at, _, stop = hits[0]
+                        piece = (text + piece)[len(text):at]
+                        finish = {"type": "stop", "matched": stop}
                 text += piece
                 meta = self._meta(rid, finish, len(input_ids),
                                   i + (0 if finish and finish["type"] == "abort" else 1), cached)

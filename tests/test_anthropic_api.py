@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -198,7 +199,10 @@ async def test_tool_use_and_tool_result_reach_the_engine_as_a_chat_would(client:
 
 
 async def test_a_request_shaped_as_claude_codes_is_served(client: httpx.AsyncClient, fake_engine: FakeEngine) -> None:
-    """The fields and headers Claude Code 2.1 sends (its text replaced): every one accepted, none in the key."""
+    """The fields and headers Claude Code 2.1 sends (its text replaced; 2.1.328's, captured from a real run against
+    this server): every one accepted, none in the key. Its tool-search placeholder (``defer_loading``) is not offered
+    to the model, as Anthropic leaves a deferred tool out of the context; refusing it had Claude Code retry three
+    times and then fall back to a 79 KB body with 21 tools."""
     fake_engine.features = frozenset({"tools", "tool_choice"})
     body = {"model": "fake-model", "max_tokens": 32000, "stream": True,
             "system": [{"type": "text", "text": "You are a CLI agent."},
@@ -210,9 +214,12 @@ async def test_a_request_shaped_as_claude_codes_is_served(client: httpx.AsyncCli
             "tools": [{"name": "Bash", "description": "Run a command", "input_schema": {
                 "$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object",
                 "properties": {"command": {"type": "string"}}, "required": ["command"],
-                "additionalProperties": False}}],
+                "additionalProperties": False}},
+                {"name": "DeferredToolPlaceholder", "description": "Reserved placeholder that keeps deferred tool "
+                 "loading active; never call this tool.", "input_schema": {"type": "object", "properties": {}},
+                 "defer_loading": True}],
             "metadata": {"user_id": json.dumps({"device_id": "d", "session_id": "s"})},
-            "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+            "thinking": {"type": "adaptive", "display": "omitted"}, "output_config": {"effort": "high"},
             "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}}
     headers = {"x-api-key": "unused", "anthropic-version": "2023-06-01", "x-app": "cli",
                "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27",
@@ -222,9 +229,11 @@ async def test_a_request_shaped_as_claude_codes_is_served(client: httpx.AsyncCli
     names = [name for name, _ in anthropic_events(first.text)]
     assert names[0] == "message_start" and names[-1] == "message_stop"
     plain = {k: v for k, v in body.items() if k not in ("metadata", "thinking", "output_config", "context_management")}
+    plain["tools"] = body["tools"][:1]
     again = await client.post("/v1/messages?beta=true", json=plain, headers=headers)
     assert again.headers["x-edgecache"] == "exact"
     assert [m.role for m in fake_engine.requests[0].messages or ()] == ["system", "user", "system"]
+    assert [t.name for t in fake_engine.requests[0].tools] == ["Bash"]
     assert fake_engine.calls == 1
 
 
@@ -484,6 +493,50 @@ def test_e2e_missing_max_tokens_is_anthropics_error(server: Server) -> None:
     resp = httpx.post(server.url + "/v1/messages", headers={"anthropic-version": "2023-06-01"},
                       json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
     assert "max_tokens" in assert_anthropic_error(resp, 400, "invalid_request_error")
+
+
+@pytest.mark.e2e
+def test_e2e_a_stop_sequence_that_ended_the_answer_is_named(server: Server) -> None:
+    """The llama.cpp engine says which stop string ended an answer: Messages reports stop_reason "stop_sequence"
+    with the string, on the miss, in the stream and on a hit (the stored answer keeps it)."""
+    c = sdk(server)
+    ask = dict(model=MODEL, max_tokens=16, extra_body={"temperature": 0},
+               messages=[{"role": "user", "content": "List three fruits, separated by commas."}])
+    free = c.messages.create(**ask)
+    text = free.content[0].text  # type: ignore[union-attr]
+    assert free.stop_sequence is None and free.stop_reason in ("end_turn", "max_tokens")
+    words = text.split()
+    assert len(words) >= 3, text
+    stop = words[2]  # a word the greedy answer writes after its start: it ends the same answer there
+    stopped = dict(ask, stop_sequences=[stop, "never-written-xyz"])
+    miss = c.messages.with_raw_response.create(**stopped)
+    hit = c.messages.with_raw_response.create(**stopped)
+    assert (miss.headers["x-edgecache"], hit.headers["x-edgecache"]) == ("miss", "exact")
+    for message in (miss.parse(), hit.parse()):
+        assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
+        assert message.content[0].text == text[:text.index(stop)]  # type: ignore[union-attr]
+    # Streamed, as a miss (another max_tokens: another key; the greedy answer stops at the same place).
+    with c.messages.stream(**dict(stopped, max_tokens=17)) as stream:
+        assert stream.response.headers["x-edgecache"] == "miss"
+        streamed = stream.get_final_message()
+    assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", stop)
+    assert streamed.content[0].text == text[:text.index(stop)]  # type: ignore[union-attr]
+
+
+@pytest.mark.e2e
+def test_e2e_a_prompt_longer_than_the_context_is_anthropics_prompt_is_too_long(server: Server) -> None:
+    """What Claude Code reads to say the conversation is too long (instead of retrying it in other shapes): a 400
+    invalid_request_error "prompt is too long: N tokens > M maximum". The OpenAI routes keep their own shape, code
+    context_length_exceeded (which Codex reads as "ran out of room in the model's context window")."""
+    long = " ".join(f"word{i}" for i in range(6000))  # past the cpu profile's 4096-token context
+    resp = httpx.post(server.url + "/v1/messages", timeout=120, json={
+        "model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": long}]})
+    message = assert_anthropic_error(resp, 400, "invalid_request_error")
+    tokens, maximum = re.match(r"prompt is too long: (\d+) tokens > (\d+) maximum", message).groups()  # type: ignore[union-attr]
+    assert int(tokens) > int(maximum) and "context holds 4096" in message
+    resp = httpx.post(server.url + "/v1/responses", timeout=120, json={"model": MODEL, "input": long})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded", resp.text
+    assert "4096" in resp.json()["error"]["message"]
 
 
 @pytest.mark.e2e

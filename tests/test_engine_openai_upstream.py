@@ -424,3 +424,81 @@ async def test_output_controls_and_vllm_extras_are_sent_as_is_and_only_when_set(
     assert {k: seen[0][k] for k in extras} == {**extras, "stop_token_ids": [7]}
     assert not set(extras) & set(seen[1])
     await engine.close()
+
+
+class _Pieces(httpx.AsyncByteStream):
+    """A streamed body in the given pieces, as the transport would hand them over read by read."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for piece in self.pieces:
+            yield piece
+
+
+def _delta(text: str) -> dict[str, object]:
+    return {"id": "c", "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+
+
+_END = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 4}}
+
+
+@pytest.mark.parametrize("shape", ["plain", "split_everywhere", "crlf_comments_and_names", "done_then_more"])
+async def test_every_event_is_read_whatever_the_reads_and_lines_look_like(shape: str) -> None:
+    """Whole ``data:`` events decoded as one block, or line by line where a block has anything else (comments,
+    event names, CRLF, an event cut between reads): the same text, finish and usage either way."""
+    body = _sse(_delta("a"), _delta("b\n\"c\""), _delta("d"), _delta("é"), _END, b"[DONE]")
+    if shape == "crlf_comments_and_names":
+        body = b": ping\r\n\r\n" + body.replace(b"\n\n", b"\r\n\r\n").replace(b"data: ", b"event: x\r\ndata:")
+    if shape == "done_then_more":
+        body += _sse(_delta("never read"))
+    pieces = [body[i:i + 7] for i in range(0, len(body), 7)] if shape == "split_everywhere" else [body]
+
+    def respond(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=_Pieces(pieces), headers={"content-type": "text/event-stream"})
+
+    engine = OpenAIUpstreamEngine("http://up/v1", model="m", transport=httpx.MockTransport(respond))
+    await engine.start()
+    chunks = await collect(engine, CHAT)
+    await engine.close()
+    assert "".join(c.text for c in chunks) == 'ab\n"c"dé'
+    assert (chunks[-1].finish_reason, chunks[-1].prompt_tokens, chunks[-1].completion_tokens) == ("stop", 5, 4)
+    if shape == "plain":
+        assert len(chunks) == 2  # one read, one chunk of text, then the end
+
+
+async def test_the_stop_string_an_upstream_matched_is_the_answers_stop_sequence() -> None:
+    """vLLM says which stop ended an answer in ``stop_reason``, SGLang in ``matched_stop`` (a string, or a stop
+    token's id); a string among the request's stops is the answer's stop_sequence, anything else is unknown."""
+    reports: list[dict[str, object]] = []
+
+    def respond(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        report = reports[len(seen)]
+        seen.append(body)
+        if not body["stream"]:
+            return httpx.Response(200, json={"choices": [{"index": 0, "message": {"content": "Blue"},
+                                                          "finish_reason": "stop", **report}],
+                                             "usage": {"prompt_tokens": 9, "completion_tokens": 1}})
+        delta = {"choices": [{"index": 0, "delta": {"content": "Blue"}, "finish_reason": None}]}
+        done = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop", **report}],
+                "usage": {"prompt_tokens": 9, "completion_tokens": 1}}
+        return httpx.Response(200, content=_sse(delta, done, b"[DONE]"), headers={"content-type": "text/event-stream"})
+
+    seen: list[dict[str, object]] = []
+    engine = OpenAIUpstreamEngine("http://vllm:8000/v1", model="m", transport=httpx.MockTransport(respond))
+    await engine.start()
+    stopped = GenerationRequest(messages=CHAT.messages, params=SamplingParams(max_tokens=8, stop=("END", "\n\n")))
+    for report, expected in (({"stop_reason": "END"}, "END"), ({"matched_stop": "\n\n"}, "\n\n"),
+                             ({"stop_reason": 128009}, None), ({"stop_reason": "other"}, None), ({}, None)):
+        reports.append(report)
+        assert (await collect(engine, stopped))[-1].stop_sequence == expected, report
+    # A whole answer (tools offered) is asked unstreamed: the same, on its choice.
+    tools = msgspec.structs.replace(stopped, tools=(ToolSpec(name="f", parameters='{"type": "object"}'),))
+    reports.append({"matched_stop": "END"})
+    final = (await collect(engine, tools))[-1]
+    assert final.choices is not None and final.choices[0].stop_sequence == "END"
+    assert seen[0]["stop"] == ["END", "\n\n"]
+    await engine.close()

@@ -24,7 +24,7 @@ from edgecache.engines.sglang import (
     model_fingerprint,
     sglang_version_supported,
 )
-from edgecache.errors import BadRequest, EngineError, NotReady
+from edgecache.errors import BadRequest, EngineError, NotReady, PromptTooLong
 from tests.sglang_double import BOS_ID, FakeSGLangEngine, OldFakeSGLangEngine, Script
 
 
@@ -490,12 +490,28 @@ async def test_sampling_values_sglang_refuses_are_a_400_naming_the_field(params:
     await engine.close()
 
 
+async def test_the_stop_string_sglang_matched_is_the_answers_stop_sequence() -> None:
+    """SGLang's stop finish says what it matched: a stop string (the answer's stop_sequence) or the end-of-sequence
+    token's id (none)."""
+    engine, factory = await started()
+    factory.fake.tokenizer_manager.script = Script(pieces=["Blue", " and", " END", " more"])
+    stopped = msgspec.structs.replace(chat(), params=SamplingParams(max_tokens=16, stop=("END", "zzz")))
+    chunks = await collect(engine, stopped)
+    assert "".join(c.text for c in chunks) == "Blue and " and chunks[-1].finish_reason == "stop"
+    assert chunks[-1].stop_sequence == "END"
+    factory.fake.tokenizer_manager.script = Script(pieces=["Blue"])
+    assert (await collect(engine, stopped))[-1].stop_sequence is None  # the end-of-sequence token ended it
+    await engine.close()
+
+
 async def test_a_prompt_over_the_context_length_is_a_400() -> None:
     engine, _ = await started(SGLangOptions(model_path="/models/tiny-chat", context_length=64))
     with pytest.raises(BadRequest, match="context length") as info:
         await collect(engine, chat("x" * 200))
     assert info.value.param == "messages"
     assert info.value.code == "context_length_exceeded"
+    # The counts SGLang gives, for the APIs that word them (Anthropic's "prompt is too long: N tokens > M").
+    assert isinstance(info.value, PromptTooLong) and info.value.context == 64 and info.value.tokens > 64
     await engine.close()
 
 

@@ -1,5 +1,6 @@
 """A stored answer's rendering made once (:class:`~edgecache.http.replies.Renderings`): the bytes a hit writes are
-the bytes the streaming path writes for the same answer, for every answer kind, and each response has its own id."""
+the bytes the streaming path writes for the same answer, for every answer kind and every API's writer (Chat and
+Completions, Responses), and each response has its own id (and a Response its own item ids and stored copy)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,16 @@ import pytest
 from edgecache.call import Call
 from edgecache.engines.base import Choice, GenerationRequest, Message, TokenLogprob, ToolCall, TopLogprob
 from edgecache.http.openai_api import ResponseWriter
-from edgecache.http.replies import Counts, Renderings, _sse, render_answer
+from edgecache.http.replies import AnswerWriter, Counts, Renderings, _sse, render_answer
+from edgecache.http.request_surface import ChatMessageIn
+from edgecache.http.responses_api import (
+    FunctionTool,
+    NamespaceTool,
+    ResponseObject,
+    ResponsesWriter,
+    TextFormat,
+    TextOut,
+)
 from edgecache.pipeline import replay
 from edgecache.stores import CachedAnswer
 from tests.conftest import chat_body
@@ -52,7 +62,7 @@ class _Runtime:
     metrics = _Metrics()
 
 
-async def old_stream(writer: ResponseWriter, stored: CachedAnswer) -> bytes:
+async def old_stream(writer: AnswerWriter, stored: CachedAnswer) -> bytes:
     """What the streaming path writes for a stored answer: its replay's chunks through the SSE renderer."""
     call = Call(request=GenerationRequest(messages=(Message(role="user", content="q"),)), tenant="t")
     chunks = replay(stored)
@@ -155,3 +165,81 @@ async def test_streamed_hits_over_http_carry_their_own_ids(client: httpx.AsyncCl
         ids.append(frames[0]["id"])
     assert ids[0] != ids[1]
     assert len(client.app.state.front.renderings) == 1  # type: ignore[attr-defined]
+
+
+# --- Responses: the same, with the item ids that carry the response id's tail and the copy each response stores ---
+
+Kept = list[tuple[str, bytes, ChatMessageIn]]
+RESPONSE_KINDS = ("plain", "plain, quotes and unicode", "empty text", "length", "tool call", "structured", "refusal")
+STRUCTURED = TextOut(format=TextFormat(type="json_schema", name="weather", schema_={"type": "object"}, strict=True))
+
+
+def responses_writer(kind: str, response_id: str, store: bool, kept: Kept, created_at: int) -> ResponsesWriter:
+    """A writer as :meth:`ResponsesApi.writer` builds one; ``kept`` collects what it stores."""
+    template = ResponseObject(
+        id=response_id, created_at=created_at, status="completed", model="m", store=store, max_output_tokens=48,
+        text=STRUCTURED if kind == "structured" else TextOut(),
+        tools=[FunctionTool(name="get_weather", parameters={"type": "object"}, strict=True),
+               NamespaceTool(name="clock", tools=[FunctionTool(name="get_time", strict=True)])])
+    keep = (lambda response_id, body, said: kept.append((response_id, body, said))) if store else None
+    return ResponsesWriter(template, keep, shape=msgspec.json.encode(template.text))
+
+
+def hit(renderings: Renderings, writer: ResponsesWriter, stored: CachedAnswer, stream: bool) -> bytes:
+    """What :func:`~edgecache.http.replies.respond` does for a hit: the rendering, then the writer's replayed."""
+    out = renderings.render(writer, stored, stream)
+    writer.replayed(stored, renderings)
+    return out
+
+
+@pytest.mark.parametrize("kind", RESPONSE_KINDS)
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+@pytest.mark.parametrize("store", [True, False], ids=["stored", "unstored"])
+async def test_a_responses_hit_writes_and_stores_what_the_streaming_path_does(kind: str, stream: bool,
+                                                                               store: bool) -> None:
+    stored = KINDS[kind]
+    renderings = Renderings()
+    seen: set[bytes] = set()
+    for response_id in ("resp_first", "resp_second", "resp_third"):  # the later ones are served from the memo
+        kept_hit: Kept = []
+        kept_fresh: Kept = []
+        now = int(NOW)
+        w = responses_writer(kind, response_id, store, kept_hit, now)
+        fresh = responses_writer(kind, response_id, store, kept_fresh, now)
+        if stream:
+            expected = await old_stream(fresh, stored)
+        else:
+            counts = Counts(stored.prompt_tokens, stored.completion_tokens, stored.prompt_tokens)
+            expected = fresh.body(stored.text, stored.finish_reason, counts, stored.choices)
+        out = hit(renderings, w, stored, stream)
+        assert out == expected  # byte for byte: the same id and time, so nothing is set aside
+        assert out not in seen  # each response its own bytes (its id in the response and its items)
+        seen.add(out)
+        assert kept_hit == kept_fresh and len(kept_hit) == (1 if store else 0)  # the same stored copy, once
+        if store:
+            (kept_id, body, said), = kept_hit
+            response = json.loads(body)
+            assert kept_id == response["id"] == response_id
+            assert all(item["id"].startswith(("msg_second", "fc_second", "msg_third", "fc_third", "msg_first",
+                                              "fc_first")) and response_id[5:] in item["id"]
+                       for item in response["output"])
+            if kind == "tool call":
+                assert [item.get("namespace") for item in response["output"]] == [None, "clock"]
+                assert said.tool_calls and [c.function.name for c in said.tool_calls] == ["get_weather", "get_time"]
+            else:
+                assert said.content == (stored.choices[0].text if stored.choices else stored.text)
+    assert len(renderings) == (2 if store and stream else 1)  # the stream, and the JSON body a stored hit keeps
+
+
+async def test_responses_renderings_are_per_shape_and_per_second() -> None:
+    """A Response echoes the request's settings and carries its time: writers that differ in either are not
+    served one rendering."""
+    stored = answer()
+    renderings = Renderings()
+    plain = json.loads(renderings.render(responses_writer("plain", "resp_a", False, [], 100), stored, False))
+    structured = json.loads(renderings.render(responses_writer("structured", "resp_b", False, [], 100), stored,
+                                              False))
+    later = json.loads(renderings.render(responses_writer("plain", "resp_c", False, [], 101), stored, False))
+    assert plain["text"]["format"]["type"] == "text" and structured["text"]["format"]["type"] == "json_schema"
+    assert (plain["created_at"], later["created_at"]) == (100, 101)
+    assert len(renderings) == 3

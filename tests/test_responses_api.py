@@ -287,6 +287,67 @@ async def test_a_forced_function_call_and_its_output_turn(client: httpx.AsyncCli
     assert continued.headers["x-edgecache"] == "exact" and engine.calls == calls
 
 
+def codex_body(run: str, *, tools: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """What Codex CLI 0.169 sends (`codex exec`, captured from a real run against this server; texts shortened,
+    tools cut from 12 to 3). ``run`` stands for what changes from run to run: item ids, the session id in
+    prompt_cache_key and client_metadata."""
+    exec_command = {"type": "function", "name": "exec_command", "description": "Runs a command in a PTY.",
+                    "strict": False, "parameters": {"type": "object", "properties": {
+                        "cmd": {"type": "string", "description": "Shell command to execute."}},
+                        "required": ["cmd"], "additionalProperties": False}}
+    agents = {"type": "namespace", "name": "multi_agent_v1", "description": "Tools for spawning sub-agents.",
+              "tools": [{"type": "function", "name": "close_agent", "description": "Close an agent.",
+                         "strict": False, "parameters": {"type": "object", "properties": {
+                             "target": {"type": "string"}}, "required": ["target"],
+                             "additionalProperties": False}}]}
+    return {
+        "model": MODEL, "stream": True, "tool_choice": "auto", "parallel_tool_calls": True,
+        "reasoning": {"summary": "auto"}, "store": False, "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": run, "client_metadata": {"x-codex-installation-id": run, "session_id": run},
+        "tools": tools if tools is not None else [agents, exec_command],
+        "input": [
+            {"type": "message", "id": f"msg_{run}_0", "role": "developer",
+             "content": [{"type": "input_text", "text": "You are a coding agent running in the Codex CLI."}]},
+            {"type": "message", "id": f"msg_{run}_1", "role": "user", "content": [
+                {"type": "input_text", "text": "<environment_context>\n  <cwd>/work</cwd>\n</environment_context>"}]},
+            {"type": "message", "id": f"msg_{run}_2", "role": "user",
+             "content": [{"type": "input_text", "text": "Say hello."}]}]}
+
+
+async def test_a_request_shaped_as_codexs_is_served(client: httpx.AsyncClient, engine: ToolScriptEngine) -> None:
+    """Codex's fields are accepted and its per-run ids stay out of the key; a namespace's functions are offered
+    as functions, and a call to one names its namespace (Codex looks the function up by both)."""
+    headers = {"X-EdgeCache-Policy": "reuse"}  # Codex sends no temperature: sampled, so reuse is what caches it
+    first = await client.post("/v1/responses", json=codex_body("run-a"), headers=headers)
+    assert first.status_code == 200, first.text
+    second = await client.post("/v1/responses", json=codex_body("run-b"), headers=headers)
+    assert (first.headers["x-edgecache"], second.headers["x-edgecache"]) == ("miss", "exact")
+    assert engine.calls == 1
+    offered = engine.requests[0].tools
+    assert [t.name for t in offered] == ["close_agent", "exec_command"]
+    assert [m.role for m in engine.requests[0].messages or ()] == ["developer", "user", "user"]
+    done = [json.loads(line[6:]) for line in first.text.splitlines() if line.startswith("data: ")][-1]
+    assert done["type"] == "response.completed"
+    (call,) = done["response"]["output"]
+    assert (call["type"], call["name"], call["namespace"]) == ("function_call", "close_agent", "multi_agent_v1")
+    assert done["response"]["tools"][0]["type"] == "namespace"
+    # The call and its output sent back, as Codex does: the namespace is accepted and changes nothing.
+    turn = codex_body("run-a")
+    turn["input"] += [{"type": "function_call", "call_id": call["call_id"], "name": "close_agent",
+                       "namespace": "multi_agent_v1", "arguments": call["arguments"]},
+                      {"type": "function_call_output", "call_id": call["call_id"], "output": "closed"}]
+    answered = await client.post("/v1/responses", json=turn, headers=headers)
+    assert answered.status_code == 200, answered.text
+    del turn["input"][-2]["namespace"]
+    again = await client.post("/v1/responses", json=turn, headers=headers)
+    assert again.headers["x-edgecache"] == "exact"
+    # Codex's web_search tool (sent unless its config says web_search = "disabled") is refused, saying so.
+    refused = await client.post("/v1/responses", json=codex_body("run-a", tools=[
+        {"type": "web_search", "external_web_access": False}]))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools[0].type"
+    assert 'web_search = \\"disabled\\"' in refused.text
+
+
 async def test_allowed_tools_is_chats_allowed_tools(client: httpx.AsyncClient, engine: ToolScriptEngine) -> None:
     other = {**WEATHER, "name": "get_time", "description": "The time in a city"}
     made = await sdk(client).responses.create(

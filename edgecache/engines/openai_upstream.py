@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import urllib.request
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
@@ -32,6 +33,7 @@ import msgspec
 
 from edgecache.engines.base import (
     FEATURES,
+    STREAM_BATCH_S,
     Choice,
     Chunk,
     FinishReason,
@@ -39,10 +41,12 @@ from edgecache.engines.base import (
     TokenLogprob,
     ToolCall,
     TopLogprob,
+    matched_stop,
 )
+from edgecache.engines.http_transport import BatchingTransport
 from edgecache.errors import BadRequest, EngineError, NotReady
 
-_DONE = "[DONE]"
+_DONE = b"[DONE]"
 # Upstream error messages sometimes embed a Python traceback (llama-cpp-python's do); keep what precedes it.
 _TRACEBACK = re.compile(r"\n\s*(File \"|Traceback \(most recent call last\))")
 _MAX_MESSAGE = 500
@@ -103,7 +107,8 @@ class OpenAIUpstreamEngine:
             raise EngineError("the upstream engine was closed and cannot be started again")
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         client = httpx.AsyncClient(
-            base_url=self.base_url + "/", headers=headers, timeout=self._timeout, transport=self._transport
+            base_url=self.base_url + "/", headers=headers, timeout=self._timeout,
+            transport=self._transport or _default_transport(self.base_url),
         )
         try:
             if not self.model_id:
@@ -220,7 +225,8 @@ class OpenAIUpstreamEngine:
                         yield chunk
             else:
                 body = await self._request_json(client, "POST", path, payload)
-                yield self._whole_answer(body, whole=whole, chat=request.messages is not None)
+                yield self._whole_answer(body, whole=whole, chat=request.messages is not None,
+                                         stops=request.params.stop)
         except EngineError:
             self._errors += 1
             raise
@@ -243,31 +249,34 @@ class OpenAIUpstreamEngine:
         self, client: httpx.AsyncClient, path: str, payload: dict[str, Any]
     ) -> AsyncGenerator[Chunk, None]:
         finish: FinishReason | None = None
+        matched: str | None = None
         usage: Mapping[str, Any] | None = None
         content_events = 0
+        stops = tuple(payload.get("stop") or ())
         try:
             async with client.stream("POST", path, json=payload) as response:
                 if response.status_code >= 400:
                     raise self._status_error(response.status_code, await response.aread())
-                # Bytes as they arrive, cut into lines here (httpx's line iterator decodes and scans each one in
-                # Python first), and every event of one read relayed as one chunk: a fast upstream's tokens cost
-                # the relay per read, not per token.
+                # Bytes as they arrive (the transport reads a fast upstream in batches), the events of each read
+                # decoded at once and relayed as one chunk: the relay's cost is per read, not per token.
                 partial, done = b"", False
-                async for data in response.aiter_bytes():
-                    lines = (partial + data).split(b"\n")
-                    partial = lines.pop()
+                # The raw bytes where there is nothing to decode (two generator steps fewer per read); a body
+                # already read whole (an answer given as content, by a test's transport) only as the decoded one.
+                raw = "content-encoding" not in response.headers and not response.is_stream_consumed
+                reads = response.aiter_raw() if raw else response.aiter_bytes()
+                async for data in reads:
+                    block = partial + data
+                    cut = block.rfind(b"\n") + 1  # whole lines only
+                    block, partial = block[:cut], block[cut:]
+                    if not block:
+                        continue
+                    events, done = self._events(block)
                     texts = []
-                    for line in lines:
-                        if not line.startswith(b"data:"):
-                            continue  # blank separators, comments (": ping"), event names
-                        body = line[5:].strip()
-                        if body == b"[DONE]":
-                            done = True
-                            break
-                        text, reason, event_usage = self._event(body)
+                    for text, reason, event_usage, stop in events:
                         usage = event_usage or usage
                         if reason is not None:
                             finish = self._finish_reason(reason)
+                            matched = matched_stop(stop, stops)
                         if text:
                             content_events += 1
                             texts.append(text)
@@ -282,13 +291,50 @@ class OpenAIUpstreamEngine:
         if usage is None:
             usage = {"prompt_tokens": await self._prompt_tokens_probe(client, path, payload),
                      "completion_tokens": content_events}
-        last = _with_usage(Chunk(finish_reason=finish), usage)
+        last = _with_usage(Chunk(finish_reason=finish, stop_sequence=matched if finish == "stop" else None), usage)
         self._count(last)
         yield last
 
-    def _event(self, body: bytes) -> tuple[str, object, Mapping[str, Any] | None]:
-        """One stream event's text, finish reason and usage. Decoded into the few fields read (the rest skipped
-        unparsed); an event of another shape, or one that carries an error, takes the general path."""
+    def _events(self, block: bytes) -> tuple[list[tuple[str, object, Mapping[str, Any] | None, object]], bool]:
+        """The text, finish reason, usage and matched stop of each event of ``block`` (whole SSE events), and whether it ended
+        with ``[DONE]``. An upstream's usual block, nothing but ``data: {...}`` events, is made one JSON array by
+        two byte scans and decoded by one call into the few fields read; any other (comments, event names, CRLF,
+        an error event, a malformed one) is read line by line, so a fault is named."""
+        if block.startswith(b"data: ") and block.endswith(b"\n\n"):
+            joined = block[6:-2].replace(b"\n\ndata: ", b",")
+            done = joined == _DONE or joined.endswith(b"," + _DONE)
+            if done:
+                joined = joined[:-len(_DONE) - 1] if joined != _DONE else b""
+            if b"\n" not in joined and b"\r" not in joined and b'"error"' not in joined:
+                try:
+                    decoded = _decode_events(b"[%s]" % joined)
+                except msgspec.DecodeError:
+                    pass
+                else:
+                    events = []
+                    for event in decoded:
+                        if not event.choices:
+                            events.append(("", None, event.usage, None))
+                        else:
+                            choice = event.choices[0]
+                            text = choice.delta.content if choice.delta is not None else choice.text
+                            stop = choice.stop_reason if choice.stop_reason is not None else choice.matched_stop
+                            events.append((text or "", choice.finish_reason, event.usage, stop))
+                    return events, done
+        events = []
+        for line in block.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue  # blank separators, comments (": ping"), event names
+            body = line[5:].strip()
+            if body == _DONE:
+                return events, True
+            events.append(self._event(body))
+        return events, False
+
+    def _event(self, body: bytes) -> tuple[str, object, Mapping[str, Any] | None, object]:
+        """One stream event's text, finish reason, usage and matched stop (as :func:`_stop_of` reads it). Decoded into the
+        few fields read (the rest skipped unparsed); an event of another shape, or one that carries an error, takes
+        the general path."""
         if b'"error"' not in body:
             try:
                 event = _decode_event(body)
@@ -296,20 +342,22 @@ class OpenAIUpstreamEngine:
                 pass  # the general path names the fault
             else:
                 if not event.choices:
-                    return "", None, event.usage
+                    return "", None, event.usage, None
                 choice = event.choices[0]
                 text = choice.delta.content if choice.delta is not None else choice.text
-                return text or "", choice.finish_reason, event.usage
+                stop = choice.stop_reason if choice.stop_reason is not None else choice.matched_stop
+                return text or "", choice.finish_reason, event.usage, stop
         event = self._decode(body)
         if not isinstance(event, Mapping):
             raise EngineError(f"upstream {self.base_url} sent an event that is not an object")
         if "error" in event:
             raise EngineError(f"upstream {self.base_url} failed mid-stream: {_error_message(event)}")
-        text, reason = _choice(event)
+        text, reason, stop = _choice(event)
         usage = event.get("usage")
-        return text, reason, usage if isinstance(usage, Mapping) else None
+        return text, reason, usage if isinstance(usage, Mapping) else None, stop
 
-    def _whole_answer(self, body: Any, *, whole: bool = False, chat: bool = True) -> Chunk:
+    def _whole_answer(self, body: Any, *, whole: bool = False, chat: bool = True,
+                      stops: tuple[str, ...] = ()) -> Chunk:
         if not isinstance(body, Mapping):
             raise EngineError(f"upstream {self.base_url} answered with something that is not an object")
         raw = [c for c in body.get("choices") or [] if isinstance(c, Mapping)]
@@ -319,14 +367,17 @@ class OpenAIUpstreamEngine:
         reason = choice.get("finish_reason")
         if reason is None:
             raise EngineError(f"upstream {self.base_url} answered without a finish reason")
-        chunk = _with_usage(Chunk(text=text or "", finish_reason=self._finish_reason(reason)), body.get("usage"))
+        finish = self._finish_reason(reason)
+        chunk = _with_usage(Chunk(text=text or "", finish_reason=finish,
+                                  stop_sequence=_stop_of(choice, stops) if finish == "stop" else None),
+                            body.get("usage"))
         if whole:
             chunk.text = ""
-            chunk.choices = tuple(self._choice_of(i, c, chat) for i, c in enumerate(raw))
+            chunk.choices = tuple(self._choice_of(i, c, chat, stops) for i, c in enumerate(raw))
         self._count(chunk)
         return chunk
 
-    def _choice_of(self, position: int, raw: Mapping[str, Any], chat: bool) -> Choice:
+    def _choice_of(self, position: int, raw: Mapping[str, Any], chat: bool, stops: tuple[str, ...] = ()) -> Choice:
         message = raw.get("message") if chat else None
         message = message if isinstance(message, Mapping) else {}
         text = message.get("content") if chat else raw.get("text")
@@ -339,10 +390,12 @@ class OpenAIUpstreamEngine:
             calls.append(ToolCall(id=str(call.get("id") or ""), name=str(function.get("name") or ""),
                                   arguments=arguments if isinstance(arguments, str) else json.dumps(arguments)))
         index = raw.get("index")
+        finish = self._finish_reason(raw.get("finish_reason"))
         return Choice(index=index if isinstance(index, int) else position, text=text or "",
-                      finish_reason=self._finish_reason(raw.get("finish_reason")), tool_calls=tuple(calls),
+                      finish_reason=finish, tool_calls=tuple(calls),
                       logprobs=_logprobs(raw.get("logprobs"), chat),
-                      refusal=message.get("refusal") if isinstance(message.get("refusal"), str) else None)
+                      refusal=message.get("refusal") if isinstance(message.get("refusal"), str) else None,
+                      stop_sequence=_stop_of(raw, stops) if finish == "stop" else None)
 
     def _finish_reason(self, reason: object) -> FinishReason:
         if reason == "stop":
@@ -428,6 +481,16 @@ class OpenAIUpstreamEngine:
             await client.aclose()
 
 
+def _default_transport(base_url: str) -> httpx.AsyncBaseTransport | None:
+    """The batching transport (see ``engines/http_transport``), or httpx's own (None) where the environment names a
+    proxy for the upstream: only httpx's speaks to proxies."""
+    url = httpx.URL(base_url)
+    proxies = urllib.request.getproxies()
+    if (proxies.get(url.scheme) or proxies.get("all")) and not urllib.request.proxy_bypass(url.host):
+        return None
+    return BatchingTransport(batch_s=STREAM_BATCH_S)
+
+
 class _EventDelta(msgspec.Struct):
     content: str | None = None
 
@@ -436,6 +499,8 @@ class _EventChoice(msgspec.Struct):
     delta: _EventDelta | None = None
     text: str | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None   # vLLM's matched stop (a string, or a stop token id)
+    matched_stop: str | int | None = None  # SGLang's
 
 
 class _StreamEvent(msgspec.Struct):
@@ -447,18 +512,29 @@ class _StreamEvent(msgspec.Struct):
 
 
 _decode_event = msgspec.json.Decoder(_StreamEvent).decode
+_decode_events = msgspec.json.Decoder(list[_StreamEvent]).decode
 
 
-def _choice(event: Mapping[str, Any]) -> tuple[str, object]:
-    """The text and finish reason of a stream event's first choice (chat ``delta.content`` or completion ``text``).
-    The usage-only event at the end has no choices."""
+def _choice(event: Mapping[str, Any]) -> tuple[str, object, object]:
+    """The text, finish reason and matched stop of a stream event's first choice (chat ``delta.content`` or
+    completion ``text``). The usage-only event at the end has no choices."""
     choices = event.get("choices") or []
     if not choices or not isinstance(choices[0], Mapping):
-        return "", None
+        return "", None, None
     choice = choices[0]
     delta = choice.get("delta")
     text = delta.get("content") if isinstance(delta, Mapping) else choice.get("text")
-    return (text if isinstance(text, str) else ""), choice.get("finish_reason")
+    stop = choice.get("stop_reason")
+    return (text if isinstance(text, str) else ""), choice.get("finish_reason"), \
+        stop if stop is not None else choice.get("matched_stop")
+
+
+def _stop_of(choice: Mapping[str, Any], stops: tuple[str, ...]) -> str | None:
+    """The stop string a choice says it matched: vLLM's ``stop_reason``, SGLang's ``matched_stop``. Servers that
+    report neither (llama.cpp's, api.openai.com) leave it unknown."""
+    stop = choice.get("stop_reason")
+    return matched_stop(stop if stop is not None else choice.get("matched_stop"), stops)
+
 
 
 def _message(m: Any) -> dict[str, Any]:

@@ -67,6 +67,7 @@ from edgecache.engines.base import (
     GenerationRequest,
     SamplingParams,
     ToolCall,
+    matched_stop,
 )
 from edgecache.engines.chat_prompt import ChatPromptEncoder
 from edgecache.engines.structured_output import (
@@ -77,7 +78,7 @@ from edgecache.engines.structured_output import (
     template_message,
     tool_call_id,
 )
-from edgecache.errors import BadRequest, EngineError, NotReady
+from edgecache.errors import BadRequest, EngineError, NotReady, PromptTooLong
 
 SGLANG_REQUIREMENT = "sglang>=0.5.23,<0.5.24"
 """The SGLang releases this adapter is checked against (tests/test_sglang_contract.py reads their source in CI);
@@ -312,6 +313,12 @@ def _constraint(request: GenerationRequest) -> dict[str, object]:
     return {"json_schema": json.dumps(schema)} if schema is not None else {}
 
 
+def _stop_sequence(meta_info: Mapping[str, Any], request: GenerationRequest) -> str | None:
+    """The stop string a ``stop`` finish matched (``{"type": "stop", "matched": ...}``: the string, or a token id)."""
+    reason = meta_info.get("finish_reason")
+    return matched_stop(reason.get("matched") if isinstance(reason, Mapping) else None, request.params.stop)
+
+
 def _finish_reason(meta_info: Mapping[str, Any], request: GenerationRequest) -> FinishReason | None:
     """Map SGLang's finish reason; an abort (or anything we do not know) is an error, never a quiet end. An abort
     with status 400 is SGLang refusing the request (e.g. a JSON schema its grammar backend cannot compile)."""
@@ -331,6 +338,10 @@ def _finish_reason(meta_info: Mapping[str, Any], request: GenerationRequest) -> 
     raise EngineError(f"SGLang finished with an unknown reason: {reason!r}")
 
 
+#: SGLang's words for a prompt its context cannot hold (``TokenizerManager._validate_one_request``).
+_TOO_LONG = re.compile(r"The input \((\d+) tokens\) is longer than the model's context length \((\d+) tokens\)")
+
+
 def refusal(message: str, request: GenerationRequest) -> BadRequest:
     """SGLang's refusal of a request (a ``ValueError`` before any output, as its own HTTP server turns into a 400,
     or an abort with status 400) as the 400 naming the request field it is about."""
@@ -338,6 +349,9 @@ def refusal(message: str, request: GenerationRequest) -> BadRequest:
     if "context length" in message:
         field = "max_tokens" if message.startswith("Requested token count") else (
             "messages" if request.messages is not None else "prompt")
+        counts = _TOO_LONG.match(message)
+        if counts is not None:
+            return PromptTooLong(text, param=field, tokens=int(counts[1]), context=int(counts[2]))
         return BadRequest(text, param=field, code="context_length_exceeded")
     if message.startswith("Failed to compile"):  # the grammar of json_schema (a forced tool call or a schema)
         return BadRequest(text, param="tools" if output_schema(request) is not None and request.tools
@@ -562,6 +576,7 @@ class SGLangEngine:
                         prompt_tokens=int(meta.get("prompt_tokens") or 0),
                         completion_tokens=int(meta.get("completion_tokens") or 0),
                         cached_tokens=int(meta.get("cached_tokens") or 0),
+                        stop_sequence=_stop_sequence(meta, request) if reason == "stop" else None,
                     )
                     if calls_tools:
                         chunk = self._tool_answer(request, "".join(whole) + piece, chunk)
@@ -591,7 +606,7 @@ class SGLangEngine:
         """The whole answer of a request with tools: a call when the text is one, else the text."""
         calls = parse_tool_calls(text, request, forced=request.tool_choice != "auto")
         assert final.finish_reason is not None
-        choice = Choice(index=0, text=text, finish_reason=final.finish_reason)
+        choice = Choice(index=0, text=text, finish_reason=final.finish_reason, stop_sequence=final.stop_sequence)
         if calls:
             choice = Choice(index=0, text="", finish_reason="tool_calls", tool_calls=tuple(
                 ToolCall(id=tool_call_id(request, 0, j), name=name, arguments=arguments)

@@ -2,7 +2,9 @@
 
 :class:`Fleet` is this node's membership: the link (:mod:`edgecache.fleet.link`), the flush and model events
 (:mod:`edgecache.fleet.events`), the shared semantic vectors (:mod:`edgecache.fleet.vectors`) and the semantic
-learner's labels (:mod:`edgecache.fleet.labels`). The shared layers' backends live with their layers:
+learner's labels (:mod:`edgecache.fleet.labels`). The Responses API's stored responses are the fleet's too
+(:mod:`edgecache.fleet.responses`, opened by the HTTP front on this node's link). The shared layers' backends live
+with their layers:
 :mod:`edgecache.stores.redis` and :mod:`edgecache.inflight.redis`. Built only when ``store.backend = "redis"``; a
 single box never imports any of it (nor the redis client).
 """

@@ -13,7 +13,8 @@ Each request field is one of three kinds, as on the OpenAI routes (:mod:`edgecac
   to switch; no thinking block is returned), ``thinking`` and ``redacted_thinking`` blocks echoed back in the
   history (Anthropic drops earlier turns' thinking from the context too), ``output_config.effort``,
   ``context_management`` (this server never edits the context), ``service_tier``, ``speed``, ``inference_geo``,
-  ``diagnostics``, a tool's ``eager_input_streaming``, a tool result's ``is_error`` and a text block's
+  ``diagnostics``, a tool's ``eager_input_streaming``, a tool with ``defer_loading: true`` (tool search: a deferred
+  tool is not in the model's context, so it is not offered), a tool result's ``is_error`` and a text block's
   ``citations`` (no chat template here renders them);
 - **refused** with a 400 naming it: ``image`` and ``document`` blocks (the models are text-only), server tools
   (``web_search``, ``bash``, ``code_execution``, ...), ``mcp_servers``, ``container``, ``max_tokens: 0`` (cache
@@ -33,7 +34,7 @@ from msgspec import Meta
 
 from edgecache.engines.base import Choice, GenerationRequest, Message, OutputFormat, SamplingParams, ToolCall, \
     ToolSpec
-from edgecache.errors import BadRequest, EdgeCacheError, PayloadTooLarge
+from edgecache.errors import BadRequest, EdgeCacheError, PayloadTooLarge, PromptTooLong
 from edgecache.http.calls import Parsed, build_call
 from edgecache.http.replies import Counts
 from edgecache.http.request_surface import MAX_STOPS, MAX_TOOLS, CacheOptions, decode_body, features_used
@@ -112,6 +113,9 @@ class ClientTool(msgspec.Struct, forbid_unknown_fields=True):
     strict: bool | None = None
     cache_control: CacheControl | None = None
     eager_input_streaming: bool | None = None
+    # Tool search: a deferred tool is not loaded into the model's context (Claude Code sends a placeholder so
+    # marked, and lists its deferred tools by name in the conversation), so it is not offered, and not in the key.
+    defer_loading: bool | None = None
 
 
 class ToolChoiceAuto(msgspec.Struct, tag_field="type", tag="auto", forbid_unknown_fields=True):
@@ -276,6 +280,8 @@ def _tools(raw: list[dict[str, Any]] | None) -> tuple[ToolSpec, ...]:
             tool = msgspec.convert(item, ClientTool)
         except msgspec.ValidationError as exc:
             raise BadRequest(f"invalid request: {exc} (in tools[{i}])", param=f"tools[{i}]") from exc
+        if tool.defer_loading:
+            continue
         tools.append(ToolSpec(name=tool.name, description=tool.description or "",
                               parameters=_canonical(tool.input_schema), strict=bool(tool.strict)))
     if len({t.name for t in tools}) != len(tools):
@@ -361,10 +367,14 @@ def parse_count_tokens(body: bytes, tenant: Tenant, settings: Settings) -> tuple
 # --- response ---------------------------------------------------------------------------------------------------
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
-#: The engines' finish reasons in Anthropic's words. A stop sequence reads as end_turn: the engines do not say which
-#: stop ended an answer, so stop_sequence stays null.
+#: The engines' finish reasons in Anthropic's words; a ``stop`` that one of the request's stop sequences made (the
+#: engine says which: :attr:`~edgecache.engines.base.Chunk.stop_sequence`) is ``stop_sequence``.
 STOP_REASONS: dict[str | None, StopReason | None] = {"stop": "end_turn", "length": "max_tokens",
                                                      "tool_calls": "tool_use", None: None}
+
+
+def stop_reason(finish_reason: str | None, stop_sequence: str | None) -> StopReason | None:
+    return "stop_sequence" if stop_sequence is not None and finish_reason == "stop" else STOP_REASONS[finish_reason]
 
 
 class MessageUsage(msgspec.Struct):
@@ -420,8 +430,13 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 
 
 def error_out(error: EdgeCacheError) -> AnthropicError:
-    return AnthropicError(AnthropicErrorDetail(type=ERROR_TYPES.get(error.status, "api_error"),
-                                               message=error.message))
+    message = error.message
+    if isinstance(error, PromptTooLong):
+        # Anthropic's own words, which Claude Code reads (the counts) to say the conversation is too long instead
+        # of retrying the request in other shapes. The most a prompt may have is the context less the one token
+        # the answer needs.
+        message = (f"prompt is too long: {error.tokens} tokens > {error.context - 1} maximum ({error.message})")
+    return AnthropicError(AnthropicErrorDetail(type=ERROR_TYPES.get(error.status, "api_error"), message=message))
 
 
 def usage(counts: Counts) -> MessageUsage:
@@ -457,11 +472,13 @@ class MessageWriter:
         self.replay_shape = ("anthropic", model)  # nothing else differs between two renderings (see AnswerWriter)
 
     def body(self, text: str, finish_reason: str | None, counts: Counts,
-             choices: tuple[Choice, ...] | None = None) -> bytes:
+             choices: tuple[Choice, ...] | None = None, stop_sequence: str | None = None) -> bytes:
         content = _content(choices[0]) if choices else [TextOut(text)]
         reason = choices[0].finish_reason if choices else finish_reason
+        stop = choices[0].stop_sequence if choices else stop_sequence
         return self._encoder.encode(MessageOut(id=self.id, model=self.model, content=content,
-                                               stop_reason=STOP_REASONS[reason], usage=usage(counts)))
+                                               stop_reason=stop_reason(reason, stop), usage=usage(counts),
+                                               stop_sequence=stop if reason == "stop" else None))
 
     def _event(self, name: bytes, payload: dict[str, Any]) -> bytes:
         return b"event: " + name + b"\ndata: " + self._encoder.encode(payload) + b"\n\n"
@@ -485,9 +502,10 @@ class MessageWriter:
                                                         "delta": delta})
         return out + self._event(b"content_block_stop", {"type": "content_block_stop", "index": index})
 
-    def _message_end(self, finish_reason: str | None, counts: Counts) -> bytes:
+    def _message_end(self, finish_reason: str | None, counts: Counts, stop_sequence: str | None) -> bytes:
+        stop = stop_sequence if finish_reason == "stop" else None
         return self._event(b"message_delta", {
-            "type": "message_delta", "delta": {"stop_reason": STOP_REASONS[finish_reason], "stop_sequence": None},
+            "type": "message_delta", "delta": {"stop_reason": stop_reason(finish_reason, stop), "stop_sequence": stop},
             "usage": usage(counts)}) + self._STOP
 
     def sse_start(self) -> bytes:
@@ -498,16 +516,16 @@ class MessageWriter:
         return self._event(b"content_block_delta", {"type": "content_block_delta", "index": 0,
                                                     "delta": {"type": "text_delta", "text": text}})
 
-    def sse_end(self, finish_reason: str | None, counts: Counts) -> bytes:
+    def sse_end(self, finish_reason: str | None, counts: Counts, stop_sequence: str | None = None) -> bytes:
         return self._event(b"content_block_stop", {"type": "content_block_stop", "index": 0}) + \
-            self._message_end(finish_reason, counts)
+            self._message_end(finish_reason, counts, stop_sequence)
 
     def sse_whole(self, choices: tuple[Choice, ...], counts: Counts) -> bytes:
         """A whole answer (a tool call) at once: each block's start, its one delta (the text, or the arguments as
         one ``input_json_delta``) and its stop."""
         blocks = _content(choices[0])
         return self._message_start() + self._PING + b"".join(self._block(i, b) for i, b in enumerate(blocks)) + \
-            self._message_end(choices[0].finish_reason, counts)
+            self._message_end(choices[0].finish_reason, counts, choices[0].stop_sequence)
 
     def sse_error(self, error: EdgeCacheError) -> bytes:
         return b"event: error\ndata: " + self._encoder.encode(error_out(error)) + b"\n\n"

@@ -407,7 +407,8 @@ def create_app(settings: Settings, engine: Engine | None = None,
         try:
             rt = Runtime(settings, chosen, tenants)
             rt.canary = canary
-            front = Front(settings, count_refusal=lambda reason: rt.metrics.refused_requests.labels(reason).inc())
+            front = Front(settings, count_refusal=lambda reason: rt.metrics.refused_requests.labels(reason).inc(),
+                          fleet=rt.fleet)
             rt.flush_listeners.append(front.after_flush)
             app.state.runtime, app.state.front = rt, front
             loading = asyncio.create_task(rt.load(), name="load")
@@ -417,8 +418,10 @@ def create_app(settings: Settings, engine: Engine | None = None,
                 if not loading.done():
                     loading.cancel()
                     await asyncio.wait([loading])
-                front.close()
-                await rt.close()
+                try:
+                    await front.close()  # before the runtime: the stored responses' last writes need the fleet's link
+                finally:
+                    await rt.close()
         finally:
             lock.release()
 

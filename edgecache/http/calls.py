@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 
@@ -27,6 +27,8 @@ from edgecache.http.request_surface import (
 )
 from edgecache.settings import Settings
 from edgecache.tenants import Tenant
+
+T = TypeVar("T")
 
 
 class Parsed(msgspec.Struct, frozen=True, kw_only=True):
@@ -215,7 +217,8 @@ def apply_headers(parsed: Parsed, headers: CallHeaders, tenant: Tenant, settings
 
 
 class ParsedRequests:
-    """Recently seen (tenant, route, body) -> parsed request, bounded by count.
+    """Recently seen (tenant, route, body) -> parsed request, bounded by count: one memo for every API (chat and
+    text, Messages, Responses; another API's entry is what its own parser makes of the body).
 
     Only valid bodies are kept, so an invalid one is re-checked (and refused) every time; bodies over
     ``MAX_BODY_BYTES`` are not kept, so the memo's memory stays bounded.
@@ -227,14 +230,14 @@ class ParsedRequests:
         self.settings = settings
         self.max_entries = max_entries
         # (tenant, route, body): the route is chat (True) or text (False) for OpenAI's, a name for another API's.
-        self._entries: OrderedDict[tuple[str, bool | str, bytes], Parsed] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, bool | str, bytes], Any] = OrderedDict()
 
     def clear(self) -> None:
         self._entries.clear()
 
     def parse(self, chat: bool, body: bytes, tenant: Tenant) -> Parsed:
         key = (tenant.id, chat, body)
-        parsed = self._entries.get(key)
+        parsed: Parsed | None = self._entries.get(key)
         if parsed is not None:
             self._entries.move_to_end(key)
             return parsed
@@ -242,19 +245,28 @@ class ParsedRequests:
         self._keep(key, body, parsed)
         return parsed
 
-    def recall(self, route: str, body: bytes, tenant: Tenant,
-               parse_body: Callable[[bytes, Tenant, Settings], Parsed]) -> Parsed:
+    def recall(self, route: str, body: bytes, tenant: Tenant, parse_body: Callable[[bytes, Tenant, Settings], T]
+               ) -> T:
         """Another API's parsed request: ``parse_body`` runs only for a body not seen recently on ``route``."""
+        parsed: T | None = self.recalled(route, body, tenant)
+        if parsed is None:
+            parsed = parse_body(body, tenant, self.settings)
+            self.remember(route, body, tenant, parsed)
+        return parsed
+
+    def recalled(self, route: str, body: bytes, tenant: Tenant) -> Any:
+        """What ``body`` parsed to on ``route`` recently, or None (for a parser that cannot run in
+        :meth:`recall`: Responses reads a stored conversation first, and keeps only what needed none)."""
         key = (tenant.id, route, body)
         parsed = self._entries.get(key)
         if parsed is not None:
             self._entries.move_to_end(key)
-            return parsed
-        parsed = parse_body(body, tenant, self.settings)
-        self._keep(key, body, parsed)
         return parsed
 
-    def _keep(self, key: tuple[str, bool | str, bytes], body: bytes, parsed: Parsed) -> None:
+    def remember(self, route: str, body: bytes, tenant: Tenant, parsed: Any) -> None:
+        self._keep((tenant.id, route, body), body, parsed)
+
+    def _keep(self, key: tuple[str, bool | str, bytes], body: bytes, parsed: Any) -> None:
         if len(body) <= self.MAX_BODY_BYTES:
             self._entries[key] = parsed
             if len(self._entries) > self.max_entries:

@@ -10,6 +10,7 @@ the caches are flushed (here or by another node of a fleet).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from edgecache.http.access_log import AccessLog
 from edgecache.http.calls import ParsedRequests
@@ -20,11 +21,15 @@ from edgecache.http.responses_api import ResponsesApi
 from edgecache.settings import Settings
 from edgecache.warmup import Prefilled
 
+if TYPE_CHECKING:
+    from edgecache.fleet import Fleet
+
 
 class Front:
-    """The front's own state; ``count_refusal`` counts a refused request by its reason (the runtime's metric)."""
+    """The front's own state; ``count_refusal`` counts a refused request by its reason (the runtime's metric);
+    ``fleet`` (a node of one) keeps the stored responses in the fleet's Redis."""
 
-    def __init__(self, settings: Settings, count_refusal: Callable[[str], None]) -> None:
+    def __init__(self, settings: Settings, count_refusal: Callable[[str], None], fleet: Fleet | None = None) -> None:
         self.ids = IdSource()
         self.ledger = ResponseLedger(settings.data_path / "feedback" / "responses.msgpack",
                                      max_entries=settings.server.feedback_responses)  # for POST /v1/feedback
@@ -32,19 +37,20 @@ class Front:
         self.renderings = Renderings()  # stored answers rendered once per writer shape, for hits
         self.access_log = AccessLog(enabled=settings.server.access_log, count_refusal=count_refusal)
         self.warm_prefilled: Prefilled = set()  # system prompts /admin/warmup has prefilled (see edgecache.warmup)
-        self.responses = ResponsesApi(settings)
+        self.responses = ResponsesApi(settings, self.parsed, fleet)
 
     def after_flush(self, tenant: str | None, scenario: str | None) -> None:
         """Entries were dropped: forget the parsed bodies and the answers' renderings, and (everything flushed, the
         engine's prefix cache with it) which system prompts were prefilled."""
         self.parsed.clear()
         self.renderings.clear()
-        self.responses.forget()
         self.ledger.drop(tenant)
         if tenant is None and scenario is None:
             self.warm_prefilled.clear()
 
-    def close(self) -> None:
+    async def close(self) -> None:
         self.access_log.flush()
-        self.responses.close()
-        self.ledger.save()
+        try:
+            await self.responses.close()
+        finally:
+            self.ledger.save()

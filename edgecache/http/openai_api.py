@@ -233,7 +233,7 @@ class ResponseWriter:
         self._encoder = self._shared_encoder
 
     def body(self, text: str, finish_reason: str | None, counts: Counts,
-             choices: tuple[Choice, ...] | None = None) -> bytes:
+             choices: tuple[Choice, ...] | None = None, stop_sequence: str | None = None) -> bytes:
         use = usage(counts)
         if choices is not None:
             return self._whole_body(choices, use)
@@ -309,7 +309,7 @@ class ResponseWriter:
         return self._frame(TextCompletion(id=self.id, created=self.created, model=self.model,
                                           choices=[TextChoice(index=0, text=text, finish_reason=None)]))
 
-    def sse_end(self, finish_reason: str | None, counts: Counts) -> bytes:
+    def sse_end(self, finish_reason: str | None, counts: Counts, stop_sequence: str | None = None) -> bytes:
         # Usage travels only in OpenAI's separate usage frame (no choices), and only when the caller asked for it
         # with stream_options.include_usage: a client that did not ask may not expect a choiceless frame.
         if self.chat:

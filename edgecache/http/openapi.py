@@ -23,6 +23,7 @@ from edgecache.http.responses_api import (
     AllowedToolChoice,
     DeletedResponse,
     FunctionTool,
+    NamespaceTool,
     FunctionToolChoice,
     InputItemList,
     ResponseCreateRequest,
@@ -73,7 +74,7 @@ def _responses_items(components: dict[str, Any]) -> None:
             choice["items"] = {"anyOf": [_ref(item) for item in INPUT_ITEMS]}
     for choice in properties["tools"]["anyOf"]:
         if choice.get("type") == "array":
-            choice["items"] = _ref(FunctionTool)
+            choice["items"] = {"anyOf": [_ref(FunctionTool), _ref(NamespaceTool)]}
     properties["tool_choice"]["anyOf"] = [
         alternative for choice in properties["tool_choice"]["anyOf"]
         for alternative in ([_ref(FunctionToolChoice), _ref(AllowedToolChoice)] if choice.get("type") == "object"
@@ -92,7 +93,7 @@ def openapi_document(version: str) -> dict[str, Any]:
     structs = (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ChatCompletion, ChatCompletionChunk,
                TextCompletion, EmbeddingList, ModelList, ModelCard, ErrorBody, WarmupBatch, MessagesRequest,
                CountTokensRequest, MessageOut, TokenCount, AnthropicError, ResponseCreateRequest, *INPUT_ITEMS,
-               FunctionTool, FunctionToolChoice, AllowedToolChoice, ResponseObject, DeletedResponse, InputItemList,
+               FunctionTool, NamespaceTool, FunctionToolChoice, AllowedToolChoice, ResponseObject, DeletedResponse, InputItemList,
                FeedbackRequest, FeedbackReply)
     _, components = msgspec.json.schema_components(structs, ref_template=_REF)
     _responses_items(components)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Hashable
@@ -43,23 +44,31 @@ class AnswerWriter(Protocol):
     """How one API renders one answer, for one request. ``id`` names the response (every frame of it).
 
     ``replay_shape`` is what, besides ``id``, makes this writer's rendering differ from another's: the API, chat or
-    text, the model, options such as ``include_usage``, the response's timestamp. Two writers of equal shape
-    render a stored answer to the same bytes but for the id, so a hit writes a rendering made once with its own id
-    put in (:class:`Renderings`). Every other per-response value must therefore be derived from ``id`` when
-    rendering (or be in the shape). A writer without the attribute, or None, renders each hit afresh.
+    text, the model, the request's settings a response echoes, the response's timestamp. Two writers of equal
+    shape render a stored answer to the same bytes but for the id, so a hit writes a rendering made once with its
+    own id put in (:class:`Renderings`). Every other per-response value must therefore be the id or carry its
+    tail (what follows the id's kind, see :func:`id_tail`: a Response's item ids do) or be in the shape. A writer
+    without the attribute, or None, renders each hit afresh. Rendering has no side effects beyond the writer's own
+    stream state; a writer that keeps what it serves (a stored Response) does so in ``replayed`` for a hit.
+
+    ``replayed(answer, renderings)``, where a writer has it, is called once a stored answer is rendered for this
+    response (a hit); ``renderings`` renders it in the other form too.
     """
 
     id: str
     replay_shape: Hashable | None
 
     def body(self, text: str, finish_reason: str | None, counts: Counts,
-             choices: tuple[Choice, ...] | None = None) -> bytes: ...
+             choices: tuple[Choice, ...] | None = None, stop_sequence: str | None = None) -> bytes: ...
 
     def sse_start(self) -> bytes: ...
 
     def sse_delta(self, text: str) -> bytes: ...
 
-    def sse_end(self, finish_reason: str | None, counts: Counts) -> bytes: ...
+    def sse_end(self, finish_reason: str | None, counts: Counts, stop_sequence: str | None = None) -> bytes:
+        """The stream's end. ``stop_sequence``: the stop string that ended the answer (an API that reports it
+        does; see :class:`~edgecache.engines.base.Chunk`)."""
+        ...
 
     def sse_whole(self, choices: tuple[Choice, ...], counts: Counts) -> bytes:
         """A whole answer (tool calls, logprobs, several choices), streamed at once."""
@@ -94,7 +103,8 @@ class RawAnswer:
 
 class Renderings:
     """Stored answers rendered once per writer shape (a JSON body, or the whole SSE stream of a streamed hit), with
-    the response id left out: a hit joins the pieces with its own id, which costs a copy instead of an encode.
+    the id's tail left out: a hit joins the pieces with its own, which costs a copy instead of an encode. Every
+    API's writer is served here (see :class:`AnswerWriter`).
 
     Keyed by the answer object: the memory tier hands a hot answer out as the same object on every hit, and an
     entry holds its answer, so an id is never reused while its entry lives. Bounded by count and by bytes; an
@@ -106,8 +116,8 @@ class Renderings:
         self.max_bytes = max_bytes
         self.bytes = 0
         self._entries: OrderedDict[tuple[int, bool, Hashable], tuple[CachedAnswer, list[bytes], int]] = OrderedDict()
-        # Stands for the id while a rendering is made: random, so no answer's text can hold it.
-        self._slot = f"edgecache-replay-{os.urandom(12).hex()}"
+        # Stands for the id's tail while a rendering is made: random, so no answer's text can hold it.
+        self._slot = f"edgecachereplay{os.urandom(12).hex()}"
 
     def clear(self) -> None:
         self._entries.clear()
@@ -117,20 +127,16 @@ class Renderings:
         return len(self._entries)
 
     def render(self, writer: AnswerWriter, answer: CachedAnswer, stream: bool) -> bytes:
-        own = getattr(writer, "render_stored", None)
-        if own is not None:
-            # A writer whose responses differ beyond their id (a Responses hit has its own time and is stored
-            # itself) keeps renderings of its own.
-            return own(answer, stream)  # type: ignore[no-any-return]
         shape = getattr(writer, "replay_shape", None)
         if shape is None:
             return render_answer(writer, answer, stream)
         key = (id(answer), stream, shape)
         entry = self._entries.get(key)
+        kind, tail = id_tail(writer.id)
         if entry is not None and entry[0] is answer:
             self._entries.move_to_end(key)
-            return writer.id.encode().join(entry[1])
-        own_id, writer.id = writer.id, self._slot
+            return tail.encode().join(entry[1])
+        own_id, writer.id = writer.id, kind + self._slot
         try:
             pieces = render_answer(writer, answer, stream).split(self._slot.encode())
         finally:
@@ -143,10 +149,20 @@ class Renderings:
             self.bytes += size
             while self.bytes > self.max_bytes or len(self._entries) > self.max_entries:
                 self._drop(next(iter(self._entries)))
-        return own_id.encode().join(pieces)
+        return tail.encode().join(pieces)
 
     def _drop(self, key: tuple[int, bool, Hashable]) -> None:
         self.bytes -= self._entries.pop(key)[2]
+
+
+_KIND = re.compile(r"[A-Za-z]+[-_]")
+
+
+def id_tail(response_id: str) -> tuple[str, str]:
+    """A response id as its kind (``chatcmpl-``, ``resp_``, ``msg_``: see
+    :class:`~edgecache.http.openai_api.IdSource`) and its tail, the part unique to the response."""
+    kind = _KIND.match(response_id)
+    return ("", response_id) if kind is None else (kind.group(), response_id[kind.end():])
 
 
 def render_answer(writer: AnswerWriter, answer: CachedAnswer, stream: bool) -> bytes:
@@ -154,11 +170,11 @@ def render_answer(writer: AnswerWriter, answer: CachedAnswer, stream: bool) -> b
     for the stored answer's replay: start, its text, end; or a whole answer at once)."""
     counts = Counts(answer.prompt_tokens, answer.completion_tokens, answer.prompt_tokens)  # a hit computed nothing
     if not stream:
-        return writer.body(answer.text, answer.finish_reason, counts, answer.choices)
+        return writer.body(answer.text, answer.finish_reason, counts, answer.choices, answer.stop_sequence)
     if answer.choices is not None:
         return writer.sse_whole(answer.choices, counts)
     return (writer.sse_start() + (writer.sse_delta(answer.text) if answer.text else b"")
-            + writer.sse_end(answer.finish_reason, counts))
+            + writer.sse_end(answer.finish_reason, counts, answer.stop_sequence))
 
 
 SSE_HEADERS = [(b"cache-control", b"no-cache")]
@@ -194,7 +210,11 @@ async def respond(rt: Runtime, request: Request[Any, Any, Any], call: Call, stre
     if answer is not None:
         # The hot path: a stored answer, its JSON body or its whole SSE stream made once and sent as one body.
         metrics.observe_request(call.tenant, call.scenario, reply.served, time.perf_counter() - started)
-        body = request.app.state.front.renderings.render(writer, answer, stream)
+        renderings = request.app.state.front.renderings
+        body = renderings.render(writer, answer, stream)
+        replayed = getattr(writer, "replayed", None)
+        if replayed is not None:
+            replayed(answer, renderings)
         if stream:
             return RawAnswer(body, reply_headers(reply) + SSE_HEADERS, content_type=SSE)
         return RawAnswer(body, reply_headers(reply))
@@ -230,7 +250,8 @@ async def respond(rt: Runtime, request: Request[Any, Any, Any], call: Call, stre
             await chunks.aclose()
         metrics.observe_request(call.tenant, call.scenario, reply.served, ttft)
         body = writer.body("".join(texts), final.finish_reason,
-                           Counts(final.prompt_tokens, final.completion_tokens, final.cached_tokens), final.choices)
+                           Counts(final.prompt_tokens, final.completion_tokens, final.cached_tokens), final.choices,
+                           final.stop_sequence)
         return RawAnswer(body, reply_headers(reply))
 
     headers = {name.decode(): value.decode() for name, value in reply_headers(reply)}
@@ -279,7 +300,8 @@ async def _sse(rt: Runtime, call: Call, served: str, writer: AnswerWriter, first
                     yield writer.sse_delta(chunk.text)
                 if chunk.finish_reason is not None:
                     yield writer.sse_end(chunk.finish_reason,
-                                         Counts(chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_tokens))
+                                         Counts(chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_tokens),
+                                         chunk.stop_sequence)
                     outcome = served
                     return
                 chunk = await anext(chunks, None)

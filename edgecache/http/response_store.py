@@ -1,13 +1,20 @@
-"""Stored responses (the Responses API's ``store``): each response a tenant created, kept under the data dir for
+"""Stored responses (the Responses API's ``store``): each response a tenant created, kept for
 ``GET /v1/responses/{id}``, ``input_items`` and a follow-up's ``previous_response_id``.
 
-One SQLite file, one row per (tenant, response id): a tenant's id is never found by another tenant, because every
-read, write and delete names the tenant. Each tenant's rows are bounded in bytes (``store.responses_bytes``; the
-oldest go first past it) and each row lives ``store.responses_ttl_s``. Rows are written by one thread, in batches
-gathered over :attr:`ResponseStore.BATCH_S` (one transaction each): ``put`` never blocks the event loop (a stored
-answer is the hit path, and under load one transaction per response cost more than the hit itself), and a response
-waiting for its batch is served from memory, so a client reading its response straight after creating it finds it. A failed write is
-logged and the response is simply not kept (the answer was served already); a failed read is a 503.
+:class:`StoredResponse` is what is kept; :class:`ResponseStore` is where, as encoded records, one per (tenant,
+response id): a tenant's id is never found by another tenant, because every read, write and delete names the tenant.
+Each tenant's records are bounded in bytes (``store.responses_bytes``; the oldest go first past it) and each lives
+``store.responses_ttl_s``. Two stores keep that promise: :class:`SqliteResponseStore`, one SQLite file under the data
+dir (one box), and :class:`~edgecache.fleet.responses.RedisResponseStore`, Redis (a fleet, ``store.backend =
+"redis"``: a response created on one node is read, continued and deleted on any). The Redis store replaces the file
+rather than fronting it: a copy on the node that created a response would still serve it after another node deleted
+it. :func:`open_response_store` picks one.
+
+Both keep the same contract. ``put`` never blocks the event loop (a stored answer is the hit path, and under load one
+write per response cost more than the hit itself): records are written in batches by the store's own writer, and a
+record waiting for its batch is served from memory, so a client reading its response straight after creating it
+finds it. A failed write is logged and the response is simply not kept (the answer was served already); a failed read
+is a 503 (:class:`~edgecache.errors.StorageUnavailable`).
 """
 
 from __future__ import annotations
@@ -19,11 +26,16 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
 from edgecache.errors import StorageUnavailable
 from edgecache.http.request_surface import ChatMessageIn
+from edgecache.settings import Settings
+
+if TYPE_CHECKING:
+    from edgecache.fleet import Fleet
 
 log = logging.getLogger("edgecache")
 
@@ -34,14 +46,61 @@ _EVICT_BATCH = 64
 
 class StoredResponse(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     """One stored response: ``body`` is the Response object as served (JSON), ``input_items`` the request's own
-    input items (a JSON array, for ``input_items``), ``history`` the conversation a follow-up continues (every message
-    but the instructions, this response's output last)."""
+    input items (a JSON array, for ``input_items``), ``history`` the conversation before it (every message but the
+    instructions) and ``said`` its output as the assistant's message: :attr:`conversation`, what a follow-up
+    continues. A record written before ``said`` was a field has its output last in ``history``."""
 
     body: bytes
     input_items: bytes
     history: tuple[ChatMessageIn, ...]
     created_at: float
     expires_at: float
+    said: ChatMessageIn | None = None
+
+    @property
+    def conversation(self) -> tuple[ChatMessageIn, ...]:
+        return self.history if self.said is None else (*self.history, self.said)
+
+
+class ResponseStore(Protocol):
+    """Encoded :class:`StoredResponse` records, one per (tenant, response id), bounded per tenant in bytes
+    (``tenant_bytes``) and in time (``ttl_s``). ``get`` and ``delete`` raise
+    :class:`~edgecache.errors.StorageUnavailable` when the store cannot be read; ``put`` never raises."""
+
+    tenant_bytes: int
+    ttl_s: float
+
+    def put(self, tenant: str, response_id: str, record: bytes, created_at: float, expires_at: float) -> None:
+        """Keep ``record`` (written with the next batch; never blocks)."""
+
+    async def get(self, tenant: str, response_id: str) -> bytes | None:
+        """The tenant's record, or None (never stored, expired, evicted, deleted, or another tenant's)."""
+
+    async def delete(self, tenant: str, response_id: str) -> bool:
+        """Drop the tenant's record; False when there was none."""
+
+    async def tenant_usage(self, tenant: str) -> tuple[int, int]:
+        """(records, bytes) the tenant's stored responses hold, once written."""
+
+    async def flushed(self) -> None:
+        """Wait until every record put so far is written (or its write failed)."""
+
+    async def close(self) -> None:
+        """Write what is pending, then release the store. Safe twice."""
+
+
+def open_response_store(settings: Settings, fleet: Fleet | None) -> ResponseStore:
+    """Redis for a fleet (every node reads what any node stored), else the SQLite file under the data dir."""
+    bound, ttl_s = settings.store.responses_bytes, settings.store.responses_ttl_s
+    if fleet is not None:
+        from edgecache.fleet.responses import RedisResponseStore
+
+        return RedisResponseStore(fleet.link, tenant_bytes=bound, ttl_s=ttl_s)
+    return SqliteResponseStore(settings.data_path / "responses", tenant_bytes=bound, ttl_s=ttl_s)
+
+
+#: A record waiting for its batch: the encoded record, when it was created, when it expires.
+Pending = tuple[bytes, float, float]
 
 
 _SCHEMA = """
@@ -54,8 +113,9 @@ CREATE TABLE IF NOT EXISTS tenant_bytes (tenant TEXT PRIMARY KEY, bytes INTEGER 
 """
 
 
-class ResponseStore:
-    """Stored responses, per tenant, bounded in bytes (``tenant_bytes``) and in time (``ttl_s``)."""
+class SqliteResponseStore:
+    """Stored responses in one SQLite file under the data dir (a :class:`ResponseStore`): rows written by one
+    thread, in batches gathered over :attr:`BATCH_S` (one transaction each)."""
 
     BATCH_S = 0.05           # how long a batch gathers responses before it is written
     PURGE_INTERVAL_S = 60.0  # expired rows are deleted at most this often (reads skip them meanwhile)
@@ -66,10 +126,8 @@ class ResponseStore:
         self.ttl_s = ttl_s
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="response-store")
         self._db: sqlite3.Connection | None = None
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(StoredResponse)
         # Responses waiting for the writer, readable meanwhile; a batch is scheduled while this is not empty.
-        self._pending: dict[tuple[str, str], StoredResponse] = {}
+        self._pending: dict[tuple[str, str], Pending] = {}
         self._lock = threading.Lock()
         self._scheduled = False
         self._closed = False
@@ -77,12 +135,16 @@ class ResponseStore:
 
     # ---- the event loop's side ----
 
-    def put(self, tenant: str, response_id: str, record: StoredResponse) -> None:
+    def put(self, tenant: str, response_id: str, record: bytes, created_at: float, expires_at: float) -> None:
         """Keep ``record``; never blocks. Written with the next batch."""
         if self._closed:
             return
+        if len(record) > self.tenant_bytes:
+            log.warning("stored responses: %s of tenant %s not kept: %d bytes, over the tenant's %d", response_id,
+                        tenant, len(record), self.tenant_bytes)
+            return
         with self._lock:
-            self._pending[(tenant, response_id)] = record
+            self._pending[(tenant, response_id)] = (record, created_at, expires_at)
             if self._scheduled:
                 return
             self._scheduled = True
@@ -92,11 +154,12 @@ class ResponseStore:
         if not self._closed:
             self._thread.submit(self._write_pending)
 
-    async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
+    async def get(self, tenant: str, response_id: str) -> bytes | None:
         with self._lock:
-            record = self._pending.get((tenant, response_id))
-        if record is not None:
-            return record if record.expires_at > time.time() else None
+            pending = self._pending.get((tenant, response_id))
+        if pending is not None:
+            record, _, expires_at = pending
+            return record if expires_at > time.time() else None
         return await self._run(self._read, tenant, response_id)
 
     async def delete(self, tenant: str, response_id: str) -> bool:
@@ -113,14 +176,14 @@ class ResponseStore:
         """Write every response put so far, and wait until it is written (tests)."""
         await self._run(self._write_pending)
 
-    def close(self) -> None:
+    async def close(self) -> None:
         """Write what is pending, then close the file. Safe twice."""
         if self._closed:
             return
         self._closed = True
         self._thread.submit(self._write_pending)
         self._thread.submit(self._close_db)
-        self._thread.shutdown(wait=True)
+        await asyncio.to_thread(self._thread.shutdown, wait=True)
 
     async def _run(self, fn, *args):  # type: ignore[no-untyped-def]
         try:
@@ -156,7 +219,7 @@ class ResponseStore:
                     if self._pending.get(key) is record:
                         del self._pending[key]
 
-    def _write(self, batch: dict[tuple[str, str], StoredResponse]) -> None:
+    def _write(self, batch: dict[tuple[str, str], Pending]) -> None:
         db = self._connection()
         now = time.time()
         db.execute("BEGIN IMMEDIATE")
@@ -165,13 +228,8 @@ class ResponseStore:
                 self._drop_expired(db, now)
                 self._purged_at = now
             rows, added = [], {}
-            for (tenant, response_id), record in batch.items():
-                blob = self._encoder.encode(record)
-                if len(blob) > self.tenant_bytes:
-                    log.warning("stored responses: %s of tenant %s not kept: %d bytes, over the tenant's %d",
-                                response_id, tenant, len(blob), self.tenant_bytes)
-                    continue
-                rows.append((tenant, response_id, record.created_at, record.expires_at, len(blob), blob))
+            for (tenant, response_id), (blob, created_at, expires_at) in batch.items():
+                rows.append((tenant, response_id, created_at, expires_at, len(blob), blob))
                 added[tenant] = added.get(tenant, 0) + len(blob)
             # Response ids are new (a random per-process prefix and a counter): plain inserts, in one statement.
             db.executemany("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?)", rows)
@@ -213,10 +271,10 @@ class ResponseStore:
                                        (now,)).fetchall():
             self._add_bytes(db, tenant, -size)
 
-    def _read(self, tenant: str, response_id: str) -> StoredResponse | None:
+    def _read(self, tenant: str, response_id: str) -> bytes | None:
         row = self._connection().execute("SELECT record FROM responses WHERE tenant = ? AND id = ? AND expires > ?",
                                          (tenant, response_id, time.time())).fetchone()
-        return self._decoder.decode(row[0]) if row is not None else None
+        return bytes(row[0]) if row is not None else None
 
     def _delete(self, tenant: str, response_id: str) -> bool:
         db = self._connection()

@@ -11,13 +11,14 @@ Responses event stream, and hands each complete answer to the :class:`~edgecache
 Each field is one of three kinds (README's table lists them):
 
 - **in the key**: ``input``, ``instructions``, ``previous_response_id`` (the conversation it brings), function
-  ``tools``, ``tool_choice`` (incl. ``allowed_tools``), ``parallel_tool_calls`` (with tools), ``text.format``,
+  ``tools`` (also inside ``namespace`` tools, whose own name and description the model is not shown), ``tool_choice`` (incl. ``allowed_tools``), ``parallel_tool_calls`` (with tools), ``text.format``,
   ``max_output_tokens``, ``temperature``, ``top_p``, ``seed``, and, as on chat, ``reasoning.effort`` and
   ``text.verbosity`` (chat-template variables);
 - **accepted, out of the key** (they cannot change what the model writes): ``store``, ``stream``,
   ``stream_options``, ``metadata``, ``user``, ``safety_identifier``, ``prompt_cache_key``,
   ``prompt_cache_retention``, ``include``, ``reasoning.summary``, ``truncation``, ``service_tier``,
   ``client_metadata``, ``max_tool_calls`` (it counts built-in tool calls), items' ``id``, ``status`` and ``phase``,
+  a ``function_call`` item's ``namespace``,
   ``reasoning`` input items (this model reads none), ``prompt_cache_breakpoint`` on text parts (the engine's
   prefix cache is automatic);
 - **refused** with a 400 naming the field: built-in tools (web search, file search, computer use, code
@@ -27,20 +28,20 @@ Each field is one of three kinds (README's table lists them):
 
 from __future__ import annotations
 
+import logging
 import os
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
 from edgecache.engines.base import Choice
 from edgecache.errors import BadRequest, EdgeCacheError, NotFound, PayloadTooLarge
-from edgecache.http.calls import Parsed, parsed_from
-from edgecache.http.replies import Counts, render_answer
+from edgecache.http.calls import Parsed, ParsedRequests, parsed_from
+from edgecache.http.replies import Counts, Renderings, id_tail
 from edgecache.http.request_surface import (
     MAX_TOOLS,
     CacheOptions,
@@ -59,12 +60,18 @@ from edgecache.http.request_surface import (
     ToolIn,
     decode_body,
 )
-from edgecache.http.response_store import ResponseStore, StoredResponse
+from edgecache.http.response_store import ResponseStore, StoredResponse, open_response_store
 from edgecache.stores import CachedAnswer
 from edgecache.settings import Settings
 from edgecache.tenants import Tenant
 
+if TYPE_CHECKING:
+    from edgecache.fleet import Fleet
+
+ROUTE = "responses"  # this API's requests in the front's ParsedRequests
 MAX_ITEMS = 2048  # input items per request; server.max_messages bounds the conversation they make
+
+log = logging.getLogger("edgecache")
 
 _json = msgspec.json.Encoder()
 
@@ -116,6 +123,9 @@ class FunctionCallItem(msgspec.Struct, forbid_unknown_fields=True):
     arguments: str
     id: str | None = None
     status: ItemStatus | None = None
+    # The namespace tool the function belongs to: its name already says which function it was (names are unique
+    # across namespaces here), so it is accepted and left out of the key.
+    namespace: str | None = None
 
 
 class FunctionCallOutputItem(msgspec.Struct, forbid_unknown_fields=True):
@@ -149,15 +159,26 @@ class _Typed(msgspec.Struct):
     type: str | None = None
 
 
-class FunctionTool(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+class FunctionTool(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, tag_field="type",
+                   tag="function"):
     """A function the model may call (Responses spell it flat: no ``function`` wrapper)."""
 
-    type: Literal["function"]
     name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     # OpenAI's Responses default is strict; a tool sent without it is strict here too.
     strict: bool | None = None
+
+
+class NamespaceTool(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, tag_field="type",
+                    tag="namespace"):
+    """A group of function tools (Codex sends its sub-agent tools as one). The functions are offered to the model
+    as the plain function tools they are; the group's name and description are not shown to it (no chat template
+    here renders them), so they stay out of the key. A call to one of the functions names its namespace."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    description: str | None = None
+    tools: Annotated[list[FunctionTool], Meta(max_length=MAX_TOOLS)] = []
 
 
 class FunctionToolChoice(msgspec.Struct, forbid_unknown_fields=True, tag_field="type", tag="function"):
@@ -351,20 +372,49 @@ def conversation_of(request: ResponseCreateRequest) -> Conversation:
     return Conversation(messages=tuple(messages), items=tuple(items))
 
 
-def _tools(request: ResponseCreateRequest) -> list[FunctionTool]:
-    tools = []
-    for i, raw in enumerate(request.tools or ()):
-        at = f"tools[{i}]"
-        try:
-            kind = msgspec.json.decode(raw, type=_Typed).type
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise BadRequest(f"invalid tool: {exc}", param=at) from exc
-        if kind != "function":
-            what = "custom (free-form) tools" if kind == "custom" else f"the built-in tool {kind!r}"
-            raise BadRequest(f"{what} is not supported: this server runs the model alone; send function tools",
-                             param=f"{at}.type")
-        tools.append(_decode_at(raw, FunctionTool, at))
-    return tools
+#: Why a built-in tool is refused, and for Codex (which sends ``web_search`` unless told not to) how to leave it out.
+_BUILT_IN = {"web_search": "this server searches nothing; Codex leaves the tool out with web_search = \"disabled\" "
+                           "in its config.toml"}
+
+
+def _tool(raw: msgspec.Raw, at: str, *, nested: bool = False) -> FunctionTool | NamespaceTool:
+    try:
+        kind = msgspec.json.decode(raw, type=_Typed).type
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise BadRequest(f"invalid tool: {exc}", param=at) from exc
+    if kind == "namespace" and not nested:
+        group = _decode_at(raw, _NamespaceRaw, at)
+        return NamespaceTool(name=group.name, description=group.description, tools=[
+            _tool(t, f"{at}.tools[{j}]", nested=True) for j, t in enumerate(group.tools)])  # type: ignore[misc]
+    if kind != "function":
+        what = "custom (free-form) tools" if kind == "custom" else f"the built-in tool {kind!r}"
+        why = _BUILT_IN.get(str(kind), "this server runs the model alone; send function tools")
+        raise BadRequest(f"{what} is not supported: {why}", param=f"{at}.type")
+    return _decode_at(raw, FunctionTool, at)
+
+
+class _NamespaceRaw(msgspec.Struct, forbid_unknown_fields=True):
+    """A namespace tool whose functions are decoded one by one (so an unsupported one is named)."""
+
+    type: Literal["namespace"]
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    description: str | None = None
+    tools: Annotated[list[msgspec.Raw], Meta(max_length=MAX_TOOLS)] = []
+
+
+def _tools(request: ResponseCreateRequest) -> list[FunctionTool | NamespaceTool]:
+    """The tools as sent (a namespace holds its functions)."""
+    return [_tool(raw, f"tools[{i}]") for i, raw in enumerate(request.tools or ())]
+
+
+def _functions(tools: list[FunctionTool | NamespaceTool]) -> list[FunctionTool]:
+    """Every function the model is offered: the top-level ones and those in namespaces, in order."""
+    return [f for t in tools for f in (t.tools if isinstance(t, NamespaceTool) else (t,))]
+
+
+def _namespaces(tools: list[FunctionTool | NamespaceTool]) -> dict[str, str]:
+    """The namespace of each function that is in one (what a call to it names)."""
+    return {f.name: t.name for t in tools if isinstance(t, NamespaceTool) for f in t.tools}
 
 
 ToolChoice = Literal["none", "auto", "required"] | FunctionToolChoice | AllowedToolChoice
@@ -454,12 +504,13 @@ class OutputMessage(msgspec.Struct, tag_field="type", tag="message"):
     role: str = "assistant"
 
 
-class OutputFunctionCall(msgspec.Struct, tag_field="type", tag="function_call"):
+class OutputFunctionCall(msgspec.Struct, tag_field="type", tag="function_call", omit_defaults=True):
     id: str
     call_id: str
     name: str
     arguments: str
-    status: ItemStatus = "completed"
+    status: ItemStatus
+    namespace: str | None = None  # the namespace tool the function is in (absent for a top-level function)
 
 
 class InputTokensDetails(msgspec.Struct):
@@ -518,7 +569,7 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     temperature: float = 1.0
     text: TextOut = msgspec.field(default_factory=TextOut)
     tool_choice: str | FunctionToolChoice | AllowedToolChoice = "auto"
-    tools: list[FunctionTool] = []
+    tools: list[FunctionTool | NamespaceTool] = []
     top_p: float = 1.0
     truncation: str = "disabled"
     usage: ResponseUsage | None = None
@@ -546,6 +597,15 @@ def _usage(counts: Counts) -> ResponseUsage:
                          total_tokens=counts.prompt + counts.completion)
 
 
+def said_in(text: str, choices: tuple[Choice, ...] | None) -> ChatMessageIn:
+    """An answer as the assistant's chat message (what a follow-up's conversation holds)."""
+    calls = choices[0].tool_calls if choices else ()
+    if choices:
+        text = choices[0].text
+    return ChatMessageIn(role="assistant", content=text or None if calls else text, tool_calls=[
+        ToolCallIn(id=c.id, function=FunctionCallIn(name=c.name, arguments=c.arguments)) for c in calls] or None)
+
+
 #: Called with each complete answer: the response's id, its JSON, and its output as the assistant's chat message.
 OnComplete = Callable[[str, bytes, ChatMessageIn], None]
 
@@ -553,22 +613,30 @@ OnComplete = Callable[[str, bytes, ChatMessageIn], None]
 class ResponsesWriter:
     """Renders one answer, for one request, as a Response object or as the Responses event stream (an
     :class:`~edgecache.http.replies.AnswerWriter`). Every event carries its ``sequence_number``; the items' ids
-    derive from the response's id. ``on_complete`` receives each complete answer (never an error or a part)."""
+    carry the response id's tail. ``on_complete`` receives each complete answer (never an error or a part).
 
-    __slots__ = ("id", "template", "on_complete", "shape", "renderings", "_seq", "_texts", "_suffix")
+    A stored answer is rendered once per ``replay_shape`` (:class:`~edgecache.http.replies.Renderings`): the
+    request's settings the Response echoes (``shape``, the template encoded), the model and the time; a hit joins
+    in its own id, and :meth:`replayed` hands the answer to ``on_complete``.
+    """
+
+    __slots__ = ("id", "template", "on_complete", "replay_shape", "_seq", "_texts", "_namespaces")
 
     _encoder = msgspec.json.Encoder()
 
-    def __init__(self, template: ResponseObject, on_complete: OnComplete | None, shape: bytes = b"",
-                 renderings: StoredRenderings | None = None) -> None:
+    def __init__(self, template: ResponseObject, on_complete: OnComplete | None, shape: bytes = b"") -> None:
         self.id = template.id
         self.template = template
         self.on_complete = on_complete
-        self.shape = shape  # what the request asked, as far as it shows in the answer (renderings' key)
-        self.renderings = renderings
+        self.replay_shape = ("responses", shape, template.model, template.created_at)
         self._seq = 0
         self._texts: list[str] = []
-        self._suffix = self.id.split("_", 1)[1]
+        self._namespaces = _namespaces(template.tools)
+
+    @property
+    def _suffix(self) -> str:
+        """The id's tail, which the items' ids carry (so a rendering for replay puts the hit's own in them)."""
+        return id_tail(self.id)[1]
 
     # ---- the output ----
 
@@ -587,34 +655,33 @@ class ResponsesWriter:
             output.append(OutputMessage(id=f"msg_{self._suffix}", status=status, content=content))
         for j, call in enumerate(calls):
             output.append(OutputFunctionCall(id=f"fc_{self._suffix}_{j}", call_id=call.id, name=call.name,
-                                             arguments=call.arguments))
-        said = ChatMessageIn(role="assistant", content=text or None if calls else text, tool_calls=[
-            ToolCallIn(id=c.id, function=FunctionCallIn(name=c.name, arguments=c.arguments)) for c in calls] or None)
-        return output, said
+                                             arguments=call.arguments, status="completed",
+                                             namespace=self._namespaces.get(call.name)))
+        return output, said_in(text, choices)
 
     def _final(self, output: list[OutputMessage | OutputFunctionCall], finish_reason: str | None,
                counts: Counts) -> ResponseObject:
         incomplete = finish_reason == "length"
         return msgspec.structs.replace(
-            self.template, status="incomplete" if incomplete else "completed", output=output, usage=_usage(counts),
-            incomplete_details=IncompleteDetails(reason="max_output_tokens") if incomplete else None)
+            self.template, id=self.id, status="incomplete" if incomplete else "completed", output=output,
+            usage=_usage(counts), incomplete_details=IncompleteDetails(reason="max_output_tokens") if incomplete else None)
 
     def _complete(self, response: ResponseObject, said: ChatMessageIn) -> bytes:
         body = self._encoder.encode(response)
-        if self.on_complete is not None:
+        if self.on_complete is not None and self.id == self.template.id:
+            # (a rendering for replay runs under a placeholder id: that is no response of anyone's)
             self.on_complete(self.id, body, said)
         return body
 
+    def replayed(self, answer: CachedAnswer, renderings: Renderings) -> None:
+        """A stored answer was served as this response (a hit): kept like any other, as its JSON body."""
+        if self.on_complete is not None:
+            self.on_complete(self.id, renderings.render(self, answer, False), said_in(answer.text, answer.choices))
+
     def body(self, text: str, finish_reason: str | None, counts: Counts,
-             choices: tuple[Choice, ...] | None = None) -> bytes:
+             choices: tuple[Choice, ...] | None = None, stop_sequence: str | None = None) -> bytes:
         output, said = self._output(text, choices, finish_reason)
         return self._complete(self._final(output, finish_reason, counts), said)
-
-    def render_stored(self, answer: CachedAnswer, stream: bool) -> bytes:
-        """A stored answer (a hit), whole: from :class:`StoredRenderings` when there are any."""
-        if self.renderings is None:
-            return render_answer(self, answer, stream)
-        return self.renderings.render(self, answer, stream)
 
     # ---- the event stream ----
 
@@ -632,7 +699,7 @@ class ResponsesWriter:
         return b"event: " + kind + b"\ndata: " + data + b"\n\n"
 
     def _opening(self) -> bytes:
-        started = self._encoder.encode(msgspec.structs.replace(self.template, status="in_progress"))
+        started = self._encoder.encode(msgspec.structs.replace(self.template, id=self.id, status="in_progress"))
         return self._lifecycle(b"response.created", started) + self._lifecycle(b"response.in_progress", started)
 
     def _closing(self, response: ResponseObject, said: ChatMessageIn) -> bytes:
@@ -678,7 +745,7 @@ class ResponsesWriter:
         self._texts.append(text)
         return self._event(_TextDelta("response.output_text.delta", f"msg_{self._suffix}", 0, 0, text))
 
-    def sse_end(self, finish_reason: str | None, counts: Counts) -> bytes:
+    def sse_end(self, finish_reason: str | None, counts: Counts, stop_sequence: str | None = None) -> bytes:
         text = "".join(self._texts)
         output, said = self._output(text, None, finish_reason)
         item = output[0]
@@ -695,7 +762,7 @@ class ResponsesWriter:
                 + self._closing(self._final(output, finish, counts), said))
 
     def sse_error(self, error: EdgeCacheError) -> bytes:
-        failed = msgspec.structs.replace(self.template, status="failed", error=ResponseError(
+        failed = msgspec.structs.replace(self.template, id=self.id, status="failed", error=ResponseError(
             code="server_error" if error.status >= 500 else "invalid_prompt", message=error.message))
         return (self._event(_ErrorEvent("error", error.code or error.error_type, error.message, error.param))
                 + self._lifecycle(b"response.failed", self._encoder.encode(failed)))
@@ -783,64 +850,14 @@ class _ErrorEvent(msgspec.Struct):
     sequence_number: int = 0
 
 
-class StoredRenderings:
-    """Stored answers rendered once per (answer, stream, request shape), so a Responses hit costs a copy instead
-    of a dozen encodes (the hit path; chat's :class:`~edgecache.http.replies.Renderings` cannot serve here: a
-    Response carries its own time besides its id, its items' ids derive from its id, and it is stored).
-
-    A rendering is made with a slot for the id's suffix and a marked time, each replaced per hit. Keyed by the
-    answer object (the memory tier hands a hot answer out as the same object), an entry holds its answer, so an id
-    is never reused while its entry lives. Bounded by count and bytes.
-    """
-
-    def __init__(self, max_entries: int = 4096, max_bytes: int = 32 << 20) -> None:
-        self.max_entries = max_entries
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self._entries: OrderedDict[tuple[int, bool, bytes], tuple[CachedAnswer, bytes, bytes, ChatMessageIn]] = \
-            OrderedDict()
-        self._slot = os.urandom(12).hex()  # random: no answer's text holds it
-        self._time = 4_000_000_000 + int.from_bytes(os.urandom(3), "big")  # a time no response has yet
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self.bytes = 0
-
-    def render(self, writer: ResponsesWriter, answer: CachedAnswer, stream: bool) -> bytes:
-        key = (id(answer), stream, writer.shape)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0] is answer:
-            self._entries.move_to_end(key)
-        else:
-            entry = self._make(writer, answer, stream)
-            size = len(entry[1]) + len(entry[2])
-            if size <= self.max_bytes // 8:
-                if key in self._entries:
-                    self.bytes -= len(self._entries[key][1]) + len(self._entries[key][2])
-                self._entries[key] = entry
-                self.bytes += size
-                while self.bytes > self.max_bytes or len(self._entries) > self.max_entries:
-                    _, (_, old_out, old_body, _) = self._entries.popitem(last=False)
-                    self.bytes -= len(old_out) + len(old_body)
-        _, out, body, said = entry
-        slot, suffix = self._slot.encode(), writer._suffix.encode()
-        marked, created = (b'"created_at":%d' % self._time, b'"created_at":%d' % writer.template.created_at)
-        if writer.on_complete is not None:
-            writer.on_complete(writer.id, body.replace(slot, suffix).replace(marked, created), said)
-        return out.replace(slot, suffix).replace(marked, created)
-
-    def _make(self, writer: ResponsesWriter, answer: CachedAnswer,
-              stream: bool) -> tuple[CachedAnswer, bytes, bytes, ChatMessageIn]:
-        completed: list[tuple[bytes, ChatMessageIn]] = []
-        probe = ResponsesWriter(msgspec.structs.replace(writer.template, id=f"resp_{self._slot}",
-                                                        created_at=self._time),
-                                lambda _, body, said: completed.append((body, said)))
-        out = render_answer(probe, answer, stream)
-        (body, said), = completed
-        return answer, out, body, said
-
-
 # --- the front's side: parsing, storing, reading back ------------------------------------------------------------
+
+
+def _strict(tool: FunctionTool | NamespaceTool) -> FunctionTool | NamespaceTool:
+    """The tool as echoed: a function without ``strict`` is strict (OpenAI's Responses default)."""
+    if isinstance(tool, NamespaceTool):
+        return msgspec.structs.replace(tool, tools=[_strict(f) for f in tool.tools])  # type: ignore[misc]
+    return msgspec.structs.replace(tool, strict=True if tool.strict is None else tool.strict)
 
 
 class Asked(msgspec.Struct, frozen=True, kw_only=True):
@@ -850,56 +867,59 @@ class Asked(msgspec.Struct, frozen=True, kw_only=True):
     template: ResponseObject  # the Response without id, status, output and usage
     shape: bytes              # the template encoded: what a rendering of an answer to it depends on
     store: bool
-    history: tuple[ChatMessageIn, ...]  # the conversation without the instructions (what a follow-up continues)
-    items: tuple[dict[str, Any], ...]   # this request's own input items
+    # What each stored response of this request keeps, encoded once (a hit's record costs copies, not an encode
+    # of a conversation that grows every turn): the conversation without the instructions, what a follow-up
+    # continues (msgpack); this request's own input items (JSON), split where each response's id tail goes.
+    history: msgspec.Raw
+    items: tuple[bytes, ...]
 
 
 class ResponsesApi:
-    """The front's Responses state: the stored responses and a memo of recently parsed bodies (a repeated body
-    without ``previous_response_id`` is the hit path's common case: it costs a dict lookup, not a parse)."""
+    """The front's Responses state: the stored responses. A repeated body without ``previous_response_id`` (the hit
+    path's common case) is parsed once: ``parsed`` (the front's :class:`~edgecache.http.calls.ParsedRequests`)
+    keeps it."""
 
-    MEMO_ENTRIES = 4096
-    MEMO_BODY_BYTES = 16_384
-
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, parsed: ParsedRequests, fleet: Fleet | None = None) -> None:
         self.settings = settings
-        self.store = ResponseStore(settings.data_path / "responses", tenant_bytes=settings.store.responses_bytes,
-                                   ttl_s=settings.store.responses_ttl_s)
-        self._memo: OrderedDict[tuple[str, bytes], Asked] = OrderedDict()
-        self.renderings = StoredRenderings()
+        self.parsed = parsed
+        self.store: ResponseStore = open_response_store(settings, fleet)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(StoredResponse)
+        self._slot = f"edgecacheitems{os.urandom(12).hex()}"  # stands for the id tail in Asked.items
 
-    def forget(self) -> None:
-        """Entries were flushed: forget the parsed bodies and the renderings of stored answers."""
-        self._memo.clear()
-        self.renderings.clear()
+    async def close(self) -> None:
+        await self.store.close()
 
-    def close(self) -> None:
-        self.store.close()
+    async def _get(self, tenant: str, response_id: str) -> StoredResponse | None:
+        record = await self.store.get(tenant, response_id)
+        if record is None:
+            return None
+        try:
+            return self._decoder.decode(record)
+        except msgspec.DecodeError:
+            log.warning("stored response %s of tenant %s is unreadable: treated as gone", response_id, tenant)
+            return None
 
     async def parse(self, body: bytes, tenant: Tenant) -> Asked:
-        key = (tenant.id, body)
-        asked = self._memo.get(key)
+        asked: Asked | None = self.parsed.recalled(ROUTE, body, tenant)
         if asked is not None:
-            self._memo.move_to_end(key)
             return asked
         request = decode_body(body, ResponseCreateRequest)
         previous: StoredResponse | None = None
         if request.previous_response_id is not None:
-            previous = await self.store.get(tenant.id, request.previous_response_id)
+            previous = await self._get(tenant.id, request.previous_response_id)
             if previous is None:
                 raise NotFound(f"no stored response has the id {request.previous_response_id!r}",
                                param="previous_response_id")
         asked = self.asked(request, tenant, previous)
-        if previous is None and len(body) <= self.MEMO_BODY_BYTES:
-            self._memo[key] = asked
-            if len(self._memo) > self.MEMO_ENTRIES:
-                self._memo.popitem(last=False)
+        if previous is None:  # a stored conversation may be gone by the next request that names it
+            self.parsed.remember(ROUTE, body, tenant, asked)
         return asked
 
     def asked(self, request: ResponseCreateRequest, tenant: Tenant, previous: StoredResponse | None) -> Asked:
         request.refuse_unsupported()
         conversation = conversation_of(request)
-        history = (*(previous.history if previous is not None else ()), *conversation.messages)
+        history = (*(previous.conversation if previous is not None else ()), *conversation.messages)
         if not history:
             raise BadRequest("input is empty: send a string or at least one message", param="input")
         messages = ([ChatMessageIn(role="system", content=request.instructions)]
@@ -909,7 +929,7 @@ class ResponsesApi:
                                   f"the stored conversation previous_response_id brings")
         tools, choice = _tools(request), _tool_choice(request)
         with responses_names():
-            parsed = parsed_from(chat_request(request, messages, tools, choice), tenant, self.settings)
+            parsed = parsed_from(chat_request(request, messages, _functions(tools), choice), tenant, self.settings)
         text = request.text
         template = ResponseObject(
             id="", created_at=0, status="completed", model=request.model, instructions=request.instructions,
@@ -919,31 +939,35 @@ class ResponsesApi:
             text=TextOut(format=text.format or TextFormat(type="text"), verbosity=text.verbosity)
             if text is not None else TextOut(),
             tool_choice=choice or "auto",
-            tools=[msgspec.structs.replace(t, strict=True if t.strict is None else t.strict) for t in tools],
+            tools=[_strict(t) for t in tools],
             truncation=request.truncation or "disabled", user=request.user, metadata=request.metadata or {},
             reasoning=ReasoningOut(effort=request.reasoning.effort, summary=request.reasoning.summary)
             if request.reasoning is not None else ReasoningOut())
-        return Asked(parsed=parsed, template=template, shape=_json.encode(template),
-                     store=request.store is not False, history=history, items=conversation.items)
+        store = request.store is not False
+        items = [{**item, "id": item.get("id") or f"{'msg' if item['type'] == 'message' else 'fc'}_{self._slot}_in{i}"}
+                 for i, item in enumerate(conversation.items)] if store else []
+        return Asked(parsed=parsed, template=template, shape=_json.encode(template), store=store,
+                     history=msgspec.Raw(self._encoder.encode(history) if store else b""),
+                     items=tuple(_json.encode(items).split(self._slot.encode())))
 
     def writer(self, asked: Asked, response_id: str, model: str, tenant: str) -> ResponsesWriter:
         template = msgspec.structs.replace(asked.template, id=response_id, created_at=int(time.time()), model=model)
         if not asked.store:
-            return ResponsesWriter(template, None, asked.shape, self.renderings)
-        suffix = response_id.split("_", 1)[1]
-        items = [{**item, "id": item.get("id") or f"{'msg' if item['type'] == 'message' else 'fc'}_{suffix}_in{i}"}
-                 for i, item in enumerate(asked.items)]
+            return ResponsesWriter(template, None, asked.shape)
+        input_items = id_tail(response_id)[1].encode().join(asked.items)
 
         def keep(response_id: str, body: bytes, said: ChatMessageIn) -> None:
             now = time.time()
-            self.store.put(tenant, response_id, StoredResponse(
-                body=body, input_items=_json.encode(items), history=(*asked.history, said), created_at=now,
-                expires_at=now + self.store.ttl_s))
+            expires_at = now + self.store.ttl_s
+            # history goes as encoded already (msgspec writes a Raw value's bytes as they are)
+            record = StoredResponse(body=body, input_items=input_items, history=asked.history,  # type: ignore[arg-type]
+                                    said=said, created_at=now, expires_at=expires_at)
+            self.store.put(tenant, response_id, self._encoder.encode(record), now, expires_at)
 
-        return ResponsesWriter(template, keep, asked.shape, self.renderings)
+        return ResponsesWriter(template, keep, asked.shape)
 
     async def stored(self, tenant: str, response_id: str) -> StoredResponse:
-        record = await self.store.get(tenant, response_id)
+        record = await self._get(tenant, response_id)
         if record is None:
             raise NotFound(f"no stored response has the id {response_id!r}", param="response_id")
         return record

@@ -21,7 +21,8 @@ class CachedAnswer(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
 
     ``choices`` holds the whole answer when it is more than one text choice (tool calls, logprobs, n > 1); then
     ``text`` and ``finish_reason`` repeat its first choice's. It is the last field, so entries written before it
-    existed still decode (as plain answers).
+    existed still decode (as plain answers). ``stop_sequence`` (the stop string that ended the answer, see
+    :class:`~edgecache.engines.base.Chunk`) came after it, last for the same reason.
     """
 
     text: str
@@ -31,6 +32,7 @@ class CachedAnswer(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     created_at: float
     expires_at: float
     choices: tuple[Choice, ...] | None = None
+    stop_sequence: str | None = None
 
 
 class ResultStore(Protocol):

@@ -1,0 +1,313 @@
+"""The upstream engine's HTTP/1.1 transport: httpx's interface over asyncio, parsed by llhttp (``httptools``), with a
+streamed body read in batches.
+
+Why not httpx's own transport: it parses HTTP in pure Python (httpcore + h11) and hands over one event per HTTP
+chunk, and an SSE server writes one chunk per token, so relaying a fast upstream cost most of the relay's CPU in
+the parser (profiled: ~60 %). aiohttp's C parser halved that, but its stream reader still costs a callback, a
+flow-control call and a buffer step per chunk. Here a socket read is parsed in C, and while a body streams the
+socket is read at most once per ``batch_s``: the kernel gathers the tokens of that time into one read, so the
+relay's cost per token is its own line handling. A stream's first bytes are never held back (the pause starts
+after a read), so time to first token is unchanged.
+
+It is a plain :class:`httpx.AsyncBaseTransport` (the engine keeps httpx's client, its timeouts and its errors, and
+tests still inject ``httpx.MockTransport``): HTTP/1.1 only, ``http`` and ``https``, keep-alive connections kept per
+origin, no proxy (the engine uses httpx's own transport when the environment names a proxy for the upstream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httptools
+import httpx
+
+# A streamed body's bytes that may wait for the reader before the socket stops being read (flow control).
+_HIGH_WATER = 1 << 20
+
+
+class _Connection(asyncio.Protocol):
+    """One HTTP/1.1 connection, one response at a time; httptools calls the ``on_*`` methods while it parses."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, batch_s: float) -> None:
+        self._loop = loop
+        self._batch_s = batch_s
+        self._transport: asyncio.Transport | None = None
+        self.closed = False
+        self._paused = False          # the socket is not being read
+        self._batch_pending = False   # a batch is gathering in the kernel (timer set)
+        self._watchdog: asyncio.TimerHandle | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.reason = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.headers_done = False
+        self.complete = False
+        self.keep_alive = False
+        self.received = False         # any byte of this response
+        self.body: list[bytes] = []
+        self.buffered = 0
+        self.error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._held = False            # the buffer is full: no reading until the reader takes it
+        self._last_read = self._loop.time()
+        self._read_timeout: float | None = None
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.received = True
+        self._last_read = self._loop.time()
+        before = self.buffered
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(httpx.RemoteProtocolError(f"malformed HTTP response: {exc}"))
+            return
+        # The batch starts with a read that brought body bytes, so the head never delays the first token.
+        if self.buffered > before and not self.complete:
+            self._held = self.buffered > _HIGH_WATER
+            if self._batch_s > 0 and not self._batch_pending:
+                self._batch_pending = True
+                self._loop.call_later(self._batch_s, self._batch_over)
+            self._update_reading()
+        self._wake()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self.headers_done and not self.complete and not self._chunked_or_sized():
+            self.complete = True  # a body delimited by the connection's close
+        elif not self.complete:
+            self.error = self.error or httpx.ReadError(
+                "the upstream closed the connection" + (f": {exc}" if exc else ""))
+        self._wake()
+
+    # -- httptools callbacks
+
+    def on_status(self, status: bytes) -> None:
+        self.reason += status
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self._parser.get_status_code()
+        self.headers_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+        self.buffered += len(body)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self.keep_alive = self._parser.should_keep_alive()
+
+    # -- used by the transport
+
+    def send(self, head: bytes, body: bytes) -> None:
+        assert self._transport is not None
+        self._last_read = self._loop.time()  # the read timeout counts from the request
+        self._transport.writelines((head, body))
+
+    async def wait(self, read_timeout: float | None) -> None:
+        """Until something new (bytes, the end, an error); ``ReadTimeout`` when the upstream is silent too long."""
+        if self.error is not None:
+            raise self.error
+        self._waiter = self._loop.create_future()
+        self._read_timeout = read_timeout
+        if read_timeout is not None and self._watchdog is None:
+            self._watchdog = self._loop.call_at(self._last_read + read_timeout, self._watch)
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+        if self.error is not None:
+            raise self.error
+
+    def take(self) -> bytes:
+        """The body bytes parsed so far (and reading again if a full buffer had stopped it)."""
+        data = b"".join(self.body) if len(self.body) != 1 else self.body[0]
+        self.body.clear()
+        self.buffered = 0
+        if self._held:
+            self._held = False
+            self._update_reading()
+        return data
+
+    def reuse(self) -> None:
+        """Ready for the next request on the same connection."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        self._reset()
+        self._update_reading()
+
+    def close(self) -> None:
+        self.closed = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        if self._transport is not None:
+            self._transport.close()
+
+    # -- internals
+
+    def _chunked_or_sized(self) -> bool:
+        return any(n.lower() in (b"content-length", b"transfer-encoding") for n, _ in self.headers)
+
+    def _update_reading(self) -> None:
+        """Read the socket unless a batch is gathering or the buffer is full."""
+        if self._transport is None or self.closed:
+            return
+        pause = self._held or (self._batch_pending and self.headers_done and not self.complete)
+        if pause and not self._paused:
+            self._transport.pause_reading()
+        elif not pause and self._paused:
+            self._transport.resume_reading()
+        self._paused = pause
+
+    def _batch_over(self) -> None:
+        self._batch_pending = False
+        self._update_reading()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _watch(self) -> None:
+        self._watchdog = None
+        if self.closed or self._waiter is None or self._read_timeout is None:
+            return
+        due = self._last_read + self._read_timeout
+        if self._loop.time() >= due:
+            self._fail(httpx.ReadTimeout(f"no data from the upstream for {self._read_timeout:g} s"))
+        else:
+            self._watchdog = self._loop.call_at(due, self._watch)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.error = exc
+        self.close()
+        self._wake()
+
+
+class _Body(httpx.AsyncByteStream):
+    """A response's body as it arrives: each step is every byte parsed since the last one."""
+
+    def __init__(self, transport: BatchingTransport, origin: tuple[str, str, int], conn: _Connection,
+                 read_timeout: float | None) -> None:
+        self._transport = transport
+        self._origin = origin
+        self._conn = conn
+        self._read_timeout = read_timeout
+        self._done = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        conn = self._conn
+        while True:
+            if conn.body:
+                yield conn.take()
+            if conn.complete:
+                break
+            await conn.wait(self._read_timeout)
+        if conn.body:
+            yield conn.take()
+        self._done = True
+
+    async def aclose(self) -> None:
+        conn = self._conn
+        if self._done and conn.complete and conn.keep_alive and not conn.closed:
+            self._transport._release(self._origin, conn)
+        else:
+            conn.close()  # a body left unread: the connection is closed, which stops the upstream's work
+
+
+class BatchingTransport(httpx.AsyncBaseTransport):
+    """HTTP/1.1 over asyncio with httptools, streamed bodies read at most once per ``batch_s`` (see the module)."""
+
+    def __init__(self, *, batch_s: float, max_idle: int = 100, ssl_context: ssl.SSLContext | None = None) -> None:
+        self._batch_s = batch_s
+        self._max_idle = max_idle
+        self._ssl = ssl_context
+        self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        if url.scheme not in ("http", "https"):
+            raise httpx.UnsupportedProtocol(f"unsupported URL scheme {url.scheme!r}", request=request)
+        origin = (url.scheme, url.host, url.port or (443 if url.scheme == "https" else 80))
+        timeouts: dict[str, Any] = request.extensions.get("timeout", {})
+        body = await request.aread()
+        head = b"%s %s HTTP/1.1\r\n%s\r\n" % (
+            request.method.encode(), url.raw_path,
+            b"".join(b"%s: %s\r\n" % (name, value) for name, value in request.headers.raw))
+        for attempt in (0, 1):
+            conn = self._idle_connection(origin)
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect(origin, timeouts.get("connect"), request)
+            conn.send(head, body)
+            try:
+                while not conn.headers_done:
+                    await conn.wait(timeouts.get("read"))
+            except httpx.ReadError:
+                # A kept-alive connection the upstream had closed before our request reached it (nothing was
+                # read back): the request was never seen, so it goes once more, on a new connection.
+                if reused and not conn.received and attempt == 0:
+                    continue
+                raise
+            except httpx.TransportError as exc:
+                exc.request = request
+                raise
+            break
+        extensions = {"http_version": b"HTTP/1.1", "reason_phrase": conn.reason}
+        return httpx.Response(conn.status, headers=conn.headers, extensions=extensions,
+                              stream=_Body(self, origin, conn, timeouts.get("read")))
+
+    async def _connect(self, origin: tuple[str, str, int], timeout: float | None,
+                       request: httpx.Request) -> _Connection:
+        scheme, host, port = origin
+        loop = asyncio.get_running_loop()
+        tls: ssl.SSLContext | None = None
+        if scheme == "https":
+            tls = self._ssl = self._ssl or ssl.create_default_context()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: _Connection(loop, self._batch_s), host, port, ssl=tls,
+                                       server_hostname=host if tls else None), timeout)
+        except (TimeoutError, asyncio.TimeoutError) as exc:
+            raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out", request=request) from exc
+        except OSError as exc:
+            raise httpx.ConnectError(f"{host}:{port}: {exc.strerror or exc}", request=request) from exc
+        return conn
+
+    def _idle_connection(self, origin: tuple[str, str, int]) -> _Connection | None:
+        idle = self._idle.get(origin)
+        while idle:
+            conn = idle.pop()
+            if not conn.closed:
+                return conn
+        return None
+
+    def _release(self, origin: tuple[str, str, int], conn: _Connection) -> None:
+        idle = self._idle.setdefault(origin, [])
+        if len(idle) >= self._max_idle:
+            conn.close()
+            return
+        conn.reuse()
+        idle.append(conn)
+
+    async def aclose(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.close()
+        self._idle.clear()

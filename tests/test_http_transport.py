@@ -1,0 +1,225 @@
+"""The upstream engine's HTTP transport (``engines/http_transport.py``) against a raw asyncio HTTP server that writes
+exactly the bytes each test needs: chunked and sized bodies, kept-alive connections, a stale one, a silent server,
+a malformed answer, a reader that leaves early, and a stream read in batches."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import httpx
+import pytest
+
+from edgecache.engines.http_transport import BatchingTransport
+from edgecache.engines.openai_upstream import _default_transport
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class Server:
+    """An HTTP server that answers each request with ``handler``; counts connections."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.closed = asyncio.Event()
+
+    async def __aenter__(self) -> str:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                self.requests.append(head + await reader.readexactly(length))
+                await self.handler(reader, writer)
+                if writer.is_closing():
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+            self.closed.set()
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def client(base: str, batch_s: float = 0.0, read: float = 10.0) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=base, transport=BatchingTransport(batch_s=batch_s),
+                             timeout=httpx.Timeout(read, connect=5.0))
+
+
+async def test_a_chunked_stream_arrives_whole_and_a_sized_body_too() -> None:
+    parts = [b"data: %d\n\n" % i for i in range(30)]
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if b"/sized" in server.requests[-1]:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+            return
+        writer.write(SSE_HEAD)
+        for part in parts:
+            writer.write(chunk(part))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+
+    server = Server(handler)
+    async with server as base, client(base) as http:
+        async with http.stream("POST", "/stream", json={"a": 1}) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"] == "text/event-stream"
+            body = b"".join([piece async for piece in response.aiter_raw()])
+        assert body == b"".join(parts)
+        sized = await http.get("/sized")
+        assert (sized.status_code, sized.text) == (200, "hello")
+    assert server.connections == 1  # the second request reused the kept-alive connection
+    assert b'POST /stream HTTP/1.1' in server.requests[0] and server.requests[0].endswith(b'{"a":1}')
+
+
+async def test_a_streamed_body_is_read_in_batches() -> None:
+    """Thirty chunks written 5 ms apart, read under a 2 s batch: the first chunk at once (the first token is never
+    held back), the other 29 in one read when the batch ends, where a read per chunk would make thirty."""
+    parts = [b"data: %d\n\n" % i for i in range(30)]
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD)
+        for part in parts:
+            writer.write(chunk(part))
+            await writer.drain()
+            await asyncio.sleep(0.005)
+        writer.write(b"0\r\n\r\n")
+
+    async with Server(handler) as base, client(base, batch_s=2.0) as http:
+        async with http.stream("GET", "/") as response:
+            pieces = [piece async for piece in response.aiter_raw()]
+    assert b"".join(pieces) == b"".join(parts)
+    assert pieces[0] == parts[0]
+    assert len(pieces) <= 3
+
+
+async def test_a_body_delimited_by_close_and_a_connection_closed_while_idle() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(server.requests) == 1:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+            writer.close()  # the kept-alive connection goes away while the client holds it idle
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end")
+            await writer.drain()
+            writer.close()
+
+    server = Server(handler)
+    async with server as base, client(base) as http:
+        assert (await http.get("/")).text == "ok"
+        await server.closed.wait()
+        await asyncio.sleep(0)  # the client's side of the closed connection sees the close
+        assert (await http.get("/")).text == "until the end"
+    assert server.connections == 2
+
+
+async def test_a_request_on_a_kept_alive_connection_the_server_dropped_goes_once_more_on_a_new_one() -> None:
+    """The server reads the second request and closes without a byte of answer (it had timed the connection out):
+    the request goes again on a new connection. A new connection that does the same is an error (no loop)."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(server.requests) in (2, 4, 5):
+            writer.close()
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n%d" % (10 + len(server.requests)))
+
+    server = Server(handler)
+    async with server as base, client(base) as http:
+        assert (await http.get("/")).text == "11"
+        assert (await http.get("/")).text == "13"  # request 2 dropped, sent again as request 3
+        assert server.connections == 2
+        with pytest.raises(httpx.ReadError):
+            await http.get("/")  # request 4 dropped on the kept-alive connection, 5 on a new one: no third try
+    assert server.connections == 3
+
+
+async def test_a_silent_upstream_is_a_read_timeout_and_a_closed_port_a_connect_error() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD + chunk(b"data: 1\n\n"))
+        await asyncio.sleep(30)
+
+    async with Server(handler) as base, client(base, read=0.2) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            async with http.stream("GET", "/") as response:
+                async for _ in response.aiter_raw():
+                    pass
+    async with Server(handler) as base:
+        pass  # the port is free again
+    async with client(base) as http:
+        with pytest.raises(httpx.ConnectError):
+            await http.get("/")
+
+
+async def test_a_malformed_answer_and_an_early_end_are_transport_errors() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(server.requests) == 1:
+            writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+        else:
+            writer.write(SSE_HEAD + chunk(b"data: 1\n\n"))
+            await writer.drain()
+            writer.close()  # mid-body
+
+    server = Server(handler)
+    async with server as base, client(base) as http:
+        with pytest.raises(httpx.RemoteProtocolError):
+            await http.get("/")
+        with pytest.raises(httpx.ReadError):
+            await http.get("/")
+
+
+async def test_leaving_a_stream_early_closes_its_connection() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD)
+        for i in range(10_000):
+            writer.write(chunk(b"data: %d\n\n" % i))
+            await writer.drain()
+            await asyncio.sleep(0.001)
+
+    server = Server(handler)
+    async with server as base, client(base) as http:
+        async with http.stream("GET", "/") as response:
+            async for _ in response.aiter_raw():
+                break
+        await asyncio.wait_for(server.closed.wait(), 30)
+
+
+async def test_a_body_larger_than_the_buffer_bound_arrives_whole() -> None:
+    big = bytes(range(256)) * 16_384  # 4 MiB, past the 1 MiB the transport buffers before it stops reading
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(big) + big)
+
+    async with Server(handler) as base, client(base, batch_s=0.001) as http:
+        async with http.stream("GET", "/") as response:
+            received = bytearray()
+            async for piece in response.aiter_raw():
+                received += piece
+                await asyncio.sleep(0.001)  # a slow reader
+    assert bytes(received) == big
+
+
+def test_a_proxy_in_the_environment_gets_httpx_own_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY",
+                 "no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    assert isinstance(_default_transport("http://10.0.0.5:30000/v1"), BatchingTransport)
+    monkeypatch.setenv("http_proxy", "http://proxy.internal:3128")
+    assert _default_transport("http://10.0.0.5:30000/v1") is None
+    monkeypatch.setenv("no_proxy", "10.0.0.5")
+    assert isinstance(_default_transport("http://10.0.0.5:30000/v1"), BatchingTransport)
