@@ -441,7 +441,10 @@ def run_stream(stream: Stream, sim: np.ndarray, decide, record=None, link=None, 
 
 #: The learner's settings a stream run may vary (``--learner KEY=VALUE``), as :class:`SemanticLearner` spells them.
 LEARNER_OPTIONS = ("prior_weight", "spread", "margin", "z", "slope_after", "slope_spread", "confidence",
-                   "calibration_weight", "trust_after", "max_error", "audit_share")
+                   "calibration_weight", "trust_after", "max_error", "audit_share", "window", "calibration_band",
+                   "entry_labels")
+#: Those of them that count something (given as whole numbers).
+_COUNT_OPTIONS = ("entry_labels",)
 
 
 def learner_stream(stream: Stream, sim: np.ndarray, *, scenario: str, target: float, shipped: float,
@@ -624,7 +627,8 @@ def stream_main(args: argparse.Namespace, kind: str, path: Path) -> dict:
         key, _, value = item.partition("=")
         if key not in LEARNER_OPTIONS:
             raise SystemExit(f"error: --learner {key}: not one of {', '.join(LEARNER_OPTIONS)}")
-        options[key] = None if value == "none" else float(value)  # type: ignore[assignment]
+        options[key] = (None if value == "none" else int(value) if key in _COUNT_OPTIONS  # type: ignore[assignment]
+                        else float(value))
     cache = EmbeddingCache(None if args.embed_cache == "none" else Path(args.embed_cache))
     prior = None
     if args.day_one_prior:
