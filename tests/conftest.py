@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import httpx
@@ -14,6 +14,9 @@ from edgecache.http.app import create_app
 from edgecache.settings import Settings, resolve_settings
 from tests.fakes import FakeEngine
 from tests.redis_server import RedisServer
+
+if TYPE_CHECKING:
+    from tests.test_e2e import Server
 
 
 @pytest.fixture
@@ -62,3 +65,17 @@ def redis_url(redis_server: RedisServer) -> str:
         redis_server.start()
     redis_server.flushall()
     return redis_server.url
+
+
+@pytest.fixture(scope="module")
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A real `edgecache serve --profile cpu` (llama.cpp and SmolLM2) for one test module, the semantic layer off:
+    the API modules test exact hits and what each API says, so a near question must reach the engine. A module that
+    needs another server (flags, the semantic layer) defines its own ``server``."""
+    # Imported here: only the modules that run a server pay for what tests.test_e2e imports (the openai SDK).
+    from tests.test_e2e import Server  # noqa: F811
+
+    srv = Server(tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1]) / "data",
+                 env={"EDGECACHE_SEMANTIC__ENABLED": "false"}).start()
+    yield srv
+    srv.stop()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -397,13 +396,6 @@ async def test_keys_by_x_api_key_or_bearer(make_settings: Any, tmp_path: Path) -
 
 
 # --- end to end: the real server, the CPU engine ---------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = Server(tmp_path_factory.mktemp("anthropic") / "data", env={"EDGECACHE_SEMANTIC__ENABLED": "false"}).start()
-    yield srv
-    srv.stop()
 
 
 def sdk(server: Server) -> anthropic.Anthropic:

@@ -4,7 +4,6 @@ people use, the openai SDK and LangChain's ChatOpenAI. Each answer repeated is a
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -26,13 +25,6 @@ WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
                    "required": ["city"], "additionalProperties": False}}}
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = Server(tmp_path_factory.mktemp("surface") / "data", env={"EDGECACHE_SEMANTIC__ENABLED": "false"}).start()
-    yield srv
-    srv.stop()
 
 
 def sdk(server: Server) -> openai.OpenAI:

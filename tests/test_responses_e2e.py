@@ -6,7 +6,6 @@ prefix cache, a forced function call and its output turn, and structured output 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import openai
@@ -25,13 +24,6 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The curren
 class Weather(BaseModel):
     city: str
     celsius: int
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = Server(tmp_path_factory.mktemp("responses") / "data", env={"EDGECACHE_SEMANTIC__ENABLED": "false"}).start()
-    yield srv
-    srv.stop()
 
 
 def sdk(server: Server) -> openai.OpenAI:
