@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 from edgecache.http.app import create_app
 from edgecache.semantic.decision_log import DecisionRecord, read_records
 from edgecache.settings import Settings
-from tests.conftest import chat_body, serve_in_process
+from tests.conftest import chat_body, serve_in_process, until
 from tests.fakes import FakeEngine
 from tests.redis_server import RedisServer
 from tests.test_tenants import ADMIN, TenantMarkingEngine, auth, write_tenants_file
@@ -49,16 +48,6 @@ async def ask(node: httpx.AsyncClient, text: str, headers: dict[str, str] | None
     rt = node.app.state.runtime  # type: ignore[attr-defined]
     await until(lambda: not len(rt.inflight))
     return resp
-
-
-async def until(condition: Callable[[], bool], patience_s: float = 120.0) -> None:
-    """Until ``condition`` holds: an event the test waits on, never a speed it assumes (the bound is only there so
-    a lost event fails the test instead of hanging it)."""
-    deadline = time.monotonic() + patience_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the condition never held in {patience_s:g} s")
-        await asyncio.sleep(0.01)
 
 
 def served(resp: httpx.Response) -> str:
