@@ -92,6 +92,20 @@ def stats_tables(body: dict[str, Any], *, tenant: str | None = None, previous: d
         store.add_row(name, f"{st.get('entries', 0):,}", f"{st.get('bytes', 0):,}", f"{quota:,}",
                       _pct(st.get("bytes", 0) / quota if quota else 0.0))
     tables = [overview, ttft, tenants, store]
+    labelling: dict[str, Any] = body.get("semantic", {}).get("labelling") or {}
+    feedback: dict[str, int] = labelling.get("feedback") or {}
+    if tenant is None and (labelling.get("labels_since_start") or labelling.get("refused_for_want_of_labels")
+                           or any(feedback.values())):
+        # How fast this box is taught, and what the want of labels costs: a learner with no labeler it can trust
+        # (a CPU box without a judge) refuses what it cannot bound, and says so here. Box-wide figures.
+        taught = Table(title="Semantic labelling (this box)")
+        for col in ("labels last hour", "per hour", "since start", "refused for want of labels", "feedback"):
+            taught.add_column(col, justify="right")
+        marks = ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in sorted(feedback.items()) if v) or "-"
+        taught.add_row(f"{labelling.get('labels_last_hour', 0):,}", f"{labelling.get('labels_per_hour', 0.0):,.1f}",
+                       f"{labelling.get('labels_since_start', 0):,}",
+                       f"{labelling.get('refused_for_want_of_labels', 0):,}", marks)
+        tables.append(taught)
     labels: dict[str, dict[str, Any]] = body.get("semantic", {}).get("labels", {})
     if tenant is not None:
         labels = {k: v for k, v in labels.items() if k.split("/", 1)[0] == tenant}

@@ -63,17 +63,25 @@ def hanging_embedder(options: EmbedderOptions) -> HangingEmbedder:
     return HangingEmbedder()
 
 
+SLEEPER = "import time; time.sleep(300)"
+
+
 class OrphaningEngine(SegfaultingEngine):
-    """Starts a helper process that outlives it (as SGLang's scheduler processes would), then faults."""
+    """Starts a helper process that outlives it (as SGLang's scheduler processes would), then faults. The helper's
+    command line ends with the test's data dir, so the test finds its own helpers and no other suite's."""
+
+    def __init__(self, *, survives: bool, marker: str) -> None:
+        super().__init__(survives=survives)
+        self.marker = marker
 
     async def start(self) -> None:
         import subprocess
         import sys
 
         # inherits the canary child's stdout and stderr, and would hold them open for five minutes
-        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+        subprocess.Popen([sys.executable, "-c", SLEEPER, self.marker])
         await super().start()
 
 
 def segfaults_leaving_a_process(settings: Settings) -> OrphaningEngine:
-    return OrphaningEngine(survives=settings.engine.threads == 1)
+    return OrphaningEngine(survives=settings.engine.threads == 1, marker=settings.data_dir)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,6 +50,16 @@ def chat_body(content: str = "hello", *, stream: bool = False, **extra: Any) -> 
                             "temperature": 0, "max_tokens": 16, "stream": stream}
     body.update(extra)
     return body
+
+
+async def until(condition: Callable[[], bool], patience_s: float = 120.0) -> None:
+    """Until ``condition`` holds: an event the test waits on, never a speed it assumes (the bound is only there so
+    a lost event fails the test instead of hanging it)."""
+    deadline = time.monotonic() + patience_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the condition never held in {patience_s:g} s")
+        await asyncio.sleep(0.01)
 
 
 @pytest.fixture(scope="session")

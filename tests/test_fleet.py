@@ -17,7 +17,7 @@ import pytest
 from edgecache.http.app import create_app
 from edgecache.semantic.decision_log import DecisionRecord, read_records
 from edgecache.settings import Settings
-from tests.conftest import chat_body, serve_in_process
+from tests.conftest import chat_body, serve_in_process, until
 from tests.fakes import FakeEngine
 from tests.redis_server import RedisServer
 from tests.test_tenants import ADMIN, TenantMarkingEngine, auth, write_tenants_file
@@ -46,10 +46,7 @@ async def ask(node: httpx.AsyncClient, text: str, headers: dict[str, str] | None
     resp = await node.post("/v1/chat/completions", json=chat_body(text, **extra), headers=headers or {})
     assert resp.status_code == 200, resp.text
     rt = node.app.state.runtime  # type: ignore[attr-defined]
-    for _ in range(500):
-        if not len(rt.inflight):
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: not len(rt.inflight))
     return resp
 
 
@@ -83,12 +80,8 @@ async def test_a_flush_on_one_node_is_seen_by_the_others(make_settings: Any, tmp
         resp = await b.post("/admin/flush", json={"all": True})
         assert resp.status_code == 200, resp.text
         assert resp.json()["result_entries"] == 2
-        for node in (a, c):
-            rt = node.app.state.runtime  # type: ignore[attr-defined]
-            for _ in range(300):  # the event reaches the node's follower (no timing asserted, only the outcome)
-                if rt.fleet.events.applied:
-                    break
-                await asyncio.sleep(0.01)
+        # the event reaches both other nodes' followers
+        await until(lambda: all(n.app.state.runtime.fleet.events.applied for n in (a, c)))  # type: ignore[attr-defined]
         # C held "Hello there" in its memory tier: the flush event dropped it, and Redis no longer has it.
         assert served(await ask(c, "Hello there")) == "miss"
         assert served(await ask(a, "Hello there")) == "exact"  # C's fresh answer, through Redis
@@ -114,7 +107,9 @@ async def test_tenants_stay_apart_across_nodes(make_settings: Any, tmp_path: Pat
 async def test_redis_killed_and_restarted_mid_run(make_settings: Any, tmp_path: Path, redis_server: RedisServer,
                                                   redis_url: str) -> None:
     engines = [FakeEngine(), FakeEngine()]
-    async with fleet(make_settings, tmp_path, redis_url, engines, store__redis_timeout_s=0.3) as (a, b):
+    # The fleet's generous Redis timeout: a kill closes the nodes' connections and refuses new ones at once, and
+    # a short timeout would mark Redis down before the kill whenever the box is slow to connect.
+    async with fleet(make_settings, tmp_path, redis_url, engines) as (a, b):
         await ask(a, "hot question")
         assert served(await ask(b, "hot question")) == "exact"
         redis_server.kill()
@@ -122,17 +117,13 @@ async def test_redis_killed_and_restarted_mid_run(make_settings: Any, tmp_path: 
             assert served(await ask(b, "hot question")) == "exact"
         fresh = await ask(b, "a new question")   # a miss: the engine answers, no 5xx
         assert served(fresh) == "miss"
-        rt = b.app.state.runtime  # type: ignore[attr-defined]
         health = await b.get("/health")
         assert health.status_code == 200 and health.json()["redis"]["up"] is False
         assert "edgecache_redis_up 0.0" in (await b.get("/metrics")).text
         assert (await b.post("/admin/flush", json={"all": True})).status_code == 503
         redis_server.start()
-        for _ in range(500):
-            if rt.fleet.link.up:
-                break
-            await asyncio.sleep(0.01)
-        assert rt.fleet.link.up, "the node reconnects by itself"
+        # each node reconnects by itself, on its own monitor's beat
+        await until(lambda: all(n.app.state.runtime.fleet.link.up for n in (a, b)))  # type: ignore[attr-defined]
         assert (await b.get("/health")).json()["redis"]["up"] is True
         assert "edgecache_redis_disconnects_total 1.0" in (await b.get("/metrics")).text
         await ask(b, "after the outage")
@@ -155,14 +146,6 @@ def listeners(node: httpx.AsyncClient) -> int:
     """Clients listening to this node's flights (a leader's own mirror to Redis counts as one)."""
     flights = node.app.state.runtime.inflight._local._flights.values()  # type: ignore[attr-defined]
     return sum(f.listeners for f in flights)
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    for _ in range(1000):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("the condition never held")
 
 
 async def test_concurrent_identical_requests_across_nodes_make_one_engine_call(

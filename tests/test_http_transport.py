@@ -59,7 +59,7 @@ SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Enco
 
 
 def client(base: str, batch_s: float = 0.0, read: float = 10.0) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=base, transport=BatchingTransport(batch_s=batch_s),
+    return httpx.AsyncClient(base_url=base, transport=BatchingTransport(batch_s=batch_s, max_batch_s=max(batch_s, 0.05)),
                              timeout=httpx.Timeout(read, connect=5.0))
 
 
@@ -223,3 +223,31 @@ def test_a_proxy_in_the_environment_gets_httpx_own_transport(monkeypatch: pytest
     assert _default_transport("http://10.0.0.5:30000/v1") is None
     monkeypatch.setenv("no_proxy", "10.0.0.5")
     assert isinstance(_default_transport("http://10.0.0.5:30000/v1"), BatchingTransport)
+
+
+def test_the_batch_window_widens_with_the_streams_read_at_once() -> None:
+    transport = BatchingTransport(batch_s=0.005, reads_per_s=4000, max_batch_s=0.05)
+    assert transport.window() == 0.005
+    transport._streaming = 16
+    assert transport.window() == 0.005   # 16 streams at 5 ms: 3,200 reads a second
+    transport._streaming = 64
+    assert transport.window() == pytest.approx(0.016)
+    transport._streaming = 1000
+    assert transport.window() == 0.05    # capped
+    assert BatchingTransport(batch_s=0).window() == 0.0
+
+
+async def test_a_stream_counts_while_it_is_read_and_not_after() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD + chunk(b"data: 1\n\n"))
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"0\r\n\r\n")
+
+    transport = BatchingTransport(batch_s=0.001)
+    async with Server(handler) as base, httpx.AsyncClient(base_url=base, transport=transport) as http:
+        async with http.stream("GET", "/") as response:
+            assert transport._streaming == 1
+            async for _ in response.aiter_raw():
+                pass
+        assert transport._streaming == 0

@@ -131,6 +131,11 @@ def test_stats_render_a_labels_table_when_there_are_labels() -> None:
     table = stats_tables(body)[-1]
     assert table.title.startswith("Semantic labels") and table.row_count == 1
     assert stats_tables(body, tenant="other")[-1].title == "Result stores"
+    # The labelling table (box-wide, so not under a tenant filter) comes before the labels table.
+    taught = stats_tables(body)[-2]
+    assert taught.title == "Semantic labelling (this box)"
+    assert [list(column.cells) for column in taught.columns][2] == ["3"]
+    assert "Semantic labelling (this box)" not in [t.title for t in stats_tables(body, tenant="acme")]
     assert "edgecache_semantic_false_hit_rate{scenario=\"support\",tenant=\"acme\"} 0.5" in \
         metrics.render().decode()
 

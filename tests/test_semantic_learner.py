@@ -304,13 +304,13 @@ def test_a_class_with_labels_of_both_outcomes_gets_its_own_slope() -> None:
             learner.record("t", "s", "e", 0.80 + i * 0.005, False)
         return learner
 
-    plain, sloped = taught(None), taught(6)
+    plain, sloped = taught(None), taught(2)
     high = [learner.decide("t", "s", "e", 0.97, TARGET, may_explore=False).error for learner in (plain, sloped)]
     low = [learner.decide("t", "s", "e", 0.82, TARGET, may_explore=False).error for learner in (plain, sloped)]
     assert high[1] < high[0] and low[1] > low[0]
-    # Under six labels of either outcome, no slope: the same estimate as the plain class shift.
+    # Under slope_after labels of either outcome, no slope: the same estimate as the plain class shift.
     few = SemanticLearner(prior_cut=0.9, audit_share=0.0, slope_after=6)
-    one = SemanticLearner(prior_cut=0.9, audit_share=0.0)
+    one = SemanticLearner(prior_cut=0.9, audit_share=0.0, slope_after=None)
     for learner in (few, one):
         for i in range(5):
             learner.record("t", "s", "e", 0.95, True)

@@ -24,8 +24,12 @@ def test_a_stream_run_writes_a_decision_log_that_tune_reads(tmp_path: Path, caps
     data.write_text("".join(json.dumps({"text": t, "intent": i}) + "\n" for t, i in rows), encoding="utf-8")
     logs = tmp_path / "decisions"
     result = eval_semantic.main(["--stream", "--intents", str(data), "--scenario", "support", "--oracle-step",
-                                 "0.05", "--log", str(logs), "--embed-cache", "none"])
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+                                 "0.05", "--log", str(logs), "--embed-cache", "none", "--day-one-prior", str(data)])
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-1]) == result
+    # The untaught learner also ran with a prior fitted on the file's own truth, and the outcomes carry estimates.
+    assert "day-one prior P(wrong)" in out and result["day_one_hit_rate"] is not None
+    assert set(result["estimated"]) == set(result["outcomes"])
     assert result["log"] == str(logs) and set(result["tune"]) == set(eval_semantic.TUNE_VARIANTS)
     records = list(read_records(logs))
     decisions = {r.id: r for r in records if isinstance(r, DecisionRecord)}
@@ -152,3 +156,35 @@ def test_the_ratio_to_the_oracle_comes_with_a_bootstrap_interval() -> None:
     assert ratio is not None and lo is not None and hi is not None
     assert lo < ratio < hi and 0.45 < lo and hi < 0.55
     assert eval_semantic.bootstrap_ratio([(np.zeros(10), np.zeros(10))]) == (None, None, None)
+
+
+def test_the_learners_own_estimates_ranked_with_hindsight() -> None:
+    # Four lookups: the lowest estimates first, until the wrong ones would pass the rate's share of the lookups.
+    result = eval_semantic.StreamResult(lookups=100, candidates=[(0.9, True), (0.8, False), (0.95, True), (0.7, True)],
+                                        errors=[0.01, 0.02, 0.005, 0.5])
+    assert result.ranked_hit_rate(0.0) == 0.02  # the two right ones under the first wrong one
+    assert result.ranked_hit_rate(0.01) == 0.03  # one wrong answer allowed in 100 lookups: all three right ones
+    assert eval_semantic.StreamResult(lookups=10).ranked_hit_rate(0.01) == 0.0
+
+
+def test_a_prior_fitted_on_sets_serves_the_untaught_learner_only_where_it_holds() -> None:
+    from edgecache.semantic.learner import upper_curve
+
+    stream, sim = synthetic_stream(1500, seed=3)  # the truth: right iff the nearest candidate is at 0.8 or more
+    seen = eval_semantic.run_stream(stream, sim, lambda i, j, s: "miss")
+    sims = np.array([s for s, _ in seen.candidates])
+    wrong = np.array([not ok for _, ok in seen.candidates])
+    prior = upper_curve(sims, wrong)
+    assert (prior[82:98] < 0.05).all() and (prior[:78][np.bincount((sims * 100).astype(int), minlength=100)[:78] > 0]
+                                             > 0.9).all()
+    assert (prior[:20] == 1.0).all()  # no candidate under 0.2: nothing is known there
+    assert prior[99] == prior[int(sims.max() * 100)]  # none at 0.99 either: the bound of the highest bin with one
+    flat, _ = eval_semantic.learner_stream(stream, sim, scenario="support", target=0.01, shipped=0.85, labels=False)
+    fitted, _ = eval_semantic.learner_stream(stream, sim, scenario="support", target=0.01, shipped=0.85, labels=False,
+                                             prior_curve=prior)
+    assert flat.hits == 0 and fitted.hits > 100 and fitted.false_hit_rate <= 0.01
+    # A prior fitted where the same cosines were wrong holds the untaught learner back on this stream.
+    wrong_everywhere = upper_curve(sims, np.ones_like(wrong))
+    held, _ = eval_semantic.learner_stream(stream, sim, scenario="support", target=0.01, shipped=0.85, labels=False,
+                                           prior_curve=np.maximum(prior, wrong_everywhere))
+    assert held.hits == 0

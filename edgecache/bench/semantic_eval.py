@@ -35,7 +35,12 @@ search, verify) and their p50 / p99 reported, with the share that paid for a sec
                    static_hit_rate, static_false_hit_rate, static_threshold, target_false_hit_rate, embedder, seed,
                    oracle_threshold_at_target (the oracle's cut at the target), replay_threshold /
                    replay_threshold_at_target (the cut a replay of the learner's own lookups implies with every
-                   label known, at the learner's false-hit rate / the target), log, tune.
+                   label known, at the learner's false-hit rate / the target), log, tune; outcomes / estimated (per
+                   outcome: candidates right and wrong, and the sum of the learner's estimated P(wrong)),
+                   ranked_hit_rate_at_1pct (the learner's own estimates served lowest first with hindsight),
+                   day_one_hit_rate / day_one_false_hit_rate (with --day-one-prior).
+  --day-one-prior FILES  (with --stream) comma-separated labelled data files: the untaught learner is also run with
+                   the worst case of their P(wrong | cosine) as its prior (:func:`day_one_prior`).
   --log DIR        (with --stream) write the learner's run to DIR as a decision log, the records the server writes:
                    a ``decision`` per lookup (``miss`` with no candidate, else ``hit``, ``explore`` or ``refused``
                    with the learner's reason, the nearest candidate's keys and cosine) and a ``label`` for every
@@ -70,7 +75,7 @@ from edgecache.semantic import guard, refusals
 from edgecache.semantic.decision_log import DecisionLog, log_files
 from edgecache.semantic.embedders import Embedder, default_threshold, load_embedder
 from edgecache.semantic.index import SemanticIndex
-from edgecache.semantic.learner import SemanticLearner, Signal
+from edgecache.semantic.learner import SemanticLearner, Signal, upper_curve
 from edgecache.semantic.lookup import Lookup, SemanticHit, record_lookup
 from edgecache.semantic.verifier import Verifier
 from edgecache.settings import resolve_settings
@@ -357,6 +362,21 @@ class StreamResult(msgspec.Struct):
     #: the learner's outcomes: (what it did: ``hit`` or the refusal, as the decision log spells it) -> [lookups whose
     #: candidate was right, lookups whose candidate was wrong]
     outcomes: dict[str, list[int]] = msgspec.field(default_factory=dict)
+    #: per outcome, the sum of the learner's estimated P(wrong) of its candidates (against ``outcomes``' wrong count:
+    #: whether the estimate of what it refused, or served, is calibrated)
+    estimated: dict[str, float] = msgspec.field(default_factory=dict)
+    #: the learner's estimated P(wrong) of every lookup's candidate, in the order of ``candidates``
+    errors: list[float] = msgspec.field(default_factory=list)
+
+    def ranked_hit_rate(self, rate: float) -> float:
+        """The hit rate of serving the candidates with the lowest estimated errors first, with hindsight, until the
+        wrong ones would pass ``rate`` of the lookups: how well the estimate ranks, apart from how it spends."""
+        if not self.errors:
+            return 0.0
+        right = np.array([ok for _, ok in self.candidates])[np.argsort(np.array(self.errors), kind="stable")]
+        wrong = np.cumsum(~right)
+        served = int(np.searchsorted(wrong, rate * self.lookups + 1e-9, side="right"))
+        return float(right[:served].sum()) / max(self.lookups, 1)
 
     @property
     def hit_rate(self) -> float:
@@ -421,14 +441,17 @@ def run_stream(stream: Stream, sim: np.ndarray, decide, record=None, link=None, 
 
 #: The learner's settings a stream run may vary (``--learner KEY=VALUE``), as :class:`SemanticLearner` spells them.
 LEARNER_OPTIONS = ("prior_weight", "spread", "margin", "z", "slope_after", "slope_spread", "confidence",
-                   "calibration_weight", "trust_after", "max_error", "audit_share")
+                   "calibration_weight", "trust_after", "max_error", "audit_share", "window", "calibration_band",
+                   "entry_labels")
+#: Those of them that count something (given as whole numbers).
+_COUNT_OPTIONS = ("entry_labels",)
 
 
 def learner_stream(stream: Stream, sim: np.ndarray, *, scenario: str, target: float, shipped: float,
                    signal=None, seed: int = 0, explore_share: float = 0.05, audit_share: float | None = None,
                    link: bool = True, log: DecisionLog | None = None, tenant: str = "eval",
                    labels: bool = True, store: str = "every_miss",
-                   options: dict[str, float] | None = None,
+                   options: dict[str, float] | None = None, prior_curve: np.ndarray | None = None,
                    learner: SemanticLearner | None = None) -> tuple[StreamResult, int]:
     """The online learner on the stream; returns its result and how many entries it demoted. ``shipped`` is the
     static prior cut on the cosine; ``signal`` (query, candidate, cosine) -> the verifier's calibrated probability
@@ -442,11 +465,14 @@ def learner_stream(stream: Stream, sim: np.ndarray, *, scenario: str, target: fl
     if audit_share is not None:
         settings["audit_share"] = audit_share
     if learner is None:
-        learner = SemanticLearner(prior_cut=shipped, seed=seed, explore_share=explore_share, **settings)
+        learner = SemanticLearner(prior_cut=shipped, prior_curve=prior_curve, seed=seed, explore_share=explore_share,
+                                  **settings)
     axis: Signal = "probability" if signal is not None else "cosine"
     decisions: dict[int, tuple] = {}  # query -> (the learner's decision, its log id)
     value_of = signal or (lambda i, j, s: s)
     outcomes: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    estimated: dict[str, float] = defaultdict(float)
+    errors: list[float] = []
 
     def decide(i: int, j: int, s: float) -> str:
         value = value_of(i, j, s)
@@ -454,6 +480,8 @@ def learner_stream(stream: Stream, sim: np.ndarray, *, scenario: str, target: fl
         refusal = None if decision.action == "serve" else (
             refusals.EXPLORE if decision.action == "explore" else refusals.by_learner(decision.reason))
         outcomes[refusal or "hit"][0 if right_answer(stream, i, j) else 1] += 1
+        estimated[refusal or "hit"] += decision.error
+        errors.append(decision.error)
         logged = None
         if log is not None:
             # The lookup the server's learner decider makes of it (edgecache.semantic.deciders.by_learner), logged
@@ -483,8 +511,31 @@ def learner_stream(stream: Stream, sim: np.ndarray, *, scenario: str, target: fl
     if not labels:
         result.labels = 0
     result.outcomes = dict(outcomes)
+    result.estimated = dict(estimated)
+    result.errors = errors
     decisions.clear()  # served lookups: never labelled
     return result, learner.demoted
+
+
+def kind_of(path: Path) -> str:
+    """The protocol of a data file by its suffix: question pairs (TSV, GPTCache's JSON) or intents (CSV, JSON lines)."""
+    return "pairs" if path.suffix in (".tsv", ".json") else "intents"
+
+
+def day_one_prior(paths: list[Path], emb: Embedder, cache: EmbeddingCache, *, limit: int,
+                  seed: int = 0) -> np.ndarray:
+    """A prior for the untaught learner fitted on labelled sets: per set, the nearest candidates of its stream (every
+    lookup a miss, so the cache holds every earlier text) give P(wrong | cosine) as an upper bound
+    (:func:`edgecache.semantic.learner.upper_curve`); the prior is the worst of the sets at every cosine, so it holds
+    on each of them."""
+    curves = []
+    for path in paths:
+        stream = stream_of(kind_of(path), path, seed=seed, limit=limit)
+        vectors = cache.embed(emb, stream.texts)
+        seen = run_stream(stream, vectors @ vectors.T, lambda i, j, s: "miss")
+        sims = np.array([s for s, _ in seen.candidates])
+        curves.append(upper_curve(sims, np.array([not ok for _, ok in seen.candidates])))
+    return np.max(curves, axis=0)
 
 
 def hindsight_cut(candidates: list[tuple[float, bool]], lookups: int, target: float) -> float | None:
@@ -576,13 +627,20 @@ def stream_main(args: argparse.Namespace, kind: str, path: Path) -> dict:
         key, _, value = item.partition("=")
         if key not in LEARNER_OPTIONS:
             raise SystemExit(f"error: --learner {key}: not one of {', '.join(LEARNER_OPTIONS)}")
-        options[key] = None if value == "none" else float(value)  # type: ignore[assignment]
+        options[key] = (None if value == "none" else int(value) if key in _COUNT_OPTIONS  # type: ignore[assignment]
+                        else float(value))
     cache = EmbeddingCache(None if args.embed_cache == "none" else Path(args.embed_cache))
+    prior = None
+    if args.day_one_prior:
+        prior = day_one_prior([Path(p) for p in args.day_one_prior.split(",") if p], emb, cache, limit=args.limit)
+        print("day-one prior P(wrong) at cosine 0.90 / 0.95 / 0.98 / 0.99: "
+              + " / ".join(f"{prior[b]:.3f}" for b in (90, 95, 98, 99)))
     runs, pairs = [], []
     t0 = time.perf_counter()
     for seed in seeds:
         result = stream_run(args, kind, path, seed=seed, emb=emb, cache=cache, verifier=verifier,
-                            use_verifier=use_verifier, target=target, shipped=shipped, rules=rules, options=options)
+                            use_verifier=use_verifier, target=target, shipped=shipped, rules=rules, options=options,
+                            prior=prior)
         pairs.append(result.pop("_pair"))
         runs.append(result)
     if len(runs) == 1:
@@ -613,7 +671,7 @@ def stream_main(args: argparse.Namespace, kind: str, path: Path) -> dict:
 
 def stream_run(args: argparse.Namespace, kind: str, path: Path, *, seed: int, emb: Embedder,
                cache: EmbeddingCache, verifier: Verifier, use_verifier: bool, target: float, shipped: float,
-               rules: list[str], options: dict[str, float]) -> dict:
+               rules: list[str], options: dict[str, float], prior: np.ndarray | None = None) -> dict:
     """One seed's stream: every policy on it, printed, and its figures (``_pair``: the learner's and the oracle at
     1 %'s right hits per lookup, for the bootstrap)."""
     t0 = time.perf_counter()
@@ -647,6 +705,9 @@ def stream_run(args: argparse.Namespace, kind: str, path: Path, *, seed: int, em
             log.close()
     learned.demoted = demoted
     untaught, _ = learner_stream(stream, sim, labels=False, **common)  # type: ignore[arg-type]
+    day_one = None
+    if prior is not None:
+        day_one, _ = learner_stream(stream, sim, labels=False, prior_curve=prior, **common)  # type: ignore[arg-type]
     static = run_stream(stream, sim, lambda i, j, s: "serve" if s >= shipped - 1e-9 and guard.check(
         stream.texts[i], stream.texts[j], rules).allowed else "miss")
     verified = None
@@ -680,6 +741,9 @@ def stream_run(args: argparse.Namespace, kind: str, path: Path, *, seed: int, em
           f"   ({learned.labels} labels, {learned.demoted} entries demoted, {learned.stored} stored)")
     print(f"{'learner, never taught':38}{untaught.hit_rate:10.4f}{untaught.false_hit_rate:12.4f}"
           f"{untaught.explorations:10d}")
+    if day_one is not None:
+        print(f"{'learner, never taught, day-one prior':38}{day_one.hit_rate:10.4f}{day_one.false_hit_rate:12.4f}"
+              f"{day_one.explorations:10d}")
     if verified is not None:
         print(f"{'verifier (nearest, cut at target)':38}{verified.hit_rate:10.4f}{verified.false_hit_rate:12.4f}")
     print(f"{'static rule (cos>=%.3f+guard)' % shipped:38}{static.hit_rate:10.4f}{static.false_hit_rate:12.4f}")
@@ -691,9 +755,14 @@ def stream_run(args: argparse.Namespace, kind: str, path: Path, *, seed: int, em
     print(f"{'static oracle at 1 %% (cos>=%.3f)' % oracle_1_cut:38}{oracle_1_hit:10.4f}"
           + ("" if oracle_1 is None else f"{oracle_1.false_hit_rate:12.4f}")
           + "   learner / it " + ("n/a" if ratio_1 is None else f"{ratio_1:.2f}x"))
-    print("the learner's lookups by outcome (candidate right / wrong):")
+    print("the learner's lookups by outcome (candidate right / wrong; the wrong ones' share, and the learner's mean "
+          "estimate of it):")
     for outcome, (right, wrong) in sorted(learned.outcomes.items(), key=lambda x: -sum(x[1])):
-        print(f"  {outcome:36}{right:8d}{wrong:8d}")
+        n = max(right + wrong, 1)
+        print(f"  {outcome:36}{right:8d}{wrong:8d}{wrong / n:10.3f}{learned.estimated.get(outcome, 0.0) / n:10.3f}")
+    print(f"the learner's own estimates ranked with hindsight (lowest first, wrong <= 1 % of lookups): hit rate "
+          f"{learned.ranked_hit_rate(0.01):.4f}" + ("" if not oracle_1_hit else
+                                                   f", {learned.ranked_hit_rate(0.01) / oracle_1_hit:.2f}x the oracle at 1 %"))
     print(f"fully labelled replay of the learner's lookups: cut {_cut(replay_cut)} at <= the learner's false hits, "
           f"{_cut(replay_target_cut)} at target" + (f"; decision log written to {args.log}" if log else ""))
     if tuned is not None:
@@ -718,8 +787,12 @@ def stream_run(args: argparse.Namespace, kind: str, path: Path, *, seed: int, em
         "demoted": learned.demoted,
         "stored": learned.stored,
         "outcomes": learned.outcomes,
+        "estimated": {k: round(v, 2) for k, v in learned.estimated.items()},
+        "ranked_hit_rate_at_1pct": round(learned.ranked_hit_rate(0.01), 4),
         "untaught_hit_rate": round(untaught.hit_rate, 4),
         "untaught_false_hit_rate": round(untaught.false_hit_rate, 4),
+        "day_one_hit_rate": None if day_one is None else round(day_one.hit_rate, 4),
+        "day_one_false_hit_rate": None if day_one is None else round(day_one.false_hit_rate, 4),
         "verifier_hit_rate": None if verified is None else round(verified.hit_rate, 4),
         "verifier_false_hit_rate": None if verified is None else round(verified.false_hit_rate, 4),
         "oracle_hit_rate": round(oracle_hit, 4),
@@ -821,6 +894,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--log", type=Path, metavar="DIR",
                    help="--stream: write the learner's run to DIR as a decision log (`edgecache tune DIR` reads it)")
     p.add_argument("--oracle-step", type=float, default=0.005, help="--stream: the oracle's cut step")
+    p.add_argument("--day-one-prior", metavar="FILES",
+                   help="--stream: comma-separated labelled data files; the untaught learner is also run with the worst "
+                        "case of their P(wrong | cosine) as its prior (day_one_prior)")
     args = p.parse_args(argv)
     if args.stream:
         return stream_main(args, *(("pairs", args.pairs) if args.pairs is not None else ("intents", args.intents)))

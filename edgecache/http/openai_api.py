@@ -218,7 +218,7 @@ class ResponseWriter:
     ``chat`` picks the chat or the text-completion shape; every frame of one response shares one id.
     """
 
-    __slots__ = ("chat", "model", "id", "created", "include_usage", "replay_shape", "_encoder")
+    __slots__ = ("chat", "model", "id", "created", "include_usage", "replay_shape", "_encoder", "_delta_around")
 
     # Encoders hold no per-call state; one per class saves building one per response.
     _shared_encoder = msgspec.json.Encoder()
@@ -231,6 +231,7 @@ class ResponseWriter:
         self.include_usage = include_usage
         self.replay_shape = (chat, model, include_usage, self.created)  # all but the id (see AnswerWriter)
         self._encoder = self._shared_encoder
+        self._delta_around: tuple[bytes, bytes] | None = None  # a text frame's bytes before and after its text
 
     def body(self, text: str, finish_reason: str | None, counts: Counts,
              choices: tuple[Choice, ...] | None = None, stop_sequence: str | None = None) -> bytes:
@@ -303,6 +304,17 @@ class ResponseWriter:
                                                                                          content=""))]))
 
     def sse_delta(self, text: str) -> bytes:
+        # A text frame is the same bytes around its text every time: made once per response (the frame with an
+        # empty text, cut at the text), each delta is then one string encode and a join, not a struct per token.
+        # (The field's name is part of the cut: a model name's quotes are escaped, so it cannot match there.)
+        if self._delta_around is None:
+            field = b'"content":' if self.chat else b'"text":'
+            head, tail = self._delta_frame("").split(field + b'""', 1)
+            self._delta_around = (head + field, tail)
+        head, tail = self._delta_around
+        return head + self._encoder.encode(text) + tail
+
+    def _delta_frame(self, text: str) -> bytes:
         if self.chat:
             return self._frame(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
                                                    choices=[ChunkChoice(index=0, delta=Delta(content=text))]))

@@ -43,7 +43,13 @@ learner"): the margin the cut and the ledger keep back can be ``z`` standard dev
 so it shrinks relative to the target as lookups accumulate; a class with ``slope_after`` labels of both outcomes
 gets a slope of its own on top of its shift; and the signal may be a probability (``signal="probability"``: the
 verifier's score, binned on its logit) whose prior is the probability itself instead of the flat one around a cosine
-cut.
+cut. Measured on five seeds of six sets, the flat prior weighs 0.2 labels per bin (0.5 before: it held the pooled
+curve near the static cut long after labels said otherwise) and a class's slope starts at 2 labels of each outcome
+(6 before): about 12 % more hits on every set, and the largest false-hit rate of any seed fell from 1.10 % to 0.92 %.
+The estimate is calibrated where the ledger refuses (on banking77 its refusals were estimated 13.3 % wrong and were
+13.1 %), and ranked with hindsight the learner's own estimates would serve 1.3-2.4x the static oracle at 1 % on three
+of four sets: the hits are lost to spending the budget online (each lookup decided when it comes, a margin kept back,
+and a hit is a lookup neither labelled nor stored), not to the estimate's scale.
 
 Memory is bounded: an entry (or its class) keeps its last ``entry_labels`` labels; at most ``max_entries`` entries
 are tracked (least recently used dropped); a pool is a few fixed-size arrays. Everything here is pure: no I/O, no
@@ -143,6 +149,30 @@ def calibrated_prior() -> np.ndarray:
     return 1.0 / (1.0 + np.exp(centres))
 
 
+def upper_curve(similarities: np.ndarray, wrong: np.ndarray, z: float = 1.645) -> np.ndarray:
+    """P(wrong) per cosine bin as an upper bound: the share of wrong candidates per bin fitted never rising with the
+    cosine, each bin raised to the one-sided Wilson bound (``z`` deviations) of the block of bins it was pooled into
+    (a bin with no candidate takes the bound of the nearest bin below it that has one, since the curve never rises,
+    or 1 when none has). What a prior measured offline on labelled sets looks like (``prior_curve``)."""
+    bins = np.clip((np.asarray(similarities, dtype=float) * _BINS).astype(int), 0, _BINS - 1)
+    count = np.bincount(bins, minlength=_BINS).astype(float)
+    bad = np.bincount(bins, weights=np.asarray(wrong, dtype=float), minlength=_BINS)
+    fitted = _isotonic_decreasing(np.divide(bad, count, out=np.zeros(_BINS), where=count > 0), count)
+    behind = np.zeros(_BINS)
+    start = 0
+    for end in range(1, _BINS + 1):
+        if end == _BINS or fitted[end] != fitted[start]:
+            behind[start:end] = count[start:end].sum()
+            start = end
+    n = np.maximum(behind, 1.0)
+    centre = fitted + z * z / (2 * n)
+    spread = z * np.sqrt(fitted * (1.0 - fitted) / n + z * z / (4 * n * n))
+    bound = np.where(behind > 0, np.minimum((centre + spread) / (1.0 + z * z / n), 1.0), 1.0)
+    known = np.where(count > 0, np.arange(_BINS), -1)
+    below = np.maximum.accumulate(known)
+    return np.where(below >= 0, bound[np.maximum(below, 0)], 1.0)
+
+
 def _isotonic_decreasing(rate: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """Pool-adjacent-violators: the weighted least-squares fit to ``rate`` that never rises along the array."""
     values: list[float] = []
@@ -166,15 +196,17 @@ class SemanticLearner:
 
     ``prior_cut`` is the similarity the static rule would serve at (the scenario's default threshold): until labels
     arrive, the pooled curve believes candidates above it are right with ``1 - prior_error`` and those below it are a
-    coin toss, each bin with the weight of ``prior_weight`` labels.
+    coin toss, each bin with the weight of ``prior_weight`` labels. ``prior_curve`` (P(wrong) per cosine bin, e.g.
+    :func:`upper_curve` of labelled sets) replaces that flat prior.
     """
 
     def __init__(
         self,
         *,
         prior_cut: float = 0.9,
+        prior_curve: np.ndarray | None = None,
         prior_error: float = 0.2,
-        prior_weight: float = 0.5,
+        prior_weight: float = 0.2,
         spread: float = 1.5,
         window: float = 1.0,
         trust_after: int = 2,
@@ -184,7 +216,7 @@ class SemanticLearner:
         margin: float = 0.5,
         z: float | None = 1.645,
         signal: Signal = "cosine",
-        slope_after: int | None = 6,
+        slope_after: int | None = 2,
         slope_spread: float = 1.0,
         max_error: float = 0.5,
         confidence: float = 1.0,
@@ -197,6 +229,7 @@ class SemanticLearner:
         seed: int = 0,
     ) -> None:
         self.prior_cut = prior_cut
+        self.prior_curve = prior_curve
         self.prior_error = prior_error
         self.prior_weight = prior_weight
         self.spread = spread
@@ -392,6 +425,8 @@ class SemanticLearner:
             return pool.curve
         if pool.signal == "probability":
             prior = calibrated_prior()
+        elif self.prior_curve is not None:
+            prior = self.prior_curve
         else:
             centres = (np.arange(_BINS) + 0.5) / _BINS
             prior = np.where(centres >= prior_cut, self.prior_error, 0.5)
