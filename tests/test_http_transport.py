@@ -12,6 +12,7 @@ import pytest
 
 from edgecache.engines.http_transport import BatchingTransport
 from edgecache.engines.openai_upstream import _default_transport
+from tests.conftest import until
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -196,6 +197,22 @@ async def test_leaving_a_stream_early_closes_its_connection() -> None:
         async with http.stream("GET", "/") as response:
             async for _ in response.aiter_raw():
                 break
+        await asyncio.wait_for(server.closed.wait(), 30)
+
+
+async def test_a_request_cancelled_before_the_answer_closes_its_connection() -> None:
+    """A caller that goes away while the upstream is still computing (before the answer's head) closes the
+    connection, which is how the upstream learns to stop."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # no answer: until the client closes
+
+    server = Server(handler)
+    async with server as base, client(base) as http:
+        request = asyncio.ensure_future(http.post("/", json={}))
+        await until(lambda: bool(server.requests))
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
         await asyncio.wait_for(server.closed.wait(), 30)
 
 

@@ -293,6 +293,9 @@ class BatchingTransport(httpx.AsyncBaseTransport):
             except httpx.TransportError as exc:
                 exc.request = request
                 raise
+            except BaseException:
+                conn.close()  # cancelled before the answer's head: closing it stops the upstream's work
+                raise
             break
         extensions = {"http_version": b"HTTP/1.1", "reason_phrase": conn.reason}
         return httpx.Response(conn.status, headers=conn.headers, extensions=extensions,
