@@ -8,12 +8,13 @@ that never reaches the upstream. Neither CLI sends a temperature (so each reques
 1): the runs carry ``X-EdgeCache-Policy: reuse``, set in each CLI's own configuration (docs/api.md, "Agent
 clients").
 
-The CLIs are npm packages, pinned (`.ci/run` installs them into `.agent-clis/` when npm is there); a test skips,
-saying so, when its CLI is neither on PATH nor in `.agent-clis/`.
+The CLIs are npm packages, pinned in tests/agent_clis.json (`.ci/run` installs them into `.agent-clis/` when npm is
+there); a test skips, saying so, when its CLI is neither on PATH nor in `.agent-clis/`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -33,8 +34,8 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parent.parent
 #: Where .ci/run installs the pinned CLIs (git-ignored).
 LOCAL_BIN = ROOT / ".agent-clis" / "node_modules" / ".bin"
-#: The pinned packages (.ci/run installs these), by the command each provides.
-NPM_PACKAGES = {"codex": "@openai/codex@0.169.0", "claude": "@anthropic-ai/claude-code@2.1.328"}
+#: The pinned packages, by the command each provides: data that .ci/run reads too, to install them.
+NPM_PACKAGES: dict[str, str] = json.loads(Path(__file__).with_name("agent_clis.json").read_text())
 ANSWER = "The answer is forty-two, said the upstream double."
 MODEL = "double-model"
 PROMPT = "Say hello, then stop."
