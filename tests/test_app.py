@@ -234,3 +234,21 @@ async def test_metrics_and_stats_agree(client: httpx.AsyncClient) -> None:
     assert stats["hit_rate"] == pytest.approx(0.5)
     assert stats["engine"]["calls"] == 1
     assert stats["store"]["entries"] == 1 and stats["store"]["bytes"] > 0
+
+
+async def test_generation_routes_behave_alike_whichever_way_they_are_dispatched(
+        client: httpx.AsyncClient, fake_engine: FakeEngine) -> None:
+    """The generation routes go straight to their handlers (DirectRoutes) and every other spelling through
+    litestar's router: both answer the same, and the direct path's errors keep each API's shape."""
+    direct = await client.post("/v1/chat/completions", json=chat_body("route me"))
+    routed = await client.post("/v1/chat/completions/", json=chat_body("route me"))  # litestar's normalisation
+    assert (direct.headers["x-edgecache"], routed.headers["x-edgecache"]) == ("miss", "exact")
+    assert routed.json()["choices"] == direct.json()["choices"]
+    assert fake_engine.calls == 1
+    wrong = await client.get("/v1/chat/completions")  # another method on a direct path: litestar's 405
+    assert_openai_error(wrong, 405)
+    assert "POST" in wrong.headers["allow"]
+    assert_openai_error(await client.post("/v1/chat/completions", content=b"{not json"), 400)
+    bad = await client.post("/v1/messages", json={"model": "m", "messages": []})  # no max_tokens
+    assert bad.status_code == 400 and bad.json()["type"] == "error", bad.text
+    assert bad.json()["error"]["type"] == "invalid_request_error"
