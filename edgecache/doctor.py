@@ -110,7 +110,7 @@ def check_gpu(settings: Settings) -> Check:
     if importlib.util.find_spec("sglang") is not None and importlib.util.find_spec("torch") is not None:
         # In a child: importing torch takes seconds and a CUDA context must not be opened in this process.
         probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
-                               capture_output=True, text=True, timeout=120)
+                               capture_output=True, text=True, timeout=120, check=False)
         sglang_cuda = probe.stdout.strip() == "True"
         parts.append(f"SGLang's torch sees CUDA: {sglang_cuda}")
     status: CheckStatus = "ok"

@@ -28,20 +28,21 @@ import msgspec
 import numpy as np
 
 from edgecache.admission import AdmissionGate
-from edgecache.call import Call, CachePolicy, Served
-from edgecache.semantic.decision_log import DecisionLog
+from edgecache.call import CachePolicy, Call, Served
 from edgecache.engines.base import STREAM_BATCH_S, Chunk, Engine
 from edgecache.errors import EngineError, NotCached
-from edgecache.semantic.guard import rule_of as guard_rule_of
 from edgecache.inflight import FlightTable, SharedFlight
 from edgecache.keys import is_cacheable, request_key
-from edgecache.semantic.labeling import MissLabels
 from edgecache.metrics import Metrics
-from edgecache.stores import CachedAnswer, ResultStore
-from edgecache.semantic.lookup import Lookup, Probe, probe_for, record_lookup
-from edgecache.semantic.cache import SemanticCache
 from edgecache.semantic import refusals
+from edgecache.semantic.cache import SemanticCache
+from edgecache.semantic.decision_log import DecisionLog
+from edgecache.semantic.guard import rule_of as guard_rule_of
+from edgecache.semantic.labeling import MissLabels
+from edgecache.semantic.lookup import Lookup, Probe, probe_for, record_lookup
 from edgecache.semantic.marks import MarkedWrong
+from edgecache.stores import CachedAnswer, ResultStore
+
 
 class Reply(msgspec.Struct, kw_only=True):
     """Who served the call, and the answer: a stored one (``answer``) or a stream of chunks (text deltas; the
@@ -350,13 +351,12 @@ class RequestPipeline:
 
     async def _engine_stream(self, call: Call) -> AsyncIterator[Chunk]:
         """One engine call, inside an admission slot (raises Overloaded, a 429, when none is to be had)."""
-        async with self.admission.slot(call.tenant, call.tenant_limit):
-            async with aclosing(self.engine.generate(call.request)) as stream:
-                async for chunk in stream:
-                    if chunk.finish_reason is not None:
-                        self.metrics.observe_engine_call(chunk.prompt_tokens, chunk.cached_tokens,
-                                                         chunk.completion_tokens)
-                    yield chunk
+        async with (self.admission.slot(call.tenant, call.tenant_limit),
+                    aclosing(self.engine.generate(call.request)) as stream):
+            async for chunk in stream:
+                if chunk.finish_reason is not None:
+                    self.metrics.observe_engine_call(chunk.prompt_tokens, chunk.cached_tokens, chunk.completion_tokens)
+                yield chunk
 
     async def _compute_and_store(self, call: Call, key: str, ttl_s: float, flight: SharedFlight,
                                  probe: Probe | None = None, lookup: Lookup | None = None,

@@ -19,25 +19,25 @@ import msgspec
 import numpy as np
 
 from edgecache.admission import AdmissionGate
-from edgecache.semantic.decision_log import DecisionLog
+from edgecache.call import Call
 from edgecache.engines.base import Chunk, Engine, GenerationRequest
 from edgecache.errors import EdgeCacheError, NotReady
 from edgecache.health import READY, Health, HealthChecks, StorageFaults
 from edgecache.inflight import FlightTable
 from edgecache.inflight.local import InflightTable
+from edgecache.metrics import Metrics
+from edgecache.pipeline import RequestPipeline
+from edgecache.semantic.assembly import SemanticLayer
+from edgecache.semantic.cache import SemanticCache
+from edgecache.semantic.decision_log import DecisionLog
 from edgecache.semantic.judge import JudgeCheckResult, ModelJudgeLabeler, check_judge
 from edgecache.semantic.labeling import AnswerEmbeddingLabeler, EqualityLabeler, FirstVerdict, Labeler, MissLabels
+from edgecache.semantic.learner import SemanticLearner
+from edgecache.semantic.lookup import Lookup
 from edgecache.semantic.marks import MarkedWrong
-from edgecache.metrics import Metrics
-from edgecache.call import Call
-from edgecache.pipeline import RequestPipeline
+from edgecache.settings import Settings
 from edgecache.stores import ResultStores
 from edgecache.stores.disk import TenantStores
-from edgecache.semantic.lookup import Lookup
-from edgecache.semantic.cache import SemanticCache
-from edgecache.semantic.assembly import SemanticLayer
-from edgecache.semantic.learner import SemanticLearner
-from edgecache.settings import Settings
 from edgecache.tenants import TenantDirectory
 from edgecache.ttl_tiers import TtlClassifier
 
@@ -232,13 +232,12 @@ class Runtime:
     async def _judge_call(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         """One engine call for the judge, inside an admission slot like any miss (the judge asks only when one is
         free, so it does not wait)."""
-        async with self.admission.slot(request.salt or "default"):
-            async with aclosing(self.engine.generate(request)) as stream:
-                async for chunk in stream:
-                    if chunk.finish_reason is not None:
-                        self.metrics.observe_engine_call(chunk.prompt_tokens, chunk.cached_tokens,
-                                                         chunk.completion_tokens)
-                    yield chunk
+        async with (self.admission.slot(request.salt or "default"),
+                    aclosing(self.engine.generate(request)) as stream):
+            async for chunk in stream:
+                if chunk.finish_reason is not None:
+                    self.metrics.observe_engine_call(chunk.prompt_tokens, chunk.cached_tokens, chunk.completion_tokens)
+                yield chunk
 
     @property
     def semantic(self) -> SemanticCache | None:

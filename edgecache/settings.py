@@ -19,7 +19,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta
@@ -33,8 +33,8 @@ ENV_PREFIX = "EDGECACHE_"
 class ByteSize(int):
     """A byte count written as an int or as a string with a unit: ``"512MB"``, ``"2 GiB"``, ``1048576``."""
 
-    _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    _UNITS: ClassVar[dict[str, int]] = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+                                        "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
     _PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
     @classmethod

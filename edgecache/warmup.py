@@ -27,9 +27,9 @@ from typing import Literal
 
 import msgspec
 
+from edgecache.call import Call
 from edgecache.engines.base import GenerationRequest, Message, SamplingParams
 from edgecache.errors import EdgeCacheError
-from edgecache.call import Call
 from edgecache.pipeline import RequestPipeline
 
 Outcome = Literal["written", "skipped", "failed"]

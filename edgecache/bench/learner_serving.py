@@ -188,7 +188,7 @@ def settings_for(args: argparse.Namespace, decision: str, data_dir: Path, target
 
 
 def _sum_metric(text: str, name: str) -> float:
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
 
 
 async def run_mode(stream: Stream, decision: str, args: argparse.Namespace, data_dir: Path,

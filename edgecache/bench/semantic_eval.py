@@ -695,9 +695,9 @@ def stream_run(args: argparse.Namespace, kind: str, path: Path, *, seed: int, em
         if log_files(args.log):
             raise SystemExit(f"error: {args.log} already holds a decision log (give an empty or new folder)")
         log = DecisionLog(args.log, max_bytes=256 << 20, files=8)
-    common = dict(scenario=args.scenario, target=target, shipped=shipped, signal=score if use_verifier else None,
-                  seed=seed, explore_share=args.explore_share, audit_share=args.audit_share, link=args.link,
-                  options=options)
+    common = {"scenario": args.scenario, "target": target, "shipped": shipped,
+              "signal": score if use_verifier else None, "seed": seed, "explore_share": args.explore_share,
+              "audit_share": args.audit_share, "link": args.link, "options": options}
     try:
         learned, demoted = learner_stream(stream, sim, log=log, store=args.store, **common)  # type: ignore[arg-type]
     finally:

@@ -36,8 +36,9 @@ import numpy as np
 
 from edgecache.bench.harness import DATA
 from edgecache.bench.semantic_eval import Case, load_cases, verifier_decisions
-from edgecache.semantic.verifier import FEATURES, SHIPPED_PARAMS as SHIPPED
-from edgecache.semantic.verifier import SIGNS, ScriptModel, Verifier, VerifierParams, features
+from edgecache.semantic.verifier import FEATURES, SIGNS, ScriptModel, Verifier, VerifierParams, features
+from edgecache.semantic.verifier import SHIPPED_PARAMS as SHIPPED
+
 #: Target false-hit rates the calibration table covers (scenarios pick one; between two, the stricter applies).
 TARGETS: tuple[float, ...] = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
 #: (script, protocol, file, options): the permissive fit sets.

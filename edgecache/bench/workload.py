@@ -48,8 +48,8 @@ def _system(company: str, role: str, rules: list[str]) -> str:
 TENANTS: tuple[Tenant, ...] = (
     Tenant("acme-bank", "sk-acme-bank-bench", "banking77", "support", 0.35, _system(
         "Acme Bank", "customer support assistant",
-        ["never ask for a full card number or a PIN.", "for lost or stolen cards, tell the customer to freeze the "
-         "card in the app first.", "transfers between Acme accounts are free; card top-ups take up to an hour.",
+        ["never ask for a full card number or a PIN.", ("for lost or stolen cards, tell the customer to freeze the "
+         "card in the app first."), "transfers between Acme accounts are free; card top-ups take up to an hour.",
          "refer disputes to the disputes team."])),
     Tenant("globex-bank", "sk-globex-bank-bench", "banking77", "support", 0.25, _system(
         "Globex Credit Union", "member services chatbot",

@@ -100,7 +100,7 @@ def common_prefix(a: Any, b: list[int]) -> int:
 
 
 class SavedState:
-    __slots__ = ("tokens", "data")
+    __slots__ = ("data", "tokens")
 
     def __init__(self, tokens: np.ndarray, data: bytes) -> None:
         self.tokens = tokens
@@ -172,7 +172,7 @@ _END = object()
 class _Generated:
     """One choice as it was generated: text, finish, token count, and per-token logprobs when asked."""
 
-    __slots__ = ("text", "finish", "tokens", "logprobs", "stop")
+    __slots__ = ("finish", "logprobs", "stop", "text", "tokens")
 
     def __init__(self, text: str, finish: str, tokens: int, logprobs: list[TokenLogprob] | None,
                  stop: str | None = None) -> None:

@@ -32,8 +32,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from edgecache.engines.base import Choice, GenerationRequest, Message, OutputFormat, SamplingParams, ToolCall, \
-    ToolSpec
+from edgecache.engines.base import Choice, GenerationRequest, Message, OutputFormat, SamplingParams, ToolCall, ToolSpec
 from edgecache.errors import BadRequest, EdgeCacheError, PayloadTooLarge, PromptTooLong
 from edgecache.http.calls import Parsed, build_call
 from edgecache.http.replies import Counts
@@ -460,7 +459,7 @@ class MessageWriter:
     unnamed ones. ``message_start`` carries no counts yet (a streamed miss knows them only at its end), so
     ``message_delta`` carries the whole usage; the SDKs take its counts as the totals."""
 
-    __slots__ = ("model", "id", "replay_shape")
+    __slots__ = ("id", "model", "replay_shape")
 
     _encoder = msgspec.json.Encoder()
     _PING = b'event: ping\ndata: {"type": "ping"}\n\n'

@@ -37,8 +37,6 @@ from litestar.handlers import HTTPRouteHandler
 from litestar.params import PathParameter, QueryParameter
 from litestar.types import ASGIApp
 
-from edgecache.http.access_log import TENANT_SCOPE_KEY, AccessLog, AccessLogMiddleware
-from edgecache.http.calls import apply_headers, read_body, read_headers
 from edgecache.canary import CanaryReport
 from edgecache.data_dir import DataDirLock
 from edgecache.engines.base import Engine
@@ -51,18 +49,20 @@ from edgecache.errors import (
     error_body,
 )
 from edgecache.http import anthropic_api
-from edgecache.http.openai_api import ModelCard, ModelList, ResponseWriter
-from edgecache.http.replies import RawAnswer, respond
-from edgecache.http.responses_api import responses_names
+from edgecache.http.access_log import TENANT_SCOPE_KEY, AccessLog, AccessLogMiddleware
+from edgecache.http.calls import apply_headers, read_body, read_headers
 from edgecache.http.embeddings import EmbeddingRequest, embed
 from edgecache.http.feedback import FeedbackRequest, apply_feedback
 from edgecache.http.front import Front
+from edgecache.http.openai_api import ModelCard, ModelList, ResponseWriter
 from edgecache.http.openapi import openapi_document
+from edgecache.http.replies import RawAnswer, respond
 from edgecache.http.request_surface import check_engine_supports, decode_body
+from edgecache.http.responses_api import responses_names
+from edgecache.http.warmup_lines import WarmupBatch, warm_lines
 from edgecache.runtime import Runtime
 from edgecache.settings import Settings
 from edgecache.tenants import TenantDirectory
-from edgecache.http.warmup_lines import WarmupBatch, warm_lines
 
 log = logging.getLogger("edgecache")
 

@@ -15,9 +15,9 @@ from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 
-from edgecache.errors import BadRequest, ClientGone, Forbidden, PayloadTooLarge
 from edgecache.call import CACHE_CONTROL, POLICIES, Call, PolicyName
 from edgecache.engines.base import GenerationRequest
+from edgecache.errors import BadRequest, ClientGone, Forbidden, PayloadTooLarge
 from edgecache.http.request_surface import (
     CacheOptions,
     ChatCompletionRequest,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from typing import Literal
+from typing import ClassVar, Literal
 
 import msgspec
 
@@ -205,7 +205,7 @@ class IdSource:
         self._counter = itertools.count()
 
     # Each API's own spelling: OpenAI's chatcmpl-/cmpl-/resp_, Anthropic's msg_.
-    _KINDS = {"chat": "chatcmpl-", "text": "cmpl-", "response": "resp_", "message": "msg_"}
+    _KINDS: ClassVar[dict[str, str]] = {"chat": "chatcmpl-", "text": "cmpl-", "response": "resp_", "message": "msg_"}
 
     def next(self, kind: Literal["chat", "text", "response", "message"]) -> str:
         return f"{self._KINDS[kind]}{self._prefix}{next(self._counter):08x}"
@@ -218,7 +218,7 @@ class ResponseWriter:
     ``chat`` picks the chat or the text-completion shape; every frame of one response shares one id.
     """
 
-    __slots__ = ("chat", "model", "id", "created", "include_usage", "replay_shape", "_encoder", "_delta_around")
+    __slots__ = ("_delta_around", "_encoder", "chat", "created", "id", "include_usage", "model", "replay_shape")
 
     # Encoders hold no per-call state; one per class saves building one per response.
     _shared_encoder = msgspec.json.Encoder()
@@ -265,7 +265,7 @@ class ResponseWriter:
         """A whole answer as one SSE stream: per choice its content (with its logprobs), its tool calls as
         OpenAI's tool-call deltas (index, id, name, arguments), its finish; then usage if asked, then [DONE]."""
         frames = []
-        head = dict(id=self.id, created=self.created, model=self.model)
+        head = {"id": self.id, "created": self.created, "model": self.model}
         for c in choices:
             if self.chat:
                 content = c.text if c.text or not c.tool_calls else None

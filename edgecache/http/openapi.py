@@ -12,10 +12,10 @@ from typing import Any
 
 import msgspec
 
-from edgecache.http.anthropic_api import CountTokensRequest, AnthropicError, MessageOut, MessagesRequest, TokenCount
+from edgecache.errors import ErrorBody
+from edgecache.http.anthropic_api import AnthropicError, CountTokensRequest, MessageOut, MessagesRequest, TokenCount
 from edgecache.http.embeddings import EmbeddingList, EmbeddingRequest
 from edgecache.http.feedback import FeedbackReply, FeedbackRequest
-from edgecache.errors import ErrorBody
 from edgecache.http.openai_api import ChatCompletion, ChatCompletionChunk, ModelCard, ModelList, TextCompletion
 from edgecache.http.request_surface import SCHEMA_RULES, ChatCompletionRequest, CompletionRequest
 from edgecache.http.responses_api import (
@@ -23,9 +23,9 @@ from edgecache.http.responses_api import (
     AllowedToolChoice,
     DeletedResponse,
     FunctionTool,
-    NamespaceTool,
     FunctionToolChoice,
     InputItemList,
+    NamespaceTool,
     ResponseCreateRequest,
     ResponseObject,
 )

@@ -29,8 +29,16 @@ import msgspec
 from msgspec import Meta
 
 from edgecache.call import PolicyName
-from edgecache.engines.base import (FEATURES, Engine, GenerationRequest, Message, OutputFormat, SamplingParams,
-                                    ToolCall, ToolSpec)
+from edgecache.engines.base import (
+    FEATURES,
+    Engine,
+    GenerationRequest,
+    Message,
+    OutputFormat,
+    SamplingParams,
+    ToolCall,
+    ToolSpec,
+)
 from edgecache.errors import BadRequest
 from edgecache.ttl_tiers import Tier
 

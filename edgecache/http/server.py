@@ -152,11 +152,11 @@ def uvicorn_config(app: Any, settings: Settings, *, on_refused: Refused | None =
     (its refusal counter and access log), looked up when a refusal happens."""
     if on_refused is None:
         on_refused = _runtime_refusals(app)
-    options: dict[str, Any] = dict(
-        host=settings.server.host, port=settings.server.port,
-        loop="uvloop" if sys.platform != "win32" else "asyncio",
-        http=limited_protocol(settings, on_refused), log_level=settings.server.log_level, access_log=False,
-        lifespan="on", timeout_keep_alive=settings.server.keep_alive_s)
+    options: dict[str, Any] = {
+        "host": settings.server.host, "port": settings.server.port,
+        "loop": "uvloop" if sys.platform != "win32" else "asyncio",
+        "http": limited_protocol(settings, on_refused), "log_level": settings.server.log_level, "access_log": False,
+        "lifespan": "on", "timeout_keep_alive": settings.server.keep_alive_s}
     options.update(overrides)
     return uvicorn.Config(app, **options)
 

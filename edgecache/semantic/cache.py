@@ -34,16 +34,16 @@ from functools import partial
 
 import numpy as np
 
-from edgecache.semantic.embedders import Embedder
 from edgecache.errors import StorageUnavailable
-from edgecache.semantic.guard import DEFAULT_RULES
-from edgecache.semantic.decision_log import DecisionRecord
 from edgecache.health import STORAGE_ERRORS, StorageFaults
-from edgecache.semantic.lookup import Lookup, MatchRule, Probe
-from edgecache.semantic.index import Candidate, SemanticIndex
 from edgecache.semantic import deciders, refusals
 from edgecache.semantic.deciders import Decider
+from edgecache.semantic.decision_log import DecisionRecord
+from edgecache.semantic.embedders import Embedder
+from edgecache.semantic.guard import DEFAULT_RULES
+from edgecache.semantic.index import Candidate, SemanticIndex
 from edgecache.semantic.learner import Decision, SemanticLearner
+from edgecache.semantic.lookup import Lookup, MatchRule, Probe
 from edgecache.semantic.verifier import Verifier
 
 

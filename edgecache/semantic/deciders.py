@@ -21,9 +21,9 @@ import numpy as np
 from edgecache.semantic import refusals
 from edgecache.semantic.guard import check
 from edgecache.semantic.guard import rule_of as guard_rule_of
-from edgecache.semantic.lookup import Lookup, MatchRule, SemanticHit
 from edgecache.semantic.index import Candidate
 from edgecache.semantic.learner import Decision
+from edgecache.semantic.lookup import Lookup, MatchRule, SemanticHit
 from edgecache.semantic.verifier import Verifier
 
 #: How a decider is called by the cache: (query, candidates nearest first, rule, the query's vector) -> Lookup.

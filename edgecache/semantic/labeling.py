@@ -40,8 +40,8 @@ from typing import Protocol
 import numpy as np
 
 from edgecache.call import Call
-from edgecache.semantic.decision_log import DecisionLog
 from edgecache.engines.base import GenerationRequest
+from edgecache.semantic.decision_log import DecisionLog
 from edgecache.semantic.lookup import Lookup
 from edgecache.stores import ResultStore
 

@@ -13,10 +13,10 @@ import hashlib
 import msgspec
 import numpy as np
 
+from edgecache.engines.base import GenerationRequest
 from edgecache.semantic import refusals
 from edgecache.semantic.decision_log import Decision as LoggedDecision
 from edgecache.semantic.decision_log import DecisionLog
-from edgecache.engines.base import GenerationRequest
 from edgecache.semantic.index import Candidate
 from edgecache.semantic.learner import Decision
 

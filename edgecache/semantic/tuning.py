@@ -36,9 +36,9 @@ from typing import Literal
 
 import msgspec
 
+from edgecache.semantic import refusals
 from edgecache.semantic.decision_log import DecisionRecord, LabelRecord, Record
 from edgecache.semantic.false_hits import wilson_upper
-from edgecache.semantic import refusals
 from edgecache.semantic.learner import AUDIT, BUDGET
 from edgecache.semantic.marks import FEEDBACK_LABELER
 
