@@ -116,10 +116,22 @@ class _Connection(asyncio.Protocol):
 
     # -- used by the transport
 
+    @property
+    def usable(self) -> bool:
+        """Open as far as anyone can tell: the upstream may have closed it without the protocol hearing yet
+        (``connection_lost`` comes a turn after the transport starts closing)."""
+        return not self.closed and self._transport is not None and not self._transport.is_closing()
+
     def send(self, head: bytes, body: bytes) -> None:
+        """Write the request; ``httpx.WriteError`` when the connection is closed already (uvloop refuses the
+        write of a transport the upstream closed before the protocol heard of it)."""
         assert self._transport is not None
         self._last_read = self._loop.time()  # the read timeout counts from the request
-        self._transport.writelines((head, body))
+        try:
+            self._transport.writelines((head, body))
+        except RuntimeError as exc:
+            self.close()
+            raise httpx.WriteError(f"the connection to the upstream is closed: {exc}") from exc
 
     async def wait(self, read_timeout: float | None) -> None:
         """Until something new (bytes, the end, an error); ``ReadTimeout`` when the upstream is silent too long."""
@@ -280,11 +292,11 @@ class BatchingTransport(httpx.AsyncBaseTransport):
             reused = conn is not None
             if conn is None:
                 conn = await self._connect(origin, timeouts.get("connect"), request)
-            conn.send(head, body)
             try:
+                conn.send(head, body)
                 while not conn.headers_done:
                     await conn.wait(timeouts.get("read"))
-            except httpx.ReadError:
+            except (httpx.ReadError, httpx.WriteError):
                 # A kept-alive connection the upstream had closed before our request reached it (nothing was
                 # read back): the request was never seen, so it goes once more, on a new connection.
                 if reused and not conn.received and attempt == 0:
@@ -322,8 +334,9 @@ class BatchingTransport(httpx.AsyncBaseTransport):
         idle = self._idle.get(origin)
         while idle:
             conn = idle.pop()
-            if not conn.closed:
+            if conn.usable:
                 return conn
+            conn.close()
         return None
 
     def _release(self, origin: tuple[str, str, int], conn: _Connection) -> None:
