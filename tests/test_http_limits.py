@@ -11,6 +11,7 @@ from typing import Any
 
 import uvicorn
 
+from edgecache.engines.base import Chunk
 from edgecache.http.app import create_app
 from edgecache.http.server import uvicorn_config
 from tests.conftest import chat_body
@@ -152,3 +153,36 @@ async def test_a_non_streaming_client_gone_frees_its_slot_unless_another_listens
         app.state.front.access_log.flush()
         metrics = rt.metrics.render().decode()
         assert 'edgecache_refused_requests_total{reason="client_gone"} 2.0' in metrics
+
+
+async def test_a_streaming_client_gone_mid_answer_aborts_the_engine_call_and_stores_nothing(
+        make_settings: Any) -> None:
+    """The client reads the first frame of a streamed miss and hangs up: the stream ends, the engine call is
+    aborted, the admission slot is freed and nothing is stored; the server serves on."""
+    class FirstThenWait(FakeEngine):
+        async def generate(self, request: Any) -> Any:
+            self.calls += 1
+            self.running += 1
+            try:
+                yield Chunk(text="first words")
+                await asyncio.Event().wait()  # the rest never comes
+            finally:
+                self.running -= 1
+                self.aborted += 1
+
+    settings = make_settings(admission__max_concurrent_misses=1)
+    engine = FirstThenWait()
+    app = create_app(settings, engine=engine)
+    async with uvicorn_server(app, settings) as port:
+        rt = app.state.runtime
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request_bytes(chat_body("stream, then nobody reads", stream=True)))
+        seen = b""
+        while b"first words" not in seen:
+            seen += await reader.read(4096)
+        assert seen.startswith(b"HTTP/1.1 200")
+        writer.close()
+        await wait_for(lambda: engine.aborted == 1 and rt.admission.running == 0 and len(rt.inflight) == 0,
+                       "the engine call was aborted and its slot freed")
+        assert (await rt.stores("default").stats())["entries"] == 0
+        assert await get_ok(port)

@@ -19,7 +19,6 @@ from contextlib import aclosing
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from litestar import Request
-from litestar.response import Stream
 from litestar.types import ASGIApp
 
 from edgecache.call import HITS, Call
@@ -99,6 +98,48 @@ class RawAnswer:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.headers})
         await send({"type": "http.response.body", "body": self.body})
+
+
+class StreamedAnswer:
+    """An SSE response as a bare ASGI app: its headers already bytes, then each frame as ``frames`` yields it.
+
+    The client hanging up ends it: ``frames`` is closed at once, which releases the flight listener (and with the
+    last listener the engine call), as litestar's streaming response does. Litestar runs the stream and its
+    disconnect watcher in an anyio task group; per streamed answer that cost more than relaying a short answer's
+    tokens, and a watcher task that cancels the streaming one does the same work.
+    """
+
+    __slots__ = ("frames", "headers")
+
+    def __init__(self, frames: AsyncIterator[bytes], headers: list[tuple[bytes, bytes]]) -> None:
+        self.frames = frames
+        self.headers = [(b"content-type", SSE), *headers]
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        streaming = asyncio.current_task()
+        assert streaming is not None
+        gone = False
+
+        async def watch() -> None:  # the request body is read: the next message can only be the disconnect
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            streaming.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+            async with aclosing(self.frames) as frames:
+                async for frame in frames:
+                    await send({"type": "http.response.body", "body": frame, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            streaming.uncancel()  # the client left: this stream is over, not the task that served it
+        finally:
+            watcher.cancel()
 
 
 class Renderings:
@@ -256,9 +297,8 @@ async def respond(rt: Runtime, request: Request[Any, Any, Any], call: Call, stre
                            final.stop_sequence)
         return RawAnswer(body, reply_headers(reply))
 
-    headers = {name.decode(): value.decode() for name, value in reply_headers(reply)}
-    return Stream(content=_sse(rt, call, reply.served, writer, first, chunks, ttft), media_type="text/event-stream",
-                  headers={**headers, "Cache-Control": "no-cache"}).to_asgi_response(None, request)
+    return StreamedAnswer(_sse(rt, call, reply.served, writer, first, chunks, ttft),
+                          reply_headers(reply) + SSE_HEADERS)
 
 
 async def unless_client_gone(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:
