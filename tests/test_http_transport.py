@@ -5,6 +5,7 @@ a malformed answer, a reader that leaves early, and a stream read in batches."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 
 import httpx
@@ -304,3 +305,39 @@ async def test_a_stream_counts_while_it_is_read_and_not_after() -> None:
             async for _ in response.aiter_raw():
                 pass
         assert transport._streaming == 0
+
+
+async def test_the_upstream_engine_streams_through_the_batching_transport_directly() -> None:
+    """A streamed generation goes to the batching transport without httpx's client layers: the request still
+    carries what the client would send (the path under the base URL, the key, the JSON body), and the answer is
+    relayed whole."""
+    from edgecache.engines.base import GenerationRequest, Message, SamplingParams
+    from edgecache.engines.openai_upstream import OpenAIUpstreamEngine
+
+    frames = [b'data: {"choices":[{"index":0,"delta":{"content":"%s"},"finish_reason":null}]}\n\n' % t
+              for t in (b"Blue", b" sky")]
+    frames.append(b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}],'
+                  b'"usage":{"prompt_tokens":5,"completion_tokens":2}}\n\ndata: [DONE]\n\n')
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD + b"".join(chunk(f) for f in frames) + b"0\r\n\r\n")
+
+    server = Server(handler)
+    async with server as base:
+        engine = OpenAIUpstreamEngine(base + "/v1", api_key="k", model="m")
+        await engine.start()
+        try:
+            assert engine._direct is not None  # the default transport is the batching one
+            request = GenerationRequest(messages=(Message(role="user", content="sky?"),),
+                                        params=SamplingParams(max_tokens=4))
+            chunks = [c async for c in engine.generate(request)]
+        finally:
+            await engine.close()
+    assert "".join(c.text for c in chunks) == "Blue sky"
+    assert (chunks[-1].finish_reason, chunks[-1].prompt_tokens, chunks[-1].completion_tokens) == ("stop", 5, 2)
+    head, _, body = server.requests[0].partition(b"\r\n\r\n")
+    lines = head.lower().split(b"\r\n")
+    assert lines[0] == b"post /v1/chat/completions http/1.1"
+    assert b"authorization: bearer k" in lines and b"content-type: application/json" in lines
+    sent = json.loads(body)
+    assert sent["model"] == "m" and sent["stream"] is True and sent["messages"][0]["content"] == "sky?"

@@ -92,6 +92,8 @@ class OpenAIUpstreamEngine:
         self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
+        self._direct: BatchingTransport | None = None
+        self._direct_headers: list[tuple[bytes, bytes]] = []
         self._closed = False
         self._requests = 0
         self._errors = 0
@@ -106,10 +108,16 @@ class OpenAIUpstreamEngine:
         if self._closed:
             raise EngineError("the upstream engine was closed and cannot be started again")
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
-        client = httpx.AsyncClient(
-            base_url=self.base_url + "/", headers=headers, timeout=self._timeout,
-            transport=self._transport or _default_transport(self.base_url),
-        )
+        transport = self._transport or _default_transport(self.base_url)
+        client = httpx.AsyncClient(base_url=self.base_url + "/", headers=headers, timeout=self._timeout,
+                                   transport=transport)
+        # A streamed generation goes straight to the batching transport (see _open_stream); these are the headers
+        # the client would have sent (no Accept-Encoding: a stream is relayed as it comes, never decompressed).
+        self._direct = transport if isinstance(transport, BatchingTransport) else None
+        self._direct_headers = [(b"accept", b"*/*"), (b"content-type", b"application/json"),
+                                (b"user-agent", client.headers["user-agent"].encode())]
+        if self._api_key:
+            self._direct_headers.append((b"authorization", f"Bearer {self._api_key}".encode()))
         try:
             if not self.model_id:
                 self.model_id = await self._first_model(client)
@@ -254,7 +262,7 @@ class OpenAIUpstreamEngine:
         content_events = 0
         stops = tuple(payload.get("stop") or ())
         try:
-            async with client.stream("POST", path, json=payload) as response:
+            async with self._open_stream(client, path, payload) as response:
                 if response.status_code >= 400:
                     raise self._status_error(response.status_code, await response.aread())
                 # Bytes as they arrive (the transport reads a fast upstream in batches), the events of each read
@@ -294,6 +302,27 @@ class OpenAIUpstreamEngine:
         last = _with_usage(Chunk(finish_reason=finish, stop_sequence=matched if finish == "stop" else None), usage)
         self._count(last)
         yield last
+
+    @contextlib.asynccontextmanager
+    async def _open_stream(self, client: httpx.AsyncClient, path: str,
+                           payload: dict[str, Any]) -> AsyncIterator[httpx.Response]:
+        """``client.stream("POST", path, json=payload)``, for the batching transport without the client's layers
+        around it (URL merging, cookies, auth and redirect hooks: none of which an upstream's stream uses). They
+        cost more CPU per request than a 64-token stream's own relaying; any other transport (a proxy's, a
+        test's) goes through the client."""
+        if self._direct is None:
+            async with client.stream("POST", path, content=_encode(payload),
+                                     headers={"content-type": "application/json"}) as response:
+                yield response
+            return
+        request = httpx.Request("POST", client.base_url.join(path), headers=self._direct_headers,
+                                content=_encode(payload), extensions={"timeout": self._timeout.as_dict()})
+        response = await self._direct.handle_async_request(request)
+        response.request = request
+        try:
+            yield response
+        finally:
+            await response.aclose()
 
     def _events(self, block: bytes) -> tuple[list[tuple[str, object, Mapping[str, Any] | None, object]], bool]:
         """The text, finish reason, usage and matched stop of each event of ``block`` (whole SSE events), and whether it ended
@@ -513,6 +542,7 @@ class _StreamEvent(msgspec.Struct):
 
 _decode_event = msgspec.json.Decoder(_StreamEvent).decode
 _decode_events = msgspec.json.Decoder(list[_StreamEvent]).decode
+_encode = msgspec.json.Encoder().encode
 
 
 def _choice(event: Mapping[str, Any]) -> tuple[str, object, object]:
