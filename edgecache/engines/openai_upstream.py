@@ -94,6 +94,7 @@ class OpenAIUpstreamEngine:
         self._client: httpx.AsyncClient | None = None
         self._direct: BatchingTransport | None = None
         self._direct_headers: list[tuple[bytes, bytes]] = []
+        self._urls: dict[str, httpx.URL] = {}  # each API path under the base URL, parsed once
         self._closed = False
         self._requests = 0
         self._errors = 0
@@ -315,7 +316,10 @@ class OpenAIUpstreamEngine:
                                      headers={"content-type": "application/json"}) as response:
                 yield response
             return
-        request = httpx.Request("POST", client.base_url.join(path), headers=self._direct_headers,
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = client.base_url.join(path)
+        request = httpx.Request("POST", url, headers=self._direct_headers,
                                 content=_encode(payload), extensions={"timeout": self._timeout.as_dict()})
         response = await self._direct.handle_async_request(request)
         response.request = request
