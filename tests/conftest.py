@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,3 +92,17 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
                  env={"EDGECACHE_SEMANTIC__ENABLED": "false"}).start()
     yield srv
     srv.stop()
+
+
+@contextmanager
+def front_server(data_dir: Path, upstream_url: str, *extra: str) -> Iterator[Server]:
+    """A real `edgecache serve --upstream URL` (``extra``: more flags) for the block, with the semantic layer off so
+    that a miss at the front is a call to the upstream; stopped when the block ends."""
+    from tests.test_e2e import Server  # here, as in ``server``: only the modules that run one pay for its imports
+
+    front = Server(data_dir, "--upstream", upstream_url, *extra, env={"EDGECACHE_SEMANTIC__ENABLED": "false"})
+    try:
+        yield front.start()
+    finally:
+        if front.proc is not None:
+            front.stop()

@@ -27,6 +27,7 @@ import httpx
 import pytest
 
 from edgecache.bench.harness import free_port
+from tests.conftest import front_server
 from tests.test_e2e import Server
 
 pytestmark = pytest.mark.e2e
@@ -83,13 +84,10 @@ class Upstream:
 def front(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Upstream]]:
     root = tmp_path_factory.mktemp("agent-clis")
     upstream = Upstream(root)
-    server = Server(root / "data", "--upstream", upstream.url, env={"EDGECACHE_SEMANTIC__ENABLED": "false"})
     try:
-        server.start()
-        yield server, upstream
+        with front_server(root / "data", upstream.url) as server:
+            yield server, upstream
     finally:
-        if server.proc is not None:
-            server.stop()
         upstream.stop()
 
 

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import front_server
 from tests.test_e2e import Server
 
 pytestmark = pytest.mark.e2e
@@ -23,20 +24,19 @@ class Instance(Server):
         return int(self.stats()["engine"]["calls"])
 
 
+#: The upstream runs with the semantic layer off, as front_server runs the front: a miss at the front is a miss at the
+#: upstream, and the pair stays light.
+LIGHT = {"EDGECACHE_SEMANTIC__ENABLED": "false"}
+
+
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Instance, Instance]]:
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Instance, Server]]:
     root = tmp_path_factory.mktemp("upstream-e2e")
-    # The semantic layer is off on both so that a miss at the front is a miss at the upstream, and to keep it light.
-    light = {"EDGECACHE_SEMANTIC__ENABLED": "false"}
-    upstream = Instance(root / "upstream", env=light).start()
-    front = Instance(root / "front", "--upstream", upstream.url + "/v1", "--upstream-key", "sk-upstream",
-                     env=light)
+    upstream = Instance(root / "upstream", env=LIGHT).start()
     try:
-        front.start()
-        yield upstream, front
+        with front_server(root / "front", upstream.url + "/v1", "--upstream-key", "sk-upstream") as front:
+            yield upstream, front
     finally:
-        if front.proc is not None:
-            front.stop()
         upstream.stop()
 
 
@@ -44,14 +44,14 @@ def client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
-def test_front_serves_the_upstream_model(pair: tuple[Instance, Instance]) -> None:
+def test_front_serves_the_upstream_model(pair: tuple[Instance, Server]) -> None:
     upstream, front = pair
     upstream_ids = [m.id for m in client(upstream).models.list()]
     assert [m.id for m in client(front).models.list()] == upstream_ids[:1]
     assert front.stats()["model"]["id"] == upstream_ids[0]
 
 
-def test_non_stream_miss_then_exact_without_reaching_the_upstream(pair: tuple[Instance, Instance]) -> None:
+def test_non_stream_miss_then_exact_without_reaching_the_upstream(pair: tuple[Instance, Server]) -> None:
     upstream, front = pair
     c = client(front)
     body = {"model": client(front).models.list().data[0].id, "max_tokens": 8, "temperature": 0,
@@ -70,7 +70,7 @@ def test_non_stream_miss_then_exact_without_reaching_the_upstream(pair: tuple[In
     assert upstream.engine_calls() == calls_before + 1  # the exact hit never left the front
 
 
-def test_stream_miss_then_exact(pair: tuple[Instance, Instance]) -> None:
+def test_stream_miss_then_exact(pair: tuple[Instance, Server]) -> None:
     upstream, front = pair
     c = client(front)
     model = c.models.list().data[0].id
@@ -96,7 +96,7 @@ def test_stream_miss_then_exact(pair: tuple[Instance, Instance]) -> None:
     assert upstream.engine_calls() == calls_before + 1
 
 
-def test_completions_pass_through(pair: tuple[Instance, Instance]) -> None:
+def test_completions_pass_through(pair: tuple[Instance, Server]) -> None:
     _, front = pair
     c = client(front)
     model = c.models.list().data[0].id
@@ -105,7 +105,7 @@ def test_completions_pass_through(pair: tuple[Instance, Instance]) -> None:
     assert raw.parse().choices[0].text
 
 
-def test_tools_and_a_json_schema_through_the_front(pair: tuple[Instance, Instance]) -> None:
+def test_tools_and_a_json_schema_through_the_front(pair: tuple[Instance, Server]) -> None:
     """The front passes tools and a schema through; the upstream (an EdgeCache on llama.cpp) honours them; the
     front stores the whole answer and replays it."""
     from pydantic import BaseModel
@@ -137,32 +137,30 @@ def test_tools_and_a_json_schema_through_the_front(pair: tuple[Instance, Instanc
 
 
 def test_upstream_down_is_a_clean_502(tmp_path: Path) -> None:
-    upstream = Instance(tmp_path / "upstream", env={"EDGECACHE_SEMANTIC__ENABLED": "false"}).start()
-    front = Instance(tmp_path / "front", "--upstream", upstream.url + "/v1",
-                     env={"EDGECACHE_SEMANTIC__ENABLED": "false"}).start()
+    upstream = Instance(tmp_path / "upstream", env=LIGHT).start()
     try:
-        model = client(front).models.list().data[0].id
-        upstream.stop()  # the upstream goes away after the front has started
-        body = {"model": model, "max_tokens": 4, "temperature": 0,
-                "messages": [{"role": "user", "content": "Are you there?"}]}
-        plain = httpx.post(front.url + "/v1/chat/completions", json=body, timeout=60)
-        assert plain.status_code == 502
-        error = plain.json()["error"]
-        assert error["message"] and "upstream" in error["message"]
-        assert "Traceback" not in plain.text
+        with front_server(tmp_path / "front", upstream.url + "/v1") as front:
+            model = client(front).models.list().data[0].id
+            upstream.stop()  # the upstream goes away after the front has started
+            body = {"model": model, "max_tokens": 4, "temperature": 0,
+                    "messages": [{"role": "user", "content": "Are you there?"}]}
+            plain = httpx.post(front.url + "/v1/chat/completions", json=body, timeout=60)
+            assert plain.status_code == 502
+            error = plain.json()["error"]
+            assert error["message"] and "upstream" in error["message"]
+            assert "Traceback" not in plain.text
 
-        streamed = httpx.post(front.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60)
-        assert streamed.status_code == 502
-        assert "error" in streamed.json() and "Traceback" not in streamed.text
+            streamed = httpx.post(front.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60)
+            assert streamed.status_code == 502
+            assert "error" in streamed.json() and "Traceback" not in streamed.text
 
-        with pytest.raises(openai.APIStatusError) as caught:
-            client(front).chat.completions.create(**body)
-        assert caught.value.status_code == 502
+            with pytest.raises(openai.APIStatusError) as caught:
+                client(front).chat.completions.create(**body)
+            assert caught.value.status_code == 502
 
-        # Nothing was stored: the front still misses (and still fails) on the same request.
-        again = httpx.post(front.url + "/v1/chat/completions", json=body, timeout=60)
-        assert again.status_code == 502 and again.headers.get("x-edgecache") != "exact"
-        assert front.stats()["store"]["entries"] == 0
+            # Nothing was stored: the front still misses (and still fails) on the same request.
+            again = httpx.post(front.url + "/v1/chat/completions", json=body, timeout=60)
+            assert again.status_code == 502 and again.headers.get("x-edgecache") != "exact"
+            assert front.stats()["store"]["entries"] == 0
     finally:
-        front.stop()
         upstream.stop()
