@@ -519,3 +519,19 @@ async def test_a_store_that_cannot_write_still_answers_and_says_why_it_cannot_re
         await c.app.state.front.responses.store.flushed()  # type: ignore[attr-defined]
         got = await c.get(f"/v1/responses/{made.json()['id']}")
         assert got.status_code == 503 and got.json()["error"]["type"] == "storage_unavailable"
+
+
+async def test_a_response_too_big_for_its_tenants_bound_is_served_but_not_kept(
+        make_settings: Callable[..., Settings]) -> None:
+    """A record bigger than the whole bound would evict everything the tenant keeps and still not fit: it is
+    served, not stored, and the tenant's stored responses stay."""
+    bound = 4_096
+    async with serve_in_process(create_app(make_settings(store__responses_bytes=bound), engine=FakeEngine())) as c:
+        front = c.app.state.front  # type: ignore[attr-defined]
+        small = (await c.post("/v1/responses", json={"model": MODEL, "input": "short", "temperature": 0})).json()
+        big = await c.post("/v1/responses", json={"model": MODEL, "input": "long " + "y" * 8_000, "temperature": 0})
+        assert big.status_code == 200 and big.json()["output"]
+        await front.responses.store.flushed()
+        assert (await c.get(f"/v1/responses/{big.json()['id']}")).status_code == 404
+        assert (await c.get(f"/v1/responses/{small['id']}")).status_code == 200
+        assert (await front.responses.store.tenant_usage("default"))[0] == 1

@@ -122,10 +122,6 @@ class RedisResponseStore:
     def put(self, tenant: str, response_id: str, record: bytes, created_at: float, expires_at: float) -> None:
         if self._closed:
             return
-        if len(record) > self.tenant_bytes:
-            log.warning("stored responses: %s of tenant %s not kept: %d bytes, over the tenant's %d", response_id,
-                        tenant, len(record), self.tenant_bytes)
-            return
         self._queued[(tenant, response_id)] = (record, created_at, expires_at)
         if self._writer is None or self._writer.done():
             self._writer = asyncio.get_running_loop().create_task(self._write_queued(), name="response-store")

@@ -71,7 +71,8 @@ class ResponseStore(Protocol):
     ttl_s: float
 
     def put(self, tenant: str, response_id: str, record: bytes, created_at: float, expires_at: float) -> None:
-        """Keep ``record`` (written with the next batch; never blocks)."""
+        """Keep ``record`` (written with the next batch; never blocks). The caller gives only records within
+        ``tenant_bytes`` (:func:`keeps`): a bigger one would evict everything the tenant has and still not fit."""
 
     async def get(self, tenant: str, response_id: str) -> bytes | None:
         """The tenant's record, or None (never stored, expired, evicted, deleted, or another tenant's)."""
@@ -87,6 +88,16 @@ class ResponseStore(Protocol):
 
     async def close(self) -> None:
         """Write what is pending, then release the store. Safe twice."""
+
+
+def keeps(store: ResponseStore, tenant: str, response_id: str, record: bytes) -> bool:
+    """Whether ``record`` fits the tenant's bound, the one rule both stores rely on; a response too big to keep is
+    served all the same, and logged."""
+    if len(record) <= store.tenant_bytes:
+        return True
+    log.warning("stored responses: %s of tenant %s not kept: %d bytes, over the tenant's %d", response_id, tenant,
+                len(record), store.tenant_bytes)
+    return False
 
 
 def open_response_store(settings: Settings, fleet: Fleet | None) -> ResponseStore:
@@ -142,10 +153,6 @@ class SqliteResponseStore:
     def put(self, tenant: str, response_id: str, record: bytes, created_at: float, expires_at: float) -> None:
         """Keep ``record``; never blocks. Written with the next batch."""
         if self._closed:
-            return
-        if len(record) > self.tenant_bytes:
-            log.warning("stored responses: %s of tenant %s not kept: %d bytes, over the tenant's %d", response_id,
-                        tenant, len(record), self.tenant_bytes)
             return
         with self._lock:
             self._pending[(tenant, response_id)] = (record, created_at, expires_at)

@@ -59,7 +59,7 @@ from edgecache.http.request_surface import (
     ToolIn,
     decode_body,
 )
-from edgecache.http.response_store import ResponseStore, StoredResponse, open_response_store
+from edgecache.http.response_store import ResponseStore, StoredResponse, keeps, open_response_store
 from edgecache.settings import Settings
 from edgecache.stores import CachedAnswer
 from edgecache.tenants import Tenant
@@ -967,7 +967,9 @@ class ResponsesApi:
             # history goes as encoded already (msgspec writes a Raw value's bytes as they are)
             record = StoredResponse(body=body, input_items=input_items, history=asked.history,  # type: ignore[arg-type]
                                     said=said, created_at=now, expires_at=expires_at)
-            self.store.put(tenant, response_id, self._encoder.encode(record), now, expires_at)
+            encoded = self._encoder.encode(record)
+            if keeps(self.store, tenant, response_id, encoded):
+                self.store.put(tenant, response_id, encoded, now, expires_at)
 
         return ResponsesWriter(template, keep, asked.shape)
 
