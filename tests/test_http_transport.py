@@ -341,3 +341,30 @@ async def test_the_upstream_engine_streams_through_the_batching_transport_direct
     assert b"authorization: bearer k" in lines and b"content-type: application/json" in lines
     sent = json.loads(body)
     assert sent["model"] == "m" and sent["stream"] is True and sent["messages"][0]["content"] == "sky?"
+
+
+@pytest.mark.parametrize("status, error", [(400, "BadRequest"), (503, "EngineError")])
+async def test_an_upstream_refusal_on_the_direct_path_is_the_engines_error(status: int, error: str) -> None:
+    """On the direct path too, an upstream's refusal is read whole and named: a 400 is the caller's to fix (a 400
+    naming the upstream's reason), anything else the engine's failure (a 502)."""
+    from edgecache.engines.base import GenerationRequest, Message, SamplingParams
+    from edgecache.engines.openai_upstream import OpenAIUpstreamEngine
+
+    body = b'{"error": {"message": "no such field: frobnicate"}}'
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 %d Nope\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                     % (status, len(body), body))
+
+    server = Server(handler)
+    async with server as base:
+        engine = OpenAIUpstreamEngine(base + "/v1", model="m")
+        await engine.start()
+        try:
+            request = GenerationRequest(messages=(Message(role="user", content="x"),),
+                                        params=SamplingParams(max_tokens=4))
+            with pytest.raises(Exception) as raised:
+                [c async for c in engine.generate(request)]
+        finally:
+            await engine.close()
+    assert type(raised.value).__name__ == error and "no such field: frobnicate" in str(raised.value)
