@@ -120,10 +120,9 @@ class StreamedAnswer:
         assert streaming is not None
         gone = False
 
-        async def watch() -> None:  # the request body is read: the next message can only be the disconnect
+        async def watch() -> None:
             nonlocal gone
-            while (await receive())["type"] != "http.disconnect":
-                pass
+            await disconnected(receive)
             gone = True
             streaming.cancel()
 
@@ -306,7 +305,7 @@ async def unless_client_gone(request: Request[Any, Any, Any], work: Awaitable[T]
     holds: the flight listener, and with the last listener the engine call and its admission slot) and ClientGone
     is raised. The request body has been read, so the next ASGI message can only be the disconnect."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
+    watcher = asyncio.ensure_future(disconnected(request.receive))
     try:
         await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -319,8 +318,10 @@ async def unless_client_gone(request: Request[Any, Any, Any], work: Awaitable[T]
     return task.result()
 
 
-async def _disconnected(request: Request[Any, Any, Any]) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
+async def disconnected(receive: Any) -> None:
+    """Until the client hangs up. Only once the request body is read: then the next message can only be the
+    disconnect."""
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
