@@ -5,10 +5,10 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import pytest
 import httpx
+import pytest
 
 # The app served in process and awaited until ready: the benchmarks' harness, which the tests share.
 from edgecache.bench.harness import serve_in_process
@@ -16,10 +16,8 @@ from edgecache.bench.harness import wait_healthy as wait_ready  # noqa: F401 (te
 from edgecache.http.app import create_app
 from edgecache.settings import Settings, resolve_settings
 from tests.fakes import FakeEngine
+from tests.real_server import Server
 from tests.redis_server import RedisServer
-
-if TYPE_CHECKING:
-    from tests.test_e2e import Server
 
 
 @pytest.fixture
@@ -53,13 +51,13 @@ def chat_body(content: str = "hello", *, stream: bool = False, **extra: Any) -> 
     return body
 
 
-async def until(condition: Callable[[], bool], patience_s: float = 120.0) -> None:
+async def until(condition: Callable[[], bool], what: str = "the condition", *, patience_s: float = 120.0) -> None:
     """Until ``condition`` holds: an event the test waits on, never a speed it assumes (the bound is only there so
-    a lost event fails the test instead of hanging it)."""
+    a lost event fails the test, naming ``what``, instead of hanging it)."""
     deadline = time.monotonic() + patience_s
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError(f"the condition never held in {patience_s:g} s")
+            raise AssertionError(f"{what} never held in {patience_s:g} s")
         await asyncio.sleep(0.01)
 
 
@@ -85,9 +83,6 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     """A real `edgecache serve --profile cpu` (llama.cpp and SmolLM2) for one test module, the semantic layer off:
     the API modules test exact hits and what each API says, so a near question must reach the engine. A module that
     needs another server (flags, the semantic layer) defines its own ``server``."""
-    # Imported here: only the modules that run a server pay for what tests.test_e2e imports (the openai SDK).
-    from tests.test_e2e import Server  # noqa: F811
-
     srv = Server(tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1]) / "data",
                  env={"EDGECACHE_SEMANTIC__ENABLED": "false"}).start()
     yield srv
@@ -98,8 +93,6 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 def front_server(data_dir: Path, upstream_url: str, *extra: str) -> Iterator[Server]:
     """A real `edgecache serve --upstream URL` (``extra``: more flags) for the block, with the semantic layer off so
     that a miss at the front is a call to the upstream; stopped when the block ends."""
-    from tests.test_e2e import Server  # here, as in ``server``: only the modules that run one pay for its imports
-
     front = Server(data_dir, "--upstream", upstream_url, *extra, env={"EDGECACHE_SEMANTIC__ENABLED": "false"})
     try:
         yield front.start()

@@ -28,7 +28,7 @@ import pytest
 
 from edgecache.bench.harness import free_port
 from tests.conftest import front_server
-from tests.test_e2e import Server
+from tests.real_server import Server
 
 pytestmark = pytest.mark.e2e
 

@@ -19,7 +19,7 @@ import pytest
 from edgecache.http.app import create_app
 from tests.conftest import chat_body, serve_in_process
 from tests.fakes import FakeEngine
-from tests.test_e2e import MODEL, Server
+from tests.real_server import MODEL, Server
 from tests.test_tenants import key_of, write_tenants_file
 
 

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from edgecache.cli.main import app
-from tests.test_e2e import MODEL, Server
+from tests.real_server import MODEL, Server
 
 pytestmark = pytest.mark.e2e
 runner = CliRunner()

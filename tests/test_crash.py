@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.test_e2e import Server
+from tests.real_server import Server
 
 pytestmark = pytest.mark.e2e
 

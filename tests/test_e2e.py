@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,53 +10,9 @@ import httpx
 import openai
 import pytest
 
-from edgecache.bench.harness import free_port
+from tests.real_server import LONG_SYSTEM, MODEL, Server
 
 pytestmark = pytest.mark.e2e
-
-MODEL = "SmolLM2-135M-Instruct"
-LONG_SYSTEM = "You are the support assistant of ACME Rockets. " + " ".join(
-    f"Policy {i}: rockets of series {i} ship within {i % 7 + 1} days and carry a {i % 3 + 1}-year warranty."
-    for i in range(60))
-
-
-class Server:
-    """`edgecache serve --profile cpu` in a subprocess on a free port; ``extra`` flags and ``env`` are added."""
-
-    def __init__(self, data_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
-        self.data_dir = data_dir
-        self.extra = extra
-        self.extra_env = env or {}
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Server:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("EDGECACHE_")} | self.extra_env
-        self.log = open(self.data_dir.parent / f"server-{self.port}.log", "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "edgecache.cli.main", "serve", "--profile", "cpu", "--port", str(self.port),
-             "--data-dir", str(self.data_dir), *self.extra], env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early; see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError("server did not become ready")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=60)
-        self.log.close()
-
-    def stats(self) -> dict:
-        return httpx.get(self.url + "/stats", timeout=10).json()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.redis_server import RedisServer
-from tests.test_e2e import MODEL, Server
+from tests.real_server import MODEL, Server
 
 pytestmark = pytest.mark.e2e
 

@@ -14,7 +14,7 @@ import uvicorn
 from edgecache.engines.base import Chunk
 from edgecache.http.app import create_app
 from edgecache.http.server import uvicorn_config
-from tests.conftest import chat_body
+from tests.conftest import chat_body, until
 from tests.fakes import FakeEngine
 
 
@@ -110,14 +110,6 @@ async def test_slow_loris_connections_get_408_and_are_closed(make_settings: Any)
         assert 'edgecache_refused_requests_total{reason="read_timeout"} 3.0' in metrics
 
 
-async def wait_for(predicate: Any, what: str) -> None:
-    for _ in range(1000):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"never: {what}")
-
-
 async def test_a_non_streaming_client_gone_frees_its_slot_unless_another_listens(make_settings: Any) -> None:
     settings = make_settings(admission__max_concurrent_misses=1)
     engine = FakeEngine()
@@ -129,21 +121,21 @@ async def test_a_non_streaming_client_gone_frees_its_slot_unless_another_listens
         # Alone: the client hangs up, and the engine call is aborted and the slot freed.
         _, lonely = await asyncio.open_connection("127.0.0.1", port)
         lonely.write(request_bytes(chat_body("nobody waits for this")))
-        await wait_for(lambda: engine.running == 1 and rt.admission.running == 1, "the miss started")
+        await until(lambda: engine.running == 1 and rt.admission.running == 1, "the miss started")
         lonely.close()
-        await wait_for(lambda: rt.admission.running == 0 and engine.running == 0, "the slot was freed")
+        await until(lambda: rt.admission.running == 0 and engine.running == 0, "the slot was freed")
         assert engine.aborted == 1 and len(rt.inflight) == 0
 
         # Shared: one of two identical requests hangs up; the other still gets the answer.
         _, leaving = await asyncio.open_connection("127.0.0.1", port)
         leaving.write(request_bytes(chat_body("two wait for this")))
-        await wait_for(lambda: engine.running == 1, "the shared miss started")
+        await until(lambda: engine.running == 1, "the shared miss started")
         staying_reader, staying = await asyncio.open_connection("127.0.0.1", port)
         staying.write(request_bytes(chat_body("two wait for this"), "Connection: close\r\n"))
         flight = next(iter(rt.inflight._flights.values()))
-        await wait_for(lambda: flight.listeners == 2, "both listen")
+        await until(lambda: flight.listeners == 2, "both listen")
         leaving.close()
-        await wait_for(lambda: flight.listeners == 1, "one left")
+        await until(lambda: flight.listeners == 1, "one left")
         assert engine.running == 1 and rt.admission.running == 1
         engine.gate.set()
         answer = await read_all(staying_reader)
@@ -182,7 +174,7 @@ async def test_a_streaming_client_gone_mid_answer_aborts_the_engine_call_and_sto
             seen += await reader.read(4096)
         assert seen.startswith(b"HTTP/1.1 200")
         writer.close()
-        await wait_for(lambda: engine.aborted == 1 and rt.admission.running == 0 and len(rt.inflight) == 0,
-                       "the engine call was aborted and its slot freed")
+        await until(lambda: engine.aborted == 1 and rt.admission.running == 0 and len(rt.inflight) == 0,
+                    "the engine call was aborted and its slot freed")
         assert (await rt.stores("default").stats())["entries"] == 0
         assert await get_ok(port)

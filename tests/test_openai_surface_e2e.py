@@ -11,7 +11,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.test_e2e import MODEL, Server
+from tests.real_server import MODEL, Server
 
 pytestmark = pytest.mark.e2e
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from tests.test_e2e import LONG_SYSTEM, MODEL, Server
+from tests.real_server import LONG_SYSTEM, MODEL, Server
 
 pytestmark = pytest.mark.e2e
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.conftest import front_server
-from tests.test_e2e import Server
+from tests.real_server import Server
 
 pytestmark = pytest.mark.e2e
 
