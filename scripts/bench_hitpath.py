@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -102,7 +103,7 @@ def run_wrk(url: str, body: dict, duration: int, connections: int, workdir: Path
         raise SystemExit(f"wrk saw errors:\n{out}")
 
     def ms(label: str) -> float:
-        value, unit = re.search(rf"^\s*{label}\s+([\d.]+)(us|ms|s)\s*$", out, re.M).groups()
+        value, unit = re.search(rf"^\s*{label}\s+([\d.]+)(us|ms|s)\s*$", out, re.MULTILINE).groups()
         return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
 
     requests = int(re.search(r"(\d+) requests in", out).group(1))
@@ -151,11 +152,9 @@ def system_prompt(seed: int) -> str:
 RELAY_STREAMS = (1, 16, 64)
 
 
-def bench_relay(duration: int, rounds: int, tokens: int, work: Path) -> dict[str, dict[str, float]]:
+def bench_relay(duration: int, rounds: int, tokens: int, work: Path) -> dict[str, dict[str, Any]]:
     """(e): tokens/s through bare, EdgeCache in process and EdgeCache --upstream (in front of the bare server), at
     each N, rounds alternated; the median round's figures and the ratios through EdgeCache over bare."""
-    import asyncio
-
     ports = {name: free_port() for name in ("bare", "inprocess", "upstream")}
     procs = [subprocess.Popen([sys.executable, __file__, "--relay-server", "bare", str(ports["bare"])]),
              subprocess.Popen([sys.executable, __file__, "--relay-server", "inprocess", str(ports["inprocess"]),
@@ -169,20 +168,23 @@ def bench_relay(duration: int, rounds: int, tokens: int, work: Path) -> dict[str
             wait_ready(f"http://127.0.0.1:{ports[name]}", procs[1 if name == "inprocess" else 2], timeout=120,
                        poll_s=0.1)
         for name, port in ports.items():  # each path relays every token, in order
-            text = relay.sample_text(asyncio.run(relay.drive(port, 1, 0.5, 32)).sample)
+            text = relay.sample_text(relay.run_drive(port, 1, 0.5, 32).sample)
             assert text == relay.TokenEngine.token * 32, (name, text[:200])
-        out: dict[str, dict[str, float]] = {}
+        out: dict[str, dict[str, Any]] = {}
         pids = {"bare": [procs[0].pid], "inprocess": [procs[1].pid], "upstream": [procs[2].pid]}
         for n in RELAY_STREAMS:
             rate: dict[str, list[float]] = {name: [] for name in ports}
             per_cpu: dict[str, list[float]] = {name: [] for name in ports}  # tokens per CPU-second of the server
+            client: dict[str, list[float]] = {name: [] for name in ports}  # the client's CPU us per token
             for _ in range(rounds):
                 for name, port in ports.items():
                     before = [cpu_seconds(pid) for pid in pids[name]]
-                    tally = asyncio.run(relay.drive(port, n, duration, tokens))
+                    client_before = time.process_time()
+                    tally = relay.run_drive(port, n, duration, tokens)
                     used = sum(cpu_seconds(pid) - b for pid, b in zip(pids[name], before))
                     rate[name].append(tally.tokens_per_s)
                     per_cpu[name].append(tally.tokens / used if used else 0.0)
+                    client[name].append((time.process_time() - client_before) / max(1, tally.tokens) * 1e6)
             med = {name: statistics.median(values) for name, values in rate.items()}
             cpu = {name: statistics.median(values) for name, values in per_cpu.items()}
             out[str(n)] = {"bare_tokens_per_s": round(med["bare"]),
@@ -196,7 +198,10 @@ def bench_relay(duration: int, rounds: int, tokens: int, work: Path) -> dict[str
                            "inprocess_tokens_per_cpu_s": round(cpu["inprocess"]),
                            "upstream_relay_tokens_per_cpu_s": round(cpu["upstream"]),
                            "inprocess_over_bare_cpu": round(cpu["inprocess"] / cpu["bare"], 3),
-                           "upstream_over_bare_cpu": round(cpu["upstream"] / cpu["bare"], 3)}
+                           "upstream_over_bare_cpu": round(cpu["upstream"] / cpu["bare"], 3),
+                           # the client shares the cores with the servers: what it took, per token, in each arm
+                           "client_us_per_token": {name: round(statistics.median(values), 1)
+                                                   for name, values in client.items()}}
         return out
     finally:
         for p in procs:
@@ -205,19 +210,21 @@ def bench_relay(duration: int, rounds: int, tokens: int, work: Path) -> dict[str
             p.wait(timeout=60)
 
 
-def print_relay(figures: dict[str, dict[str, float]], tokens: int) -> None:
+def print_relay(figures: dict[str, dict[str, Any]], tokens: int) -> None:
     print(f"\ntoken path: N streamed misses of {tokens} tokens each from an engine double (median round); "
           f"tokens/s, and tokens per CPU-second of the serving process")
     print(f"{'N':>4}{'bare':>10}{'in process':>12}{'ratio':>8}{'--upstream':>12}{'ratio':>8}"
-          f"{'bare/cpu':>10}{'in proc/cpu':>13}{'ratio':>8}{'relay/cpu':>11}{'ratio':>8}")
+          f"{'bare/cpu':>10}{'in proc/cpu':>13}{'ratio':>8}{'relay/cpu':>11}{'ratio':>8}"
+          f"{'client us/token (bare, in proc, upstream)':>44}")
     for n, f in figures.items():
         print(f"{n:>4}{f['bare_tokens_per_s']:>10}{f['inprocess_tokens_per_s']:>12}{f['inprocess_over_bare']:>8}"
               f"{f['upstream_tokens_per_s']:>12}{f['upstream_over_bare']:>8}{f['bare_tokens_per_cpu_s']:>10}"
               f"{f['inprocess_tokens_per_cpu_s']:>13}{f['inprocess_over_bare_cpu']:>8}"
-              f"{f['upstream_relay_tokens_per_cpu_s']:>11}{f['upstream_over_bare_cpu']:>8}")
+              f"{f['upstream_relay_tokens_per_cpu_s']:>11}{f['upstream_over_bare_cpu']:>8}"
+              f"{', '.join(str(f['client_us_per_token'][k]) for k in ('bare', 'inprocess', 'upstream')):>44}")
 
 
-def relay_over_bare(figures: dict[str, dict[str, float]]) -> dict[str, dict[str, dict[str, float]]]:
+def relay_over_bare(figures: dict[str, dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
     """Through EdgeCache over bare at each N: by tokens/s, and by tokens per CPU-second of the serving process."""
     return {"inprocess": {n: f["inprocess_over_bare"] for n, f in figures.items()},
             "upstream": {n: f["upstream_over_bare"] for n, f in figures.items()},
@@ -304,8 +311,8 @@ def main() -> None:
                                                    work, RESPONSES, server=procs[1]))
             responses_unstored_rounds.append(run_wrk(ec_url, RESPONSES_UNSTORED_BODY, args.duration,
                                                      args.connections, work, RESPONSES, server=procs[1]))
-        med = lambda rounds: sorted(rounds, key=lambda r: r["rps"])[len(rounds) // 2]  # noqa: E731
-        med_cpu = lambda rounds: statistics.median(r["cpu_us"] for r in rounds)  # noqa: E731
+        med = lambda rounds: sorted(rounds, key=lambda r: r["rps"])[len(rounds) // 2]
+        med_cpu = lambda rounds: statistics.median(r["cpu_us"] for r in rounds)
         bare, hit, streamed = med(bare_rounds), med(hit_rounds), med(stream_rounds)
         tool, structured = med(tool_rounds), med(structured_rounds)
         messages, messages_streamed = med(messages_rounds), med(messages_stream_rounds)
@@ -377,7 +384,7 @@ def main() -> None:
     for name, r in (("(a) bare litestar, constant JSON", bare), ("(b) EdgeCache exact hit", hit),
                     ("(b*) exact hit, stream: true", streamed), ("(b') exact hit, tool call", tool),
                     ("(b'') exact hit, structured", structured), *api_rows,
-                    (f"(c) EdgeCache miss, CPU engine, 8 tokens", miss)):
+                    ("(c) EdgeCache miss, CPU engine, 8 tokens", miss)):
         print(f"{name:38}{r['rps']:>10.0f}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}")
     ratio = hit["rps"] / bare["rps"]
     print(f"\n(b)/(a) throughput ratio: {ratio:.2f}   (goal >= 0.8); tool-call hit {tool['rps'] / bare['rps']:.2f}, "
