@@ -18,7 +18,9 @@ import pytest
 from pydantic import BaseModel
 
 from edgecache.engines.base import Choice, Chunk, GenerationRequest, ToolCall
+from edgecache.http import response_store
 from edgecache.http.app import create_app
+from edgecache.http.response_store import SqliteResponseStore
 from edgecache.settings import Settings
 from tests.conftest import serve_in_process
 from tests.fakes import FakeEngine
@@ -535,3 +537,22 @@ async def test_a_response_too_big_for_its_tenants_bound_is_served_but_not_kept(
         assert (await c.get(f"/v1/responses/{big.json()['id']}")).status_code == 404
         assert (await c.get(f"/v1/responses/{small['id']}")).status_code == 200
         assert (await front.responses.store.tenant_usage("default"))[0] == 1
+
+
+async def test_a_batch_bigger_than_one_insert_statement_is_kept_whole(tmp_path: Path) -> None:
+    """The writer puts many rows in each INSERT: a batch of more rows than one statement takes (and a last,
+    shorter statement) keeps every record, each under its own tenant and id."""
+    store = SqliteResponseStore(tmp_path, tenant_bytes=1 << 30, ttl_s=3600)
+    now = time.time()
+    try:
+        count = 2 * response_store._ROWS_PER_INSERT + 7
+        for i in range(count):
+            store.put(f"tenant-{i % 3}", f"resp_{i}", b"record %d" % i, now, now + 3600)
+        await store.flushed()
+        assert [await store.tenant_usage(f"tenant-{t}") for t in range(3)] == [
+            (len(range(t, count, 3)), sum(len(b"record %d" % i) for i in range(t, count, 3))) for t in range(3)]
+        for i in (0, 1, response_store._ROWS_PER_INSERT, count - 1):
+            assert await store.get(f"tenant-{i % 3}", f"resp_{i}") == b"record %d" % i
+        assert await store.get("tenant-1", "resp_0") is None  # another tenant's id
+    finally:
+        await store.close()

@@ -20,6 +20,7 @@ is a 503 (:class:`~edgecache.errors.StorageUnavailable`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sqlite3
 import threading
@@ -42,6 +43,9 @@ log = logging.getLogger("edgecache")
 DB_NAME = "responses.db"
 # Rows looked at per eviction step: the oldest of a tenant that is over its bound.
 _EVICT_BATCH = 64
+# Rows written by one INSERT statement (6 values each, well under SQLite's 32766 variables since 3.32).
+_ROWS_PER_INSERT = 500
+_COLUMNS = 6
 
 
 class StoredResponse(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -122,6 +126,12 @@ CREATE INDEX IF NOT EXISTS responses_age ON responses (tenant, created);
 CREATE INDEX IF NOT EXISTS responses_expiry ON responses (expires);
 CREATE TABLE IF NOT EXISTS tenant_bytes (tenant TEXT PRIMARY KEY, bytes INTEGER NOT NULL);
 """
+
+
+@functools.lru_cache(maxsize=16)
+def _insert(rows: int) -> str:
+    """An INSERT of ``rows`` rows into ``responses``."""
+    return "INSERT INTO responses VALUES " + ", ".join(["(?, ?, ?, ?, ?, ?)"] * rows)
 
 
 class SqliteResponseStore:
@@ -238,12 +248,20 @@ class SqliteResponseStore:
             if now - self._purged_at >= self.PURGE_INTERVAL_S:
                 self._drop_expired(db, now)
                 self._purged_at = now
-            rows, added = [], {}
+            values: list[object] = []
+            added: dict[str, int] = {}
             for (tenant, response_id), (blob, created_at, expires_at) in batch.items():
-                rows.append((tenant, response_id, created_at, expires_at, len(blob), blob))
+                values += (tenant, response_id, created_at, expires_at, len(blob), blob)
                 added[tenant] = added.get(tenant, 0) + len(blob)
-            # Response ids are new (a random per-process prefix and a counter): plain inserts, in one statement.
-            db.executemany("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?)", rows)
+            # Response ids are new (a random per-process prefix and a counter): plain inserts, many rows to a
+            # statement. This thread takes the GIL back after every statement it runs (the sqlite3 module lets go
+            # of it while SQLite works), and with the event loop busy each take waits for the loop's thread to
+            # let go: with a statement per row (executemany) a stored Responses hit cost the server ~10 us more
+            # CPU (322 against 313 us a hit under wrk, side by side).
+            step = _ROWS_PER_INSERT * _COLUMNS
+            for start in range(0, len(values), step):
+                chunk = values[start:start + step]
+                db.execute(_insert(len(chunk) // _COLUMNS), chunk)
             for tenant, size in added.items():
                 self._add_bytes(db, tenant, size)
                 self._evict(db, tenant)
