@@ -152,7 +152,8 @@ def system_prompt(seed: int) -> str:
 RELAY_STREAMS = (1, 16, 64)
 
 
-def bench_relay(duration: int, rounds: int, tokens: int, work: Path) -> dict[str, dict[str, Any]]:
+def bench_relay(duration: int, rounds: int, tokens: int, work: Path,
+                read_every_s: float = 0.0) -> dict[str, dict[str, Any]]:
     """(e): tokens/s through bare, EdgeCache in process and EdgeCache --upstream (in front of the bare server), at
     each N, rounds alternated; the median round's figures and the ratios through EdgeCache over bare."""
     ports = {name: free_port() for name in ("bare", "inprocess", "upstream")}
@@ -180,7 +181,7 @@ def bench_relay(duration: int, rounds: int, tokens: int, work: Path) -> dict[str
                 for name, port in ports.items():
                     before = [cpu_seconds(pid) for pid in pids[name]]
                     client_before = time.process_time()
-                    tally = relay.run_drive(port, n, duration, tokens)
+                    tally = relay.run_drive(port, n, duration, tokens, read_every_s)
                     used = sum(cpu_seconds(pid) - b for pid, b in zip(pids[name], before))
                     rate[name].append(tally.tokens_per_s)
                     per_cpu[name].append(tally.tokens / used if used else 0.0)
@@ -210,9 +211,10 @@ def bench_relay(duration: int, rounds: int, tokens: int, work: Path) -> dict[str
             p.wait(timeout=60)
 
 
-def print_relay(figures: dict[str, dict[str, Any]], tokens: int) -> None:
-    print(f"\ntoken path: N streamed misses of {tokens} tokens each from an engine double (median round); "
-          f"tokens/s, and tokens per CPU-second of the serving process")
+def print_relay(figures: dict[str, dict[str, Any]], tokens: int, read_every_ms: float) -> None:
+    pace = f"every {read_every_ms:g} ms" if read_every_ms else "as bytes come"
+    print(f"\ntoken path: N streamed misses of {tokens} tokens each from an engine double, the client reading each "
+          f"stream {pace} (median round); tokens/s, and tokens per CPU-second of the serving process")
     print(f"{'N':>4}{'bare':>10}{'in process':>12}{'ratio':>8}{'--upstream':>12}{'ratio':>8}"
           f"{'bare/cpu':>10}{'in proc/cpu':>13}{'ratio':>8}{'relay/cpu':>11}{'ratio':>8}"
           f"{'client us/token (bare, in proc, upstream)':>44}")
@@ -241,6 +243,8 @@ def main() -> None:
     ap.add_argument("--hits-only", action="store_true", help="skip the miss, TTFT and token path measurements")
     ap.add_argument("--relay-only", action="store_true", help="only the token path measurement (e)")
     ap.add_argument("--relay-tokens", type=int, default=256, help="tokens per stream in (e)")
+    ap.add_argument("--relay-read-every-ms", type=float, default=0.0,
+                    help="(e)'s client reads each stream at most this often (0: as bytes come; see relay.drive)")
     ap.add_argument("--bare-server", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--relay-server", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -257,11 +261,13 @@ def main() -> None:
     if args.relay_only:
         work = Path(tempfile.mkdtemp(prefix="bench-relay-"))
         try:
-            figures = bench_relay(args.duration, args.rounds, args.relay_tokens, work)
+            figures = bench_relay(args.duration, args.rounds, args.relay_tokens, work,
+                                  args.relay_read_every_ms / 1000)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        print_relay(figures, args.relay_tokens)
-        print(json.dumps({"relay_over_bare": relay_over_bare(figures), "relay": figures}))
+        print_relay(figures, args.relay_tokens, args.relay_read_every_ms)
+        print(json.dumps({"relay_over_bare": relay_over_bare(figures), "relay": figures,
+                          "relay_client_read_every_ms": args.relay_read_every_ms}))
         return
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is needed for the hit-path rounds: apt-get install wrk")
@@ -357,7 +363,7 @@ def main() -> None:
                                                                     3)}))
             return
         miss = bench_misses(ec_url, args.misses)
-        relayed = bench_relay(args.duration, args.rounds, args.relay_tokens, work)
+        relayed = bench_relay(args.duration, args.rounds, args.relay_tokens, work, args.relay_read_every_ms / 1000)
 
         cold, warm, cached = [], [], []
         for seed in range(3):
@@ -399,7 +405,7 @@ def main() -> None:
     print(f"\nTTFT with a shared ~{prompt_tokens['prompt_tokens']}-token system prompt (median of 3):")
     print(f"  cold {statistics.median(cold):.0f} ms   warm {statistics.median(warm):.0f} ms   "
           f"-> {statistics.median(cold) / statistics.median(warm):.1f}x faster; warm cached_tokens {cached}")
-    print_relay(relayed, args.relay_tokens)
+    print_relay(relayed, args.relay_tokens, args.relay_read_every_ms)
     print(json.dumps({"bare_rps": round(bare["rps"]), "hit_rps": round(hit["rps"]), "hit_over_bare": round(ratio, 3),
                       "tool_hit_over_bare": round(tool["rps"] / bare["rps"], 3),
                       "structured_hit_over_bare": round(structured["rps"] / bare["rps"], 3),

@@ -30,8 +30,9 @@ def bare_port():
         proc.wait(timeout=60)
 
 
-def test_the_client_counts_the_tokens_of_every_stream_and_keeps_one_whole(bare_port):
-    tally = relay.run_drive(bare_port, 2, 0.5, 16)
+@pytest.mark.parametrize("read_every_s", [0.0, 0.005], ids=["as bytes come", "every 5 ms"])
+def test_the_client_counts_the_tokens_of_every_stream_and_keeps_one_whole(bare_port, read_every_s):
+    tally = relay.run_drive(bare_port, 2, 0.5, 16, read_every_s)
     assert tally.streams >= 2
     # every complete stream's 16 tokens, and those of the two cut off at the end
     assert 16 * tally.streams <= tally.tokens < 16 * (tally.streams + 2)

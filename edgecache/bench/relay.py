@@ -147,10 +147,12 @@ class _StreamClient(asyncio.Protocol):
     on a 2-core box the client shares the cores with the servers it measures, and every microsecond it spends per
     token is taken from them (the StreamReader client this replaced cost as much per token as the bare double)."""
 
-    def __init__(self, tally: Tally, request: Callable[[], bytes], done: asyncio.Future[None]) -> None:
+    def __init__(self, tally: Tally, request: Callable[[], bytes], done: asyncio.Future[None],
+                 read_every_s: float = 0.0) -> None:
         self.tally = tally
         self.request = request
         self.done = done
+        self.read_every_s = read_every_s
         self.buf = bytearray()
         self.transport: asyncio.Transport | None = None
         self.running = True
@@ -163,6 +165,10 @@ class _StreamClient(asyncio.Protocol):
         buf = self.buf
         buf += data
         if not buf.endswith(_TERMINATOR):
+            if self.read_every_s and self.transport is not None:
+                # Read again only after a pause: what arrives meanwhile comes in one read.
+                self.transport.pause_reading()
+                asyncio.get_running_loop().call_later(self.read_every_s, self._resume)
             return
         if not buf.startswith(b"HTTP/1.1 200") or b"data: [DONE]" not in buf or b"x-edgecache: exact" in buf:
             self._fail(RuntimeError(f"a stream failed: {bytes(buf[:300])!r} ... {bytes(buf[-300:])!r}"))
@@ -174,6 +180,10 @@ class _StreamClient(asyncio.Protocol):
         if self.running:
             assert self.transport is not None
             self.transport.write(self.request())
+
+    def _resume(self) -> None:
+        if self.running and self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.running:
@@ -196,11 +206,17 @@ class _StreamClient(asyncio.Protocol):
 _MARKER = TokenEngine.token.encode()
 
 
-async def drive(port: int, streams: int, seconds: float, tokens: int) -> Tally:
+async def drive(port: int, streams: int, seconds: float, tokens: int, read_every_s: float = 0.0) -> Tally:
     """``streams`` connections, each asking for one streamed miss of ``tokens`` tokens after another for
     ``seconds``; the tokens that arrived in that time (those of a stream cut off at the end too), per second.
     Each complete stream must be a 200 that ends in ``[DONE]``; the last complete one is kept in ``sample``, for
-    the caller to check its text. Run it on uvloop (:func:`run_drive`): the servers measured use it too."""
+    the caller to check its text. Run it on uvloop (:func:`run_drive`): the servers measured use it too.
+
+    ``read_every_s``: each connection is read at most that often (0: as bytes come). On one box the reader's pace
+    is the writer's cost: a server that writes every token (as the bare double does, and SGLang and vLLM) pays a
+    reader's wake-up per write when its reader keeps up, and none when the reader takes what gathered since its last
+    read (as EdgeCache's upstream transport does). The bare double's rate depends on it, so both paces are
+    measured."""
     tally = Tally()
     counter = itertools.count()
     run = os.urandom(6).hex()  # every prompt new, across runs against the same server: each stream is a miss
@@ -214,8 +230,8 @@ async def drive(port: int, streams: int, seconds: float, tokens: int) -> Tally:
         return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\n"
                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
 
-    clients = [(await loop.create_connection(lambda: _StreamClient(tally, request, done), "127.0.0.1", port))[1]
-               for _ in range(streams)]
+    clients = [(await loop.create_connection(lambda: _StreamClient(tally, request, done, read_every_s),
+                                             "127.0.0.1", port))[1] for _ in range(streams)]
     timer = loop.call_later(seconds, lambda: done.done() or done.set_result(None))
     try:
         await done
@@ -227,12 +243,12 @@ async def drive(port: int, streams: int, seconds: float, tokens: int) -> Tally:
     return tally
 
 
-def run_drive(port: int, streams: int, seconds: float, tokens: int) -> Tally:
+def run_drive(port: int, streams: int, seconds: float, tokens: int, read_every_s: float = 0.0) -> Tally:
     """:func:`drive` on its own uvloop event loop."""
     import uvloop
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(drive(port, streams, seconds, tokens))
+        return runner.run(drive(port, streams, seconds, tokens, read_every_s))
 
 
 def sample_text(raw: bytes) -> str:
