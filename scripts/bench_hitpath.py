@@ -51,13 +51,17 @@ TOOL_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "What is t
                  "name": "get_weather", "description": "The current weather in a city",
                  "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
                                 "required": ["city"]}}}],
-             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+             "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+             # A weather question is a realtime answer (ttl_tiers: 30 s): left to the classifier it expires mid-run
+             # and the rows would time a miss on the CPU engine every 30 s. Pinned, they time hits only.
+             "edgecache": {"ttl_tier": "static"}}
 STRUCTURED_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "The weather in Oslo, as JSON."}],
                    "max_tokens": 48, "temperature": 0,
                    "response_format": {"type": "json_schema", "json_schema": {"name": "weather", "schema": {
                        "type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
                                                         "celsius": {"type": "integer"}},
-                       "required": ["city", "celsius"]}}}}
+                       "required": ["city", "celsius"]}}},
+                   "edgecache": {"ttl_tier": "static"}}  # the weather again: see TOOL_BODY
 STREAM_BODY = {**HIT_BODY, "stream": True}  # the same entry as HIT_BODY (stream is not in the key), streamed
 # Anthropic's Messages API asking for the same generation as HIT_BODY: the same key, so the same stored entry.
 MESSAGES = "/v1/messages"
