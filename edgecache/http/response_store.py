@@ -45,7 +45,7 @@ DB_NAME = "responses.db"
 _EVICT_BATCH = 64
 # Rows written by one INSERT statement (6 values each, well under SQLite's 32766 variables since 3.32).
 _ROWS_PER_INSERT = 500
-_COLUMNS = 6
+_COLUMNS = 6  # the responses table's (tenant, id, created, expires, size, record)
 
 
 class StoredResponse(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -131,7 +131,8 @@ CREATE TABLE IF NOT EXISTS tenant_bytes (tenant TEXT PRIMARY KEY, bytes INTEGER 
 @functools.lru_cache(maxsize=16)
 def _insert(rows: int) -> str:
     """An INSERT of ``rows`` rows into ``responses``."""
-    return "INSERT INTO responses VALUES " + ", ".join(["(?, ?, ?, ?, ?, ?)"] * rows)
+    row = "(" + ", ".join("?" * _COLUMNS) + ")"
+    return "INSERT INTO responses VALUES " + ", ".join([row] * rows)
 
 
 class SqliteResponseStore:
