@@ -343,6 +343,41 @@ async def test_the_upstream_engine_streams_through_the_batching_transport_direct
     assert sent["model"] == "m" and sent["stream"] is True and sent["messages"][0]["content"] == "sky?"
 
 
+async def test_a_stream_read_to_its_last_event_keeps_its_connection_for_the_next_generation() -> None:
+    """The engine stops reading at ``data: [DONE]``; the upstream writes its chunked body's end a moment later. The
+    transport reads that end on and keeps the connection: three generations, one connection (each had opened its
+    own, and closed it)."""
+    from edgecache.engines.base import GenerationRequest, Message, SamplingParams
+    from edgecache.engines.openai_upstream import OpenAIUpstreamEngine
+
+    frames = (b'data: {"choices":[{"index":0,"delta":{"content":"Blue"},"finish_reason":null}]}\n\n'
+              b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}],'
+              b'"usage":{"prompt_tokens":5,"completion_tokens":1}}\n\ndata: [DONE]\n\n')
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD + chunk(frames))
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"0\r\n\r\n")
+
+    server = Server(handler)
+    async with server as base:
+        # A grace no busy test box outlasts: what is tested is that the end is read on, not how fast it comes.
+        transport = BatchingTransport(batch_s=0.005, end_grace_s=60.0)
+        engine = OpenAIUpstreamEngine(base + "/v1", model="m", transport=transport)
+        await engine.start()
+        try:
+            for _ in range(3):
+                request = GenerationRequest(messages=(Message(role="user", content="sky?"),),
+                                            params=SamplingParams(max_tokens=4))
+                chunks = [c async for c in engine.generate(request)]
+                assert "".join(c.text for c in chunks) == "Blue" and chunks[-1].finish_reason == "stop"
+                await until(lambda: sum(map(len, transport._idle.values())) == 1, "the connection back in the pool")
+        finally:
+            await engine.close()
+    assert (server.connections, len(server.requests)) == (1, 3)
+
+
 @pytest.mark.parametrize("status, error", [(400, "BadRequest"), (503, "EngineError")])
 async def test_an_upstream_refusal_on_the_direct_path_is_the_engines_error(status: int, error: str) -> None:
     """On the direct path too, an upstream's refusal is read whole and named: a 400 is the caller's to fix (a 400

@@ -57,6 +57,9 @@ class _Connection(asyncio.Protocol):
         self._held = False            # the buffer is full: no reading until the reader takes it
         self._last_read = self._loop.time()
         self._read_timeout: float | None = None
+        self._discard = False         # the reader has left: the body is read to its end and dropped
+        self._on_end: Callable[[_Connection], None] | None = None
+        self._grace: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol
 
@@ -72,6 +75,10 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(httpx.RemoteProtocolError(f"malformed HTTP response: {exc}"))
             return
+        if self._on_end is not None:
+            if self.complete:
+                self._ended()
+            return
         # The batch starts with a read that brought body bytes, so the head never delays the first token.
         if self.buffered > before and not self.complete:
             self._held = self.buffered > _HIGH_WATER
@@ -85,8 +92,11 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._on_end = None
         if self._watchdog is not None:
             self._watchdog.cancel()
+        if self._grace is not None:
+            self._grace.cancel()
         if self.headers_done and not self.complete and not self._chunked_or_sized():
             self.complete = True  # a body delimited by the connection's close
         elif not self.complete:
@@ -107,6 +117,8 @@ class _Connection(asyncio.Protocol):
         self.headers_done = True
 
     def on_body(self, body: bytes) -> None:
+        if self._discard:
+            return
         self.body.append(body)
         self.buffered += len(body)
 
@@ -166,11 +178,34 @@ class _Connection(asyncio.Protocol):
         self._reset()
         self._update_reading()
 
+    def read_to_end(self, grace_s: float, then: Callable[[_Connection], None]) -> None:
+        """The reader left before the response's end: read on at once (no batch), dropping the body, and hand the
+        connection to ``then`` when the response completes; close it if that takes longer than ``grace_s``."""
+        self._discard = True
+        self.body.clear()
+        self.buffered = 0
+        self._held = self._batch_pending = False
+        self._on_end = then
+        self._grace = self._loop.call_later(grace_s, self.close)
+        self._update_reading()
+
+    def _ended(self) -> None:
+        then, self._on_end = self._on_end, None
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
+        if then is not None:
+            then(self)
+
     def close(self) -> None:
         self.closed = True
+        self._on_end = None
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
         if self._transport is not None:
             self._transport.close()
 
@@ -223,7 +258,6 @@ class _Body(httpx.AsyncByteStream):
         self._origin = origin
         self._conn = conn
         self._read_timeout = read_timeout
-        self._done = False
         self._streaming = not conn.complete
         if self._streaming:
             transport._streaming += 1
@@ -238,17 +272,23 @@ class _Body(httpx.AsyncByteStream):
             await conn.wait(self._read_timeout)
         if conn.body:
             yield conn.take()
-        self._done = True
 
     async def aclose(self) -> None:
         conn = self._conn
         if self._streaming:
             self._streaming = False
             self._transport._streaming -= 1
-        if self._done and conn.complete and conn.keep_alive and not conn.closed:
+        if conn.complete:
             self._transport._release(self._origin, conn)
+        elif conn.headers_done and conn.usable:
+            # Left before the end. Often only the end is missing: an SSE reader stops at its last event
+            # ("data: [DONE]"), and the chunked body's terminator comes a moment later. Reading that on keeps the
+            # connection for the next request (a new one per request cost both sides a connect and, over https, a
+            # handshake). A reader that left a long answer early costs the upstream at most the grace's work,
+            # then the connection is closed, which stops it.
+            conn.read_to_end(self._transport.end_grace_s, lambda done: self._transport._release(self._origin, done))
         else:
-            conn.close()  # a body left unread: the connection is closed, which stops the upstream's work
+            conn.close()  # no answer yet: closing the connection stops the upstream's work
 
 
 class BatchingTransport(httpx.AsyncBaseTransport):
@@ -262,8 +302,9 @@ class BatchingTransport(httpx.AsyncBaseTransport):
     """
 
     def __init__(self, *, batch_s: float, reads_per_s: float = 4000.0, max_batch_s: float = 0.05,
-                 max_idle: int = 100, ssl_context: ssl.SSLContext | None = None) -> None:
+                 max_idle: int = 100, end_grace_s: float = 0.25, ssl_context: ssl.SSLContext | None = None) -> None:
         self._batch_s = batch_s
+        self.end_grace_s = end_grace_s  # how long a body its reader left is read on for the connection's sake
         self._reads_per_s = reads_per_s
         self._max_batch_s = max_batch_s
         self._max_idle = max_idle
@@ -324,7 +365,7 @@ class BatchingTransport(httpx.AsyncBaseTransport):
             _, conn = await asyncio.wait_for(
                 loop.create_connection(lambda: _Connection(loop, self.window), host, port, ssl=tls,
                                        server_hostname=host if tls else None), timeout)
-        except (TimeoutError, asyncio.TimeoutError) as exc:
+        except TimeoutError as exc:
             raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out", request=request) from exc
         except OSError as exc:
             raise httpx.ConnectError(f"{host}:{port}: {exc.strerror or exc}", request=request) from exc
@@ -340,8 +381,9 @@ class BatchingTransport(httpx.AsyncBaseTransport):
         return None
 
     def _release(self, origin: tuple[str, str, int], conn: _Connection) -> None:
+        """A connection whose response is complete: kept for the next request when it can be."""
         idle = self._idle.setdefault(origin, [])
-        if len(idle) >= self._max_idle:
+        if not conn.keep_alive or conn.closed or len(idle) >= self._max_idle:
             conn.close()
             return
         conn.reuse()
