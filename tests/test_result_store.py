@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from edgecache.stores import CachedAnswer
 from edgecache.stores.disk import DiskResultStore
 from edgecache.stores.memory import MemoryLRU, MemoryTier
+from tests.conftest import until
 
 MiB = 2**20
 
@@ -74,6 +76,76 @@ async def test_the_memory_copy_exists_before_the_disk_write_finishes(store: Disk
     await asyncio.sleep(0)  # put ran up to its first await: the disk write is on the writer thread
     assert store.get_memory("k") == stored
     await write
+
+
+async def test_puts_made_while_the_writer_is_busy_go_in_one_transaction_and_keep_their_order(
+        store_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twenty puts made while the writer thread is busy are one batch (one SQLite transaction); a delete asked
+    after them runs after them, and a put asked after the delete runs after it, in a batch of its own. Each put
+    learns that its answer is on disk."""
+    store = open_store(store_dir)
+    batches: list[list[str]] = []
+    write_batch = store._write_batch
+
+    def counted(batch, disk):  # type: ignore[no-untyped-def]
+        batches.append([row[0] for row in batch.rows])
+        return write_batch(batch, disk)
+
+    monkeypatch.setattr(store, "_write_batch", counted)
+    busy = threading.Event()
+    store._writer.submit(busy.wait)  # the writer thread is busy until the puts below are all asked
+    try:
+        first = [asyncio.create_task(store.put(f"k{i}", answer(f"first {i}"))) for i in range(20)]
+        await until(lambda: store._batch is not None and len(store._batch.rows) == 20, "twenty puts in one batch")
+        deleted = asyncio.create_task(store.delete("k3"))
+        await asyncio.sleep(0)
+        again = [asyncio.create_task(store.put("k3", answer("after the delete"))),
+                 asyncio.create_task(store.put("k20", answer("first 20")))]
+        await until(lambda: store._batch is not None and len(store._batch.rows) == 2, "a second batch")
+        busy.set()
+        assert await asyncio.gather(*first, *again) == [True] * 22
+        assert await deleted is True
+    finally:
+        busy.set()
+        store.close()
+    assert batches == [[f"k{i}" for i in range(20)], ["k3", "k20"]]
+    reopened = open_store(store_dir)  # from disk alone
+    try:
+        texts = {i: (await reopened.get(f"k{i}")) for i in range(21)}
+        assert {i: a.text for i, a in texts.items() if a is not None} == {
+            **{i: f"first {i}" for i in range(21)}, 3: "after the delete"}
+    finally:
+        reopened.close()
+
+
+async def test_a_read_of_an_absent_key_does_not_wait_for_the_write_lock(store_dir: Path) -> None:
+    """Under the LRU policy diskcache's get writes an access time, so it takes the write lock even for a key that
+    is absent. The store looks first: a miss while another writer holds the lock is answered at once (it waited for
+    the lock, up to SQLite's 60 s timeout), and a present key is still read."""
+    store = open_store(store_dir)
+    await store.put("there", answer("on disk"))
+    store.forget_memory()
+    holding, release = threading.Event(), threading.Event()
+
+    def hold_the_write_lock() -> None:
+        other = diskcache.Cache(str(store_dir))
+        with other.transact():
+            holding.set()
+            release.wait()
+        other.close()
+
+    holder = threading.Thread(target=hold_the_write_lock)
+    holder.start()
+    try:
+        assert await asyncio.to_thread(holding.wait, 30)
+        assert await asyncio.wait_for(store.get("absent"), 30) is None
+    finally:
+        release.set()
+        holder.join()
+    try:
+        assert (await store.get("there")).text == "on disk"
+    finally:
+        store.close()
 
 
 # --- restarts --------------------------------------------------------------------------------------------------

@@ -21,9 +21,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -61,6 +63,11 @@ class DiskResultStore:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CachedAnswer)
         self._closed = False
+        # The writes waiting for the writer thread, which takes them all at once (see put). The lock is held only
+        # to add a write or to take the batch.
+        self._batch: _WriteBatch | None = None
+        self._batch_lock = threading.Lock()
+        self._writing: set[asyncio.Future[bool]] = set()
         self.repairs: list[str] = []  # damage found at open: what, where it went, what was kept
         self._disk: diskcache.Cache | None = None
         self._next_open = 0.0
@@ -128,7 +135,9 @@ class DiskResultStore:
     # ---- storage calls: a failure is a fault to count, never a failed request ----
 
     async def _on_disk(self, executor: ThreadPoolExecutor, action: str, fallback: T, write: bool,
-                       fn: Callable[[diskcache.Cache], T]) -> T:
+                       fn: Callable[[diskcache.Cache], T], *, joins_batch: bool = False) -> T:
+        if executor is self._writer and not joins_batch:
+            self._close_batch()
         if not self._try_open():
             return fallback
         disk = self._disk
@@ -151,7 +160,10 @@ class DiskResultStore:
         self._memory.forget()
 
     def _replay_reads(self, keys: set[str]) -> bool:
-        # On the writer thread: it runs before any write submitted after it, so a write's cull sees the reads.
+        # On the writer thread: it runs before any write asked after it, so a write's cull sees the reads. It does
+        # not close the open batch of puts (a put replays the reads before it joins one): the puts already in that
+        # batch may cull before these reads land, which costs only recency, and batching survives a mix of hits
+        # and misses.
         if self._disk is None:
             return False
         disk = self._disk
@@ -170,8 +182,7 @@ class DiskResultStore:
         answer = self.get_memory(key)
         if answer is not None:
             return answer
-        raw = await self._on_disk(self._reader, "read answered as a miss", None, False,
-                                  lambda disk: disk.get(key))
+        raw = await self._on_disk(self._reader, "read answered as a miss", None, False, partial(_read, key))
         if raw is None:
             return None
         try:
@@ -197,8 +208,51 @@ class DiskResultStore:
             return False
         self._memory.put(key, answer, len(raw))
         self._memory.replay_reads()  # recorded reads reach the disk before this write can make it cull
-        return await self._on_disk(self._writer, "write skipped", False, True,
-                                   lambda disk: disk.set(key, raw, expire=ttl, tag=tag))
+        # Group commit: puts that come while the writer thread is busy go in one transaction when it is free.
+        # Each SQLite transaction (its lock, its commit) cost as much as the write in it, once per miss. A batch
+        # is open until its job starts on the writer thread or another write job is asked for, so every write
+        # keeps its order: a delete or a flush runs after the puts asked before it, and before those asked after.
+        with self._batch_lock:
+            batch, first = self._batch, self._batch is None
+            if first:
+                batch = self._batch = _WriteBatch(asyncio.get_running_loop().create_future())
+            assert batch is not None
+            batch.rows.append((key, raw, answer.expires_at, tag))
+        if first:
+            self._written(batch, self._on_disk(self._writer, "writes skipped", False, True,
+                                               partial(self._write_batch, batch), joins_batch=True))
+        # Shielded: one caller leaving must not cancel the outcome its batch's other writers wait on.
+        return await asyncio.shield(batch.outcome)
+
+    def _close_batch(self, batch: _WriteBatch | None = None) -> None:
+        """The next put starts a new batch (``batch``: only if that one is still open)."""
+        with self._batch_lock:
+            if batch is None or self._batch is batch:
+                self._batch = None
+
+    def _write_batch(self, batch: _WriteBatch, disk: diskcache.Cache) -> bool:
+        self._close_batch(batch)
+        now = time.time()
+        with disk.transact():
+            for key, raw, expires_at, tag in batch.rows:
+                if expires_at > now:
+                    disk.set(key, raw, expire=expires_at - now, tag=tag)
+        return True
+
+    def _written(self, batch: _WriteBatch, writing: Awaitable[bool]) -> None:
+        task = asyncio.ensure_future(writing)
+        self._writing.add(task)  # held until done (the loop keeps only a weak reference to a task)
+        task.add_done_callback(partial(self._settle, batch))
+
+    def _settle(self, batch: _WriteBatch, task: asyncio.Future[bool]) -> None:
+        self._writing.discard(task)
+        self._close_batch(batch)  # a store that was not open never ran the batch's job: the next put starts anew
+        if task.cancelled():
+            batch.outcome.cancel()
+        elif (exc := task.exception()) is not None:
+            batch.outcome.set_exception(exc)
+        else:
+            batch.outcome.set_result(task.result())
 
     async def put_many(self, items: Sequence[tuple[str, CachedAnswer, str | None]]) -> bool:
         """:meth:`put` for many ``(key, answer, tag)`` in one SQLite transaction (a warmup: one commit, not one
@@ -247,6 +301,7 @@ class DiskResultStore:
         disk = self._disk
         assert disk is not None
         loop = asyncio.get_running_loop()
+        self._close_batch()
         try:
             if tag is None:
                 return await loop.run_in_executor(self._writer, disk.clear)
@@ -273,6 +328,22 @@ class DiskResultStore:
         self._reader.shutdown(wait=True)
         if self._disk is not None:
             self._disk.close()
+
+
+class _WriteBatch:
+    """Writes that go to disk in one transaction, and their outcome (False: the disk refused them, counted)."""
+
+    def __init__(self, outcome: asyncio.Future[bool]) -> None:
+        self.outcome = outcome
+        self.rows: list[tuple[str, bytes, float, str | None]] = []
+
+
+def _read(key: str, disk: diskcache.Cache) -> object:
+    """``disk.get(key)``, asked only when the key is there. Under the LRU policy a get writes the entry's access
+    time, so it opens a write transaction even for a key that is absent; the plain lookup first makes a miss (the
+    common outcome of a read that reaches the disk) one SELECT, without taking the database's write lock from the
+    writer thread."""
+    return disk.get(key) if key in disk else None
 
 
 class TenantStores:
