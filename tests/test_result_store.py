@@ -118,36 +118,6 @@ async def test_puts_made_while_the_writer_is_busy_go_in_one_transaction_and_keep
         reopened.close()
 
 
-async def test_a_read_of_an_absent_key_does_not_wait_for_the_write_lock(store_dir: Path) -> None:
-    """Under the LRU policy diskcache's get writes an access time, so it takes the write lock even for a key that
-    is absent. The store looks first: a miss while another writer holds the lock is answered at once (it waited for
-    the lock, up to SQLite's 60 s timeout), and a present key is still read."""
-    store = open_store(store_dir)
-    await store.put("there", answer("on disk"))
-    store.forget_memory()
-    holding, release = threading.Event(), threading.Event()
-
-    def hold_the_write_lock() -> None:
-        other = diskcache.Cache(str(store_dir))
-        with other.transact():
-            holding.set()
-            release.wait()
-        other.close()
-
-    holder = threading.Thread(target=hold_the_write_lock)
-    holder.start()
-    try:
-        assert await asyncio.to_thread(holding.wait, 30)
-        assert await asyncio.wait_for(store.get("absent"), 30) is None
-    finally:
-        release.set()
-        holder.join()
-    try:
-        assert (await store.get("there")).text == "on disk"
-    finally:
-        store.close()
-
-
 # --- restarts --------------------------------------------------------------------------------------------------
 
 

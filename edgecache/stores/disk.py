@@ -182,7 +182,8 @@ class DiskResultStore:
         answer = self.get_memory(key)
         if answer is not None:
             return answer
-        raw = await self._on_disk(self._reader, "read answered as a miss", None, False, partial(_read, key))
+        raw = await self._on_disk(self._reader, "read answered as a miss", None, False,
+                                  lambda disk: disk.get(key))
         if raw is None:
             return None
         try:
@@ -336,14 +337,6 @@ class _WriteBatch:
     def __init__(self, outcome: asyncio.Future[bool]) -> None:
         self.outcome = outcome
         self.rows: list[tuple[str, bytes, float, str | None]] = []
-
-
-def _read(key: str, disk: diskcache.Cache) -> object:
-    """``disk.get(key)``, asked only when the key is there. Under the LRU policy a get writes the entry's access
-    time, so it opens a write transaction even for a key that is absent; the plain lookup first makes a miss (the
-    common outcome of a read that reaches the disk) one SELECT, without taking the database's write lock from the
-    writer thread."""
-    return disk.get(key) if key in disk else None
 
 
 class TenantStores:
