@@ -378,6 +378,27 @@ async def test_a_stream_read_to_its_last_event_keeps_its_connection_for_the_next
     assert (server.connections, len(server.requests)) == (1, 3)
 
 
+async def test_a_body_still_read_on_when_the_transport_closes_closes_its_connection() -> None:
+    """The reader left at its last event and the transport was closed before the body's end came: when the end
+    comes, the connection is closed, not kept in the closed transport's pool."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD + chunk(b"data: [DONE]\n\n"))
+        await writer.drain()
+        await asyncio.sleep(0.2)  # the client leaves and closes its transport meanwhile
+        writer.write(b"0\r\n\r\n")
+
+    server = Server(handler)
+    transport = BatchingTransport(batch_s=0.005, end_grace_s=60.0)
+    async with server as base:
+        async with httpx.AsyncClient(base_url=base, transport=transport) as http:
+            async with http.stream("POST", "/", json={}) as response:
+                async for piece in response.aiter_raw():
+                    assert piece == b"data: [DONE]\n\n"
+                    break
+        await asyncio.wait_for(server.closed.wait(), 30)
+    assert not any(transport._idle.values())
+
+
 @pytest.mark.parametrize("status, error", [(400, "BadRequest"), (503, "EngineError")])
 async def test_an_upstream_refusal_on_the_direct_path_is_the_engines_error(status: int, error: str) -> None:
     """On the direct path too, an upstream's refusal is read whole and named: a 400 is the caller's to fix (a 400

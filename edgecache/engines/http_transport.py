@@ -310,6 +310,7 @@ class BatchingTransport(httpx.AsyncBaseTransport):
         self._max_idle = max_idle
         self._ssl = ssl_context
         self._idle: dict[tuple[str, str, int], list[_Connection]] = {}
+        self._closed = False
         self._streaming = 0  # bodies being read now
 
     def window(self) -> float:
@@ -383,13 +384,14 @@ class BatchingTransport(httpx.AsyncBaseTransport):
     def _release(self, origin: tuple[str, str, int], conn: _Connection) -> None:
         """A connection whose response is complete: kept for the next request when it can be."""
         idle = self._idle.setdefault(origin, [])
-        if not conn.keep_alive or conn.closed or len(idle) >= self._max_idle:
+        if not conn.keep_alive or conn.closed or self._closed or len(idle) >= self._max_idle:
             conn.close()
             return
         conn.reuse()
         idle.append(conn)
 
     async def aclose(self) -> None:
+        self._closed = True  # a body still read on (see _Body.aclose) closes its connection when it ends
         for idle in self._idle.values():
             for conn in idle:
                 conn.close()
