@@ -23,7 +23,7 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -214,15 +214,16 @@ class DiskResultStore:
         # is open until its job starts on the writer thread or another write job is asked for, so every write
         # keeps its order: a delete or a flush runs after the puts asked before it, and before those asked after.
         with self._batch_lock:
-            batch, first = self._batch, self._batch is None
-            if first:
-                batch = self._batch = _WriteBatch(asyncio.get_running_loop().create_future())
-            assert batch is not None
+            batch = self._batch
+            if batch is None:
+                batch = self._batch = _WriteBatch()
+                # The batch's outcome is the task that writes it (started before any other put can join).
+                batch.outcome = asyncio.ensure_future(self._on_disk(
+                    self._writer, "writes skipped", False, True, partial(self._write_batch, batch), joins_batch=True))
+                self._writing.add(batch.outcome)  # held until done (the loop keeps only a weak reference to a task)
+                batch.outcome.add_done_callback(partial(self._written, batch))
             batch.rows.append((key, raw, answer.expires_at, tag))
-        if first:
-            self._written(batch, self._on_disk(self._writer, "writes skipped", False, True,
-                                               partial(self._write_batch, batch), joins_batch=True))
-        # Shielded: one caller leaving must not cancel the outcome its batch's other writers wait on.
+        # Shielded: one caller leaving must not cancel the write its batch's other callers wait on.
         return await asyncio.shield(batch.outcome)
 
     def _close_batch(self, batch: _WriteBatch | None = None) -> None:
@@ -240,20 +241,9 @@ class DiskResultStore:
                     disk.set(key, raw, expire=expires_at - now, tag=tag)
         return True
 
-    def _written(self, batch: _WriteBatch, writing: Awaitable[bool]) -> None:
-        task = asyncio.ensure_future(writing)
-        self._writing.add(task)  # held until done (the loop keeps only a weak reference to a task)
-        task.add_done_callback(partial(self._settle, batch))
-
-    def _settle(self, batch: _WriteBatch, task: asyncio.Future[bool]) -> None:
-        self._writing.discard(task)
+    def _written(self, batch: _WriteBatch, outcome: asyncio.Future[bool]) -> None:
+        self._writing.discard(outcome)
         self._close_batch(batch)  # a store that was not open never ran the batch's job: the next put starts anew
-        if task.cancelled():
-            batch.outcome.cancel()
-        elif (exc := task.exception()) is not None:
-            batch.outcome.set_exception(exc)
-        else:
-            batch.outcome.set_result(task.result())
 
     async def put_many(self, items: Sequence[tuple[str, CachedAnswer, str | None]]) -> bool:
         """:meth:`put` for many ``(key, answer, tag)`` in one SQLite transaction (a warmup: one commit, not one
@@ -332,10 +322,12 @@ class DiskResultStore:
 
 
 class _WriteBatch:
-    """Writes that go to disk in one transaction, and their outcome (False: the disk refused them, counted)."""
+    """Writes that go to disk in one transaction, and the task that writes them (False: the disk refused them,
+    counted)."""
 
-    def __init__(self, outcome: asyncio.Future[bool]) -> None:
-        self.outcome = outcome
+    outcome: asyncio.Future[bool]
+
+    def __init__(self) -> None:
         self.rows: list[tuple[str, bytes, float, str | None]] = []
 
 
