@@ -57,7 +57,7 @@ class _Connection(asyncio.Protocol):
         self._held = False            # the buffer is full: no reading until the reader takes it
         self._last_read = self._loop.time()
         self._read_timeout: float | None = None
-        self._discard = False         # the reader has left: the body is read to its end and dropped
+        # Set while a body its reader left is read to its end (and dropped): who gets the connection then.
         self._on_end: Callable[[_Connection], None] | None = None
         self._grace: asyncio.TimerHandle | None = None
 
@@ -117,7 +117,7 @@ class _Connection(asyncio.Protocol):
         self.headers_done = True
 
     def on_body(self, body: bytes) -> None:
-        if self._discard:
+        if self._on_end is not None:
             return
         self.body.append(body)
         self.buffered += len(body)
@@ -181,7 +181,6 @@ class _Connection(asyncio.Protocol):
     def read_to_end(self, grace_s: float, then: Callable[[_Connection], None]) -> None:
         """The reader left before the response's end: read on at once (no batch), dropping the body, and hand the
         connection to ``then`` when the response completes; close it if that takes longer than ``grace_s``."""
-        self._discard = True
         self.body.clear()
         self.buffered = 0
         self._held = self._batch_pending = False
