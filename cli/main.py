@@ -67,7 +67,6 @@ def serve(
                     "it could use the model and read the cache. Give --tenants FILE, or --insecure.",
                     fg="red", err=True)
         raise typer.Exit(2)
-    import uvicorn
 
     from edgecache.http.app import create_app
     from edgecache.canary import CanaryFailed, settle
@@ -75,7 +74,7 @@ def serve(
     from edgecache.engines import engine_from_settings
     from edgecache.errors import EdgeCacheError
     from edgecache.hardware import validate_memory
-    from edgecache.http.server import uvicorn_config
+    from edgecache.http.server import EdgeCacheServer, uvicorn_config
 
     def refuse(message: str) -> typer.Exit:
         typer.secho(f"error: {message}", fg="red", err=True)
@@ -119,7 +118,7 @@ def serve(
     typer.echo(f"edgecache: profile {settings.profile}, engine {settings.engine.kind} ({engine}), "
                f"data in {settings.data_dir}, serving on http://{settings.server.host}:{settings.server.port}/v1",
                err=True)
-    uvicorn.Server(uvicorn_config(application, settings)).run(sockets=[listening])
+    EdgeCacheServer(uvicorn_config(application, settings)).run(sockets=[listening])
 
 
 def _bind(host: str, port: int):  # type: ignore[no-untyped-def]

@@ -258,9 +258,10 @@ def main() -> None:
         return
     if args.relay_server:
         kind, port, *rest = args.relay_server
-        app = relay.bare_app() if kind == "bare" else relay.edgecache_app(
-            Path(rest[0]), rest[1] if kind == "upstream" else None)
-        relay.serve(app, int(port))
+        if kind == "bare":
+            relay.serve(relay.bare_app(), int(port))
+        else:
+            relay.serve_edgecache(Path(rest[0]), rest[1] if kind == "upstream" else None, int(port))
         return
     if args.relay_only:
         work = Path(tempfile.mkdtemp(prefix="bench-relay-"))

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -178,3 +181,42 @@ async def test_a_streaming_client_gone_mid_answer_aborts_the_engine_call_and_sto
                     "the engine call was aborted and its slot freed")
         assert (await rt.stores("default").stats())["entries"] == 0
         assert await get_ok(port)
+
+
+def test_the_server_freezes_the_heap_start_up_built_once_it_serves(tmp_path: Path) -> None:
+    """``edgecache serve``'s server moves what start-up built out of the collector's passes once it serves (a full
+    pass walked it all again, stalling every stream); a plain uvicorn server, or an app built inside another
+    program, leaves the heap alone. In a child process: freezing is the whole process's business."""
+    script = """
+import asyncio, gc, sys
+import uvicorn
+from edgecache.http.server import EdgeCacheServer
+
+async def app(scope, receive, send):
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+
+async def main(kind):
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    config.load()
+    server = (EdgeCacheServer if kind == "edgecache" else uvicorn.Server)(config)
+    server.lifespan = config.lifespan_class(config)
+    before = gc.get_freeze_count()
+    await server.startup()
+    print(before, gc.get_freeze_count(), server.started)
+    await server.shutdown()
+
+asyncio.run(main(sys.argv[1]))
+"""
+    def run(kind: str) -> list[str]:
+        done = subprocess.run([sys.executable, "-c", script, kind], capture_output=True, text=True, timeout=120,
+                              cwd=tmp_path, check=False)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    before, after, started = run("edgecache")
+    assert (before, started) == ("0", "True")
+    assert int(after) > 10_000  # the modules, the app: the heap start-up built
+    assert run("uvicorn")[:2] == ["0", "0"]

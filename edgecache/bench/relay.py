@@ -106,21 +106,25 @@ def bare_app() -> Litestar:
     return Litestar([generate], openapi_config=None, logging_config=None)
 
 
-def edgecache_app(data_dir: Path, upstream: str | None) -> Any:
-    """EdgeCache with the engine double in process, or in front of the bare server at ``upstream``."""
+def serve_edgecache(data_dir: Path, upstream: str | None, port: int) -> None:
+    """EdgeCache with the engine double in process, or in front of the bare server at ``upstream``, served as
+    ``edgecache serve`` serves it (its protocol with the request limits, its server)."""
     from edgecache.engines.openai_upstream import OpenAIUpstreamEngine
     from edgecache.http.app import create_app
+    from edgecache.http.server import EdgeCacheServer, uvicorn_config
     from edgecache.settings import resolve_settings
 
     settings = resolve_settings("cpu", {
-        "data_dir": str(data_dir), "semantic.enabled": False,
+        "data_dir": str(data_dir), "semantic.enabled": False, "server.port": port, "server.log_level": "warning",
         # Every stream computes at once, as on an engine that batches them all (the admission gate is not measured).
         "admission.max_concurrent_misses": 256, "admission.max_queue": 256}, environ={})
     engine = OpenAIUpstreamEngine(upstream, model=MODEL) if upstream else TokenEngine()
-    return create_app(settings, engine=engine)  # type: ignore[arg-type]
+    app = create_app(settings, engine=engine)  # type: ignore[arg-type]
+    EdgeCacheServer(uvicorn_config(app, settings)).run()
 
 
 def serve(app: Any, port: int) -> None:
+    """A baseline app (the bare engine double, the bare endpoint) under plain uvicorn, uvloop and httptools."""
     import uvicorn
 
     uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", log_level="warning",
