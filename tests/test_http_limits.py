@@ -1,5 +1,6 @@
 """The server under the app, on a real socket: head-size limit (431), read timeouts against slow-loris clients
-(408 and close), and a non-streaming client that hangs up releasing its engine call and admission slot."""
+(408 and close), a non-streaming client that hangs up releasing its engine call and admission slot, and the
+server's start-up heap frozen once it serves."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import json
 import subprocess
 import sys
 from collections.abc import AsyncIterator
-from pathlib import Path
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -185,8 +186,8 @@ async def test_a_streaming_client_gone_mid_answer_aborts_the_engine_call_and_sto
 
 def test_the_server_freezes_the_heap_start_up_built_once_it_serves(tmp_path: Path) -> None:
     """``edgecache serve``'s server moves what start-up built out of the collector's passes once it serves (a full
-    pass walked it all again, stalling every stream); a plain uvicorn server, or an app built inside another
-    program, leaves the heap alone. In a child process: freezing is the whole process's business."""
+    pass walked it all again, stalling every stream); a plain uvicorn server, as a test or another program may run
+    the app under, leaves the heap alone. In a child process: freezing is the whole process's business."""
     script = """
 import asyncio, gc, sys
 import uvicorn
