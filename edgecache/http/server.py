@@ -177,7 +177,7 @@ class EdgeCacheServer(uvicorn.Server):
 
     What start-up builds (modules, the app, the engine's and the embedder's Python objects: ~80k objects with the
     semantic layer off) lives as long as the process, yet every full collection walked it again. Relaying 64
-    streams, a full pass took 44-79 ms, and every stream stalled for it (``gc.callbacks``); with the start-up heap
+    streams, a full pass took 52-79 ms, and every stream stalled for it (``gc.callbacks``); with the start-up heap
     frozen (``gc.freeze()``, after one collection so that start-up's own garbage is not kept) a pass took ~15 ms.
     What the server makes while it runs is collected as before. Only a process that is one server does this: an app
     built inside another program (a test) leaves that program's heap alone.
