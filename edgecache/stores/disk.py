@@ -234,12 +234,7 @@ class DiskResultStore:
 
     def _write_batch(self, batch: _WriteBatch, disk: diskcache.Cache) -> bool:
         self._close_batch(batch)
-        now = time.time()
-        with disk.transact():
-            for key, raw, expires_at, tag in batch.rows:
-                if expires_at > now:
-                    disk.set(key, raw, expire=expires_at - now, tag=tag)
-        return True
+        return _set_rows(disk, batch.rows)
 
     def _written(self, batch: _WriteBatch, outcome: asyncio.Future[bool]) -> None:
         self._writing.discard(outcome)
@@ -249,19 +244,13 @@ class DiskResultStore:
         """:meth:`put` for many ``(key, answer, tag)`` in one SQLite transaction (a warmup: one commit, not one
         per line). The memory copy is not filled: a bulk load would only evict the answers traffic is using."""
         now = time.time()
-        rows = [(key, self._encoder.encode(answer), answer.expires_at - now, tag)
+        rows = [(key, self._encoder.encode(answer), answer.expires_at, tag)
                 for key, answer, tag in items if answer.expires_at > now]
         if not rows:
             return True
         self._memory.replay_reads()
-
-        def write(disk: diskcache.Cache) -> bool:
-            with disk.transact():
-                for key, raw, ttl, tag in rows:
-                    disk.set(key, raw, expire=ttl, tag=tag)
-            return True
-
-        return await self._on_disk(self._writer, f"{len(rows)} writes skipped", False, True, write)
+        return await self._on_disk(self._writer, f"{len(rows)} writes skipped", False, True,
+                                   partial(_set_rows, rows=rows))
 
     async def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key has a live entry (memory or disk), read in one pass on the reader thread."""
@@ -319,6 +308,17 @@ class DiskResultStore:
         self._reader.shutdown(wait=True)
         if self._disk is not None:
             self._disk.close()
+
+
+def _set_rows(disk: diskcache.Cache, rows: Sequence[tuple[str, bytes, float, str | None]]) -> bool:
+    """``(key, encoded answer, expires_at, tag)`` rows in one SQLite transaction, each with the lifetime it has left
+    when it is written (one that has none left by then is skipped)."""
+    now = time.time()
+    with disk.transact():
+        for key, raw, expires_at, tag in rows:
+            if expires_at > now:
+                disk.set(key, raw, expire=expires_at - now, tag=tag)
+    return True
 
 
 class _WriteBatch:
