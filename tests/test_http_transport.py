@@ -381,10 +381,12 @@ async def test_a_stream_read_to_its_last_event_keeps_its_connection_for_the_next
 async def test_a_body_still_read_on_when_the_transport_closes_closes_its_connection() -> None:
     """The reader left at its last event and the transport was closed before the body's end came: when the end
     comes, the connection is closed, not kept in the closed transport's pool."""
+    transport_closed = asyncio.Event()
+
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(SSE_HEAD + chunk(b"data: [DONE]\n\n"))
         await writer.drain()
-        await asyncio.sleep(0.2)  # the client leaves and closes its transport meanwhile
+        await asyncio.wait_for(transport_closed.wait(), 30)  # the client leaves and closes its transport first
         writer.write(b"0\r\n\r\n")
 
     server = Server(handler)
@@ -395,6 +397,7 @@ async def test_a_body_still_read_on_when_the_transport_closes_closes_its_connect
                 async for piece in response.aiter_raw():
                     assert piece == b"data: [DONE]\n\n"
                     break
+        transport_closed.set()
         await asyncio.wait_for(server.closed.wait(), 30)
     assert not any(transport._idle.values())
 
