@@ -213,6 +213,20 @@ def test_the_stream_eval_prints_the_keys(tmp_path, capsys) -> None:
         assert key in last
     assert last["n"] == len(rows)
     assert 0.0 <= last["false_hit_rate"] <= 1.0 and last["explorations"] >= 0
+    # day one's ceiling (the best cut on the verifier's score within 1 %) is reported beside the verifier's hits
+    assert 0.0 <= last["verifier_oracle_hit_rate_at_1pct"] <= 1.0
+
+
+def test_the_best_cut_serves_most_within_the_rate_and_the_lowest_cut_on_a_tie() -> None:
+    eval_semantic = _eval_semantic()
+    run = eval_semantic.StreamResult
+
+    sweep = [(0.5, run(lookups=100, hits=30, false_hits=3)), (0.6, run(lookups=100, hits=20, false_hits=1)),
+             (0.7, run(lookups=100, hits=20, false_hits=0)), (0.8, run(lookups=100, hits=10, false_hits=0))]
+    assert eval_semantic.best_cut(sweep, 0.01)[:2] == (0.2, 0.6)  # 0.5 serves more but 3 % wrong
+    assert eval_semantic.best_cut(sweep, 0.0)[:2] == (0.2, 0.7)
+    assert eval_semantic.best_cut(sweep, 0.05)[:2] == (0.3, 0.5)
+    assert eval_semantic.best_cut(sweep[:1], 0.01) == (0.0, 1.0, None)
 
 
 def test_a_linked_entry_shares_its_class_labels() -> None:
