@@ -191,6 +191,19 @@ def test_stream_ground_truth_of_pairs(tmp_path) -> None:
     assert not right("d", "e") and not right("a", "d")
 
 
+def test_a_sample_per_intent_cuts_each_intent_to_its_share_and_keeps_every_out_of_scope_text() -> None:
+    from collections import Counter
+
+    eval_semantic = _eval_semantic()
+    items = [(f"a{i}", "a") for i in range(10)] + [(f"b{i}", "b") for i in range(2)] + [(f"o{i}", "oos")
+                                                                                      for i in range(7)]
+    sample = eval_semantic.sample_per_intent(items, 4, seed=1)
+    assert Counter(intent for _, intent in sample) == {"a": 4, "b": 2, "oos": 7}
+    assert set(sample) <= set(items) and len(set(sample)) == len(sample)
+    assert sample == eval_semantic.sample_per_intent(items, 4, seed=1)  # a seed names one sample
+    assert any(eval_semantic.sample_per_intent(items, 4, seed=k) != sample for k in range(2, 6))
+
+
 def test_the_stream_eval_prints_the_keys(tmp_path, capsys) -> None:
     import json
 

@@ -295,13 +295,28 @@ class Stream(msgspec.Struct):
     name: str = ""
 
 
-def stream_of(kind: str, path: Path, *, seed: int, limit: int, splits: set[str] | None = None) -> Stream:
+def sample_per_intent(items: list[tuple[str, str]], n: int, seed: int) -> list[tuple[str, str]]:
+    """A seeded sample of ``n`` texts of every intent (all of an intent that has fewer, and every out-of-scope
+    text), intents in sorted order: a training set cut to the shape of a held-out split (banking77's test split
+    has 40 texts per intent, CLINC150's 30), so that the fewer repeats per intent of such a split can be measured
+    on a set one may look at."""
+    by_intent: dict[str, list[str]] = defaultdict(list)
+    for text, intent in items:
+        by_intent[intent].append(text)
+    rng = random.Random(seed)
+    return [(text, intent) for intent, texts in sorted(by_intent.items())
+            for text in rng.sample(texts, len(texts) if intent == "oos" else min(n, len(texts)))]
+
+
+def stream_of(kind: str, path: Path, *, seed: int, limit: int, splits: set[str] | None = None,
+              per_intent: int | None = None, sample_seed: int = 0) -> Stream:
     """Ground truth per protocol.
 
     Pairs TSV: every distinct text of the first ``limit`` pairs is looked up once; texts joined by label-1 pairs
     (transitively) serve each other, except a pair the set labels 0; a text of another pair never does.
     GPTCache's JSON: origins and similars of the first ``limit`` pairs; a text serves another iff they share the
-    origin. Intents: the first ``limit`` texts of a seeded shuffle; same intent serves, out-of-scope never does.
+    origin. Intents: the first ``limit`` texts of a seeded shuffle (of :func:`sample_per_intent` of them with
+    ``per_intent``); same intent serves, out-of-scope never does.
     """
     edges: list[tuple[str, str, bool]] = []
     labelled: list[tuple[str, str | None]] = []
@@ -312,6 +327,8 @@ def stream_of(kind: str, path: Path, *, seed: int, limit: int, splits: set[str] 
         edges = read_pairs_tsv(path)[:limit or None]
     else:
         items = read_intents(path, splits)
+        if per_intent is not None:
+            items = sample_per_intent(items, per_intent, sample_seed)
         random.Random(seed).shuffle(items)
         labelled = [(t, None if i == "oos" else i) for t, i in items[:limit or None]]
     if edges:
@@ -685,7 +702,8 @@ def stream_run(args: argparse.Namespace, kind: str, path: Path, *, seed: int, em
     1 %'s right hits per lookup, for the bootstrap)."""
     t0 = time.perf_counter()
     stream = stream_of(kind, path, seed=seed, limit=args.limit,
-                       splits=set(args.splits.split(",")) if args.splits else None)
+                       splits=set(args.splits.split(",")) if args.splits else None,
+                       per_intent=args.sample_per_intent, sample_seed=args.sample_seed)
     vectors = cache.embed(emb, stream.texts)
     sim = vectors @ vectors.T
     embedded = time.perf_counter() - t0
@@ -899,6 +917,10 @@ def main(argv: list[str] | None = None) -> dict:
                    help="--stream: what the learner sees of a candidate: the cosine, as the server's learner does, or "
                         "the verifier's score taken as a calibrated probability (its prior)")
     p.add_argument("--seeds", help="--stream: comma-separated seeds, one stream each (default: --seed)")
+    p.add_argument("--sample-per-intent", type=int, metavar="N",
+                   help="--stream --intents: keep a seeded sample of N texts per intent (every out-of-scope one), "
+                        "the shape of a held-out split (banking77 test: 40, CLINC150 test: 30)")
+    p.add_argument("--sample-seed", type=int, default=0, help="--sample-per-intent: which sample")
     p.add_argument("--store", choices=STORE_RULES, default="every_miss",
                    help="--stream: what a refused lookup stores (every miss, or only when its candidate was wrong)")
     p.add_argument("--learner", action="append", metavar="KEY=VALUE",
