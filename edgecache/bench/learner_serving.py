@@ -296,6 +296,8 @@ def simulate(args: argparse.Namespace, target: float | None) -> dict[str, Any]:
     argv += ["--pairs", str(args.pairs)] if args.pairs is not None else ["--intents", str(args.intents)]
     if args.splits:
         argv += ["--splits", args.splits]
+    if args.sample_per_intent is not None:
+        argv += ["--sample-per-intent", str(args.sample_per_intent), "--sample-seed", str(args.sample_seed)]
     if target is not None:
         argv += ["--target", str(target)]
     with contextlib.redirect_stdout(io.StringIO()):
@@ -308,6 +310,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     src.add_argument("--pairs", type=Path)
     src.add_argument("--intents", type=Path)
     p.add_argument("--splits", help="intents JSON lines: keep only these splits (comma-separated)")
+    p.add_argument("--sample-per-intent", type=int, metavar="N",
+                   help="intents: a seeded sample of N texts per intent, as eval_semantic.py --stream takes it")
+    p.add_argument("--sample-seed", type=int, default=0, help="--sample-per-intent: which sample")
     p.add_argument("--scenario", default="default", help="the scenario every request names")
     p.add_argument("--profile", default="cpu")
     p.add_argument("--limit", type=int, default=0)
@@ -335,7 +340,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     kind, path = ("pairs", args.pairs) if args.pairs is not None else ("intents", args.intents)
     stream = stream_of(kind, path, seed=args.seed, limit=args.limit,
-                       splits=set(args.splits.split(",")) if args.splits else None)
+                       splits=set(args.splits.split(",")) if args.splits else None,
+                       per_intent=args.sample_per_intent, sample_seed=args.sample_seed)
     results: dict[str, ModeResult] = {}
     for mode in modes:
         with tempfile.TemporaryDirectory(prefix=f"bench-learner-{mode}-") as tmp:
