@@ -746,8 +746,8 @@ def stream_run(args: argparse.Namespace, kind: str, path: Path, *, seed: int, em
         return best_cut(sweep, rate)
 
     # Day one's ceiling: the most one cut on the verifier's score (in steps of 0.005) serves at <= 1 % false hits,
-    # the cut chosen with hindsight on this very stream. Where it is under the verifier's own hits at its target, a
-    # never-taught rule on that score cannot serve both as much as the verifier and within 1 % on this stream.
+    # the cut chosen with hindsight on this very stream. Where it is under the verifier's own hits at its target, no
+    # single cut on that score (what a never-taught prior on it amounts to) serves as much within 1 % on this stream.
     verifier_1_hit, verifier_1_cut = 0.0, 1.0
     if verified is not None and args.verifier_oracle:  # 201 more runs of the stream: opt-in
         scored = [(c, run_stream(stream, sim, lambda i, j, s, c=c: "serve" if score(i, j, s) >= c - 1e-12
