@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     kind, path = ("pairs", args.pairs) if args.pairs is not None else ("intents", args.intents)
     stream = stream_of(kind, path, seed=args.seed, limit=args.limit,
                        splits=set(args.splits.split(",")) if args.splits else None,
-                       per_intent=args.sample_per_intent, sample_seed=args.sample_seed)
+                       intent_sample=args.sample_per_intent, sample_seed=args.sample_seed)
     results: dict[str, ModeResult] = {}
     for mode in modes:
         with tempfile.TemporaryDirectory(prefix=f"bench-learner-{mode}-") as tmp:

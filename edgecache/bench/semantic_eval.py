@@ -309,14 +309,14 @@ def sample_per_intent(items: list[tuple[str, str]], n: int, seed: int) -> list[t
 
 
 def stream_of(kind: str, path: Path, *, seed: int, limit: int, splits: set[str] | None = None,
-              per_intent: int | None = None, sample_seed: int = 0) -> Stream:
+              intent_sample: int | None = None, sample_seed: int = 0) -> Stream:
     """Ground truth per protocol.
 
     Pairs TSV: every distinct text of the first ``limit`` pairs is looked up once; texts joined by label-1 pairs
     (transitively) serve each other, except a pair the set labels 0; a text of another pair never does.
     GPTCache's JSON: origins and similars of the first ``limit`` pairs; a text serves another iff they share the
-    origin. Intents: the first ``limit`` texts of a seeded shuffle (of :func:`sample_per_intent` of them with
-    ``per_intent``); same intent serves, out-of-scope never does.
+    origin. Intents: the first ``limit`` texts of a seeded shuffle (of :func:`sample_per_intent` of them, with
+    ``intent_sample`` texts per intent); same intent serves, out-of-scope never does.
     """
     edges: list[tuple[str, str, bool]] = []
     labelled: list[tuple[str, str | None]] = []
@@ -327,8 +327,8 @@ def stream_of(kind: str, path: Path, *, seed: int, limit: int, splits: set[str] 
         edges = read_pairs_tsv(path)[:limit or None]
     else:
         items = read_intents(path, splits)
-        if per_intent is not None:
-            items = sample_per_intent(items, per_intent, sample_seed)
+        if intent_sample is not None:
+            items = sample_per_intent(items, intent_sample, sample_seed)
         random.Random(seed).shuffle(items)
         labelled = [(t, None if i == "oos" else i) for t, i in items[:limit or None]]
     if edges:
@@ -701,7 +701,7 @@ def stream_run(args: argparse.Namespace, kind: str, path: Path, *, seed: int, em
     t0 = time.perf_counter()
     stream = stream_of(kind, path, seed=seed, limit=args.limit,
                        splits=set(args.splits.split(",")) if args.splits else None,
-                       per_intent=args.sample_per_intent, sample_seed=args.sample_seed)
+                       intent_sample=args.sample_per_intent, sample_seed=args.sample_seed)
     vectors = cache.embed(emb, stream.texts)
     sim = vectors @ vectors.T
     embedded = time.perf_counter() - t0
@@ -748,11 +748,11 @@ def stream_run(args: argparse.Namespace, kind: str, path: Path, *, seed: int, em
     # Day one's ceiling: the most one cut on the verifier's score (in steps of 0.005) serves at <= 1 % false hits,
     # the cut chosen with hindsight on this very stream. Where it is under the verifier's own hits at its target, no
     # single cut on that score (what a never-taught prior on it amounts to) serves as much within 1 % on this stream.
-    verifier_1_hit, verifier_1_cut = 0.0, 1.0
-    if verified is not None and args.verifier_oracle:  # 201 more runs of the stream: opt-in
+    verifier_1: tuple[float, float] | None = None  # (hit rate, cut), when asked for: 201 more runs of the stream
+    if verified is not None and args.verifier_oracle:
         scored = [(c, run_stream(stream, sim, lambda i, j, s, c=c: "serve" if score(i, j, s) >= c - 1e-12
                                  else "miss")) for c in np.round(np.arange(0.0, 1.0001, 0.005), 3)]
-        verifier_1_hit, verifier_1_cut, _ = best_cut(scored, 0.01)
+        verifier_1 = best_cut(scored, 0.01)[:2]
 
     oracle_hit, oracle_cut, oracle = oracle_at(learned.false_hit_rate)
     oracle_target_hit, oracle_target_cut, _ = oracle_at(target)
@@ -779,8 +779,8 @@ def stream_run(args: argparse.Namespace, kind: str, path: Path, *, seed: int, em
               f"{day_one.explorations:10d}")
     if verified is not None:
         print(f"{'verifier (nearest, cut at target)':38}{verified.hit_rate:10.4f}{verified.false_hit_rate:12.4f}")
-    if verified is not None and args.verifier_oracle:
-        print(f"{'verifier oracle at 1 %% (score>=%.3f)' % verifier_1_cut:38}{verifier_1_hit:10.4f}"
+    if verifier_1 is not None:
+        print(f"{'verifier oracle at 1 %% (score>=%.3f)' % verifier_1[1]:38}{verifier_1[0]:10.4f}"
               "   the best cut on the verifier's score at <= 1 % false hits, with hindsight")
     print(f"{'static rule (cos>=%.3f+guard)' % shipped:38}{static.hit_rate:10.4f}{static.false_hit_rate:12.4f}")
     if oracle is not None:
@@ -831,8 +831,7 @@ def stream_run(args: argparse.Namespace, kind: str, path: Path, *, seed: int, em
         "day_one_false_hit_rate": None if day_one is None else round(day_one.false_hit_rate, 4),
         "verifier_hit_rate": None if verified is None else round(verified.hit_rate, 4),
         "verifier_false_hit_rate": None if verified is None else round(verified.false_hit_rate, 4),
-        "verifier_oracle_hit_rate_at_1pct": round(verifier_1_hit, 4) if verified is not None and args.verifier_oracle
-        else None,
+        "verifier_oracle_hit_rate_at_1pct": None if verifier_1 is None else round(verifier_1[0], 4),
         "oracle_hit_rate": round(oracle_hit, 4),
         "oracle_threshold": float(oracle_cut),
         "ratio_to_oracle": None if ratio is None else round(ratio, 3),
