@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from rich.table import Table
@@ -35,6 +36,7 @@ def stats_tables(body: dict[str, Any], *, tenant: str | None = None, previous: d
     overview also shows requests/s since the previous sample."""
     by_tenant: dict[str, dict[str, dict[str, int]]] = body.get("by_tenant", {})
     stores: dict[str, dict[str, int]] = body.get("stores", {})
+    tenant = body.get("tenant", tenant)  # a tenant's key: the server sent that tenant's figures only
     if tenant is not None:
         by_tenant = {tenant: by_tenant.get(tenant, {})}
         stores = {tenant: stores[tenant]} if tenant in stores else {}
@@ -91,7 +93,7 @@ def stats_tables(body: dict[str, Any], *, tenant: str | None = None, previous: d
         quota = st.get("budget_bytes", 0)
         store.add_row(name, f"{st.get('entries', 0):,}", f"{st.get('bytes', 0):,}", f"{quota:,}",
                       _pct(st.get("bytes", 0) / quota if quota else 0.0))
-    tables = [overview, ttft, tenants, store]
+    tables = [overview, *ledger_tables(body.get("ledger") or {}), ttft, tenants, store]
     labelling: dict[str, Any] = body.get("semantic", {}).get("labelling") or {}
     feedback: dict[str, int] = labelling.get("feedback") or {}
     if tenant is None and (labelling.get("labels_since_start") or labelling.get("refused_for_want_of_labels")
@@ -134,4 +136,87 @@ def stats_tables(body: dict[str, Any], *, tenant: str | None = None, previous: d
                             f"{figures.get('labels', 0):,}", _pct(figures.get("false_hit_rate", 0.0)),
                             _pct(figures.get("false_hit_upper", 0.0)))
         tables.append(learned)
+    return tables
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _money(amount: float | None, currency: str) -> str:
+    return "-" if amount is None else f"{amount:,.2f} {currency}"
+
+
+def _tokens(figures: dict[str, Any]) -> int:
+    return sum(v.get("prompt_tokens", 0) + v.get("completion_tokens", 0) for v in figures.get("saved", {}).values())
+
+
+def ledger_tables(ledger: dict[str, Any]) -> list[Table]:
+    """What the cache saved, per tenant and scenario, since the ledger began and in the last hour; the layers it
+    saved through; why the misses missed."""
+    if not ledger:
+        return []
+    fit = ledger.get("fit", {})
+    price = ledger.get("price")
+    currency = price["currency"] if price else ""
+    since = time.strftime("%Y-%m-%d %H:%M", time.localtime(ledger.get("since", 0)))
+    tables = []
+    for window, figures_of, title in (
+            ("since", ledger, f"What the cache saved, since {since}"),
+            ("last hour", ledger.get("last_hour", {}), "What the cache saved, last hour")):
+        rows: dict[str, Any] = figures_of.get("by_tenant_scenario", {})
+        if not rows:
+            continue
+        caption = None if fit.get("ready") else fit.get("why")
+        saved = Table(title=title, caption=caption)
+        columns = ["tenant/scenario", "requests", "misses", "tokens saved", "engine time saved", "engine time spent",
+                   "cache's share", "capacity"]
+        if price:
+            columns.append("cost saved")
+        for col in columns:
+            saved.add_column(col, justify="left" if col == "tenant/scenario" else "right")
+        for name, figures in [*sorted(rows.items()), ("all", figures_of.get("total", {}))]:
+            share, capacity = figures.get("cache_share"), figures.get("effective_capacity")
+            cells = [name, f"{sum(figures.get('requests', {}).values()):,}", f"{figures.get('misses', 0):,}",
+                     f"{_tokens(figures):,}",
+                     _duration(figures.get("saved_engine_s")) if fit.get("ready") or figures.get("saved_engine_s")
+                     else "not yet measured",
+                     _duration(figures.get("spent_engine_s")), "-" if share is None else _pct(share),
+                     "-" if capacity is None else f"{capacity:.2f}x"]
+            if price:
+                cells.append(_money(figures.get("cost_saved_total"), currency))
+            saved.add_row(*cells)
+        tables.append(saved)
+        if window != "since":
+            continue
+        layers = Table(title="Saved by layer (since the ledger began)")
+        for col in ("tenant/scenario", "layer", "prompt tokens", "completion tokens", "engine time",
+                    *(("cost",) if price else ())):
+            layers.add_column(col, justify="left" if col in ("tenant/scenario", "layer") else "right")
+        for name, figures in sorted(rows.items()):
+            for layer, figs in figures.get("saved", {}).items():
+                if figs.get("prompt_tokens") or figs.get("completion_tokens"):
+                    layers.add_row(name, layer, f"{figs['prompt_tokens']:,}", f"{figs['completion_tokens']:,}",
+                                   _duration(figs.get("engine_s")),
+                                   *((_money(figures.get("cost_saved", {}).get(layer), currency),) if price else ()))
+        if layers.row_count:
+            tables.append(layers)
+    reasons = Table(title="Why misses missed (since the ledger began; last hour)")
+    for col in ("tenant/scenario", "reason", "misses", "share", "last hour"):
+        reasons.add_column(col, justify="left" if col in ("tenant/scenario", "reason") else "right")
+    hour = ledger.get("last_hour", {}).get("by_tenant_scenario", {})
+    for name, figures in sorted(ledger.get("by_tenant_scenario", {}).items()):
+        total = figures.get("misses", 0)
+        recent = hour.get(name, {}).get("miss_reasons", {})
+        for reason, n in sorted(figures.get("miss_reasons", {}).items(), key=lambda kv: -kv[1]):
+            if n:
+                reasons.add_row(name, reason, f"{n:,}", _pct(n / total if total else 0.0), f"{recent.get(reason, 0):,}")
+    if reasons.row_count:
+        tables.append(reasons)
     return tables

@@ -71,7 +71,8 @@ class Call(msgspec.Struct, frozen=True, kw_only=True):
 
     ``narrowed_by``: the policies the request's ``Cache-Control`` directives amount to (:data:`CACHE_CONTROL`);
     each narrows ``policy`` (:meth:`cache_policy`). ``max_age_s``: ``Cache-Control: max-age``, the oldest stored
-    answer the caller accepts; it leaves the TTL an answer is written with alone.
+    answer the caller accepts; it leaves the TTL an answer is written with alone. ``warmup``: a warmup line's call,
+    not a client's (the ledger charges its engine time to warmup).
     """
 
     request: GenerationRequest
@@ -83,6 +84,7 @@ class Call(msgspec.Struct, frozen=True, kw_only=True):
     tenant_limit: int | None = None
     narrowed_by: tuple[PolicyName, ...] = ()
     max_age_s: float | None = None
+    warmup: bool = False
 
     def cache_policy(self) -> CachePolicy:
         """What this call may do with the caches: its named policy, narrowed by its Cache-Control directives."""

@@ -93,6 +93,11 @@ class Metrics:
             "The verifier's score of each semantic lookup's best candidate (served or not), by scenario.",
             ["scenario"], buckets=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99),
             registry=self.registry)
+        self.semantic_miss_similarity = Histogram(
+            "edgecache_semantic_miss_similarity",
+            "The nearest candidate's cosine similarity on each semantic lookup that served none, by scenario: where a "
+            "scenario's misses sit against its cut.", ["scenario"],
+            buckets=(0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.875, 0.9, 0.925, 0.95, 0.975, 0.99, 1.0), registry=self.registry)
         self.semantic_refusals = Counter(
             "edgecache_semantic_refusals",
             "Semantic lookups that found candidates but served none, by scenario and reason (below_cut, "

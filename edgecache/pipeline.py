@@ -33,6 +33,7 @@ from edgecache.engines.base import STREAM_BATCH_S, Chunk, Engine
 from edgecache.errors import EngineError, NotCached
 from edgecache.inflight import FlightTable, SharedFlight
 from edgecache.keys import is_cacheable, request_key
+from edgecache.ledger import EVICTED, FIRST_SEEN, NOT_CACHEABLE, POLICY, Ledger, semantic_reason
 from edgecache.metrics import Metrics
 from edgecache.semantic import refusals
 from edgecache.semantic.cache import SemanticCache
@@ -49,7 +50,8 @@ class Reply(msgspec.Struct, kw_only=True):
     last one carries the counts and the finish reason). :meth:`stream` gives chunks in either case.
     ``ttl_s`` is how long the answer lives in the cache (remaining, for a hit; None when it is not stored).
     What the caller's feedback on it needs (``POST /v1/feedback``): ``key``, the request's key in the result store
-    (None: not cached), and the semantic ``lookup`` made for it with its ``decision_id`` in the decision log."""
+    (None: not cached), and the semantic ``lookup`` made for it with its ``decision_id`` in the decision log.
+    ``miss_reason``: why a miss missed (the ledger's reasons, :mod:`edgecache.ledger`)."""
 
     served: Served
     answer: CachedAnswer | None = None
@@ -59,6 +61,7 @@ class Reply(msgspec.Struct, kw_only=True):
     key: str | None = None
     lookup: Lookup | None = None
     decision_id: str | None = None
+    miss_reason: str | None = None
 
     def stream(self) -> AsyncIterator[Chunk]:
         if self.answer is not None:
@@ -128,12 +131,14 @@ def _fresh_enough(answer: CachedAnswer, call: Call) -> bool:
 
 class RequestPipeline:
     """The request path. Its collaborators are handed in: ``stores`` gives a tenant's own result store,
-    ``ttl_for`` decides an answer's lifetime, ``admission`` guards the engine, ``semantic`` may be None."""
+    ``ttl_for`` decides an answer's lifetime, ``admission`` guards the engine, ``semantic`` may be None, ``ledger``
+    meters the engine's calls and remembers what was stored, so a miss can say why it missed."""
 
     def __init__(self, *, engine: Engine, stores: Callable[[str], ResultStore], inflight: FlightTable,
                  metrics: Metrics, ttl_for: Callable[[Call], float], admission: AdmissionGate,
                  semantic: SemanticCache | None = None, decisions: DecisionLog | None = None,
-                 labels: MissLabels | None = None, marks: MarkedWrong | None = None) -> None:
+                 labels: MissLabels | None = None, marks: MarkedWrong | None = None,
+                 ledger: Ledger | None = None) -> None:
         self.engine = engine
         self.stores = stores
         self.inflight = inflight
@@ -144,6 +149,7 @@ class RequestPipeline:
         self.decisions = decisions  # the semantic decisions, for `edgecache tune` (None: not logged)
         self.labels = labels        # labels a refused candidate against the fresh answer (None: off)
         self.marks = marks          # candidates the callers marked wrong for a request (None: none kept)
+        self.ledger = ledger if ledger is not None else Ledger()
         self._keys = CallKeys()
         self._semantic_lookups: dict[str, asyncio.Future[SemanticAnswer]] = {}
 
@@ -160,13 +166,14 @@ class RequestPipeline:
                              else "its cache policy reads no cache"))
         if not cacheable:
             # Sampling without a seed: every call should differ, so no layer may share or keep it.
-            return await self._uncached(call)
+            return await self._uncached(call, NOT_CACHEABLE)
         if not (policy.read or policy.write):
-            return await self._uncached(call)  # bypass
+            return await self._uncached(call, POLICY)  # bypass
         key = self._keys.key(call, self.engine.version)
         store = self.stores(call.tenant)  # the tenant's own store: its own quota, its own LRU
         probe: Probe | None = None
         lookup: Lookup | None = None
+        found: SemanticAnswer | None = None
         decision_id: str | None = None
 
         if policy.read:
@@ -208,9 +215,11 @@ class RequestPipeline:
 
         if not policy.compute:
             raise NotCached("only-if-cached, and no cached answer matches this request; nothing was computed")
+        reason = await self._why_missed(call, key, store, policy, found)
+        purpose = "explore" if lookup is not None and lookup.explored else "warmup" if call.warmup else "miss"
         if not policy.write:
-            return Reply(served="miss", chunks=self._engine_stream(call), lookup=lookup,
-                         decision_id=decision_id)  # no-store: compute, keep nothing
+            return Reply(served="miss", chunks=self._engine_stream(call, purpose), lookup=lookup,
+                         decision_id=decision_id, miss_reason=reason)  # no-store: compute, keep nothing
 
         # 4. engine: lead a flight that streams to every listener and stores the complete answer.
         if probe is None and not policy.read:
@@ -219,8 +228,9 @@ class RequestPipeline:
         if lookup is None and probe is not None:
             lookup = Lookup(vector=None)  # no-cache: the vector is computed after the answer, for the write
         flight = self.inflight.lead(key, lambda f: self._compute_and_store(call, key, ttl_s, f, probe, lookup,
-                                                                            decision_id))
-        reply = Reply(served="miss", ttl_s=ttl_s, key=key, lookup=lookup, decision_id=decision_id)
+                                                                            decision_id, purpose))
+        reply = Reply(served="miss", ttl_s=ttl_s, key=key, lookup=lookup, decision_id=decision_id,
+                      miss_reason=reason)
         reply.chunks = _served_by_whom(reply, flight)
         return reply
 
@@ -234,9 +244,32 @@ class RequestPipeline:
             return None
         return probe
 
-    async def _uncached(self, call: Call) -> Reply:
+    async def _uncached(self, call: Call, reason: str) -> Reply:
         await self._refuse_early(call)
-        return Reply(served="miss", chunks=self._engine_stream(call))
+        return Reply(served="miss", chunks=self._engine_stream(call, "warmup" if call.warmup else "miss"),
+                     miss_reason=reason)
+
+    async def _why_missed(self, call: Call, key: str, store: ResultStore, policy: CachePolicy,
+                          found: SemanticAnswer | None) -> str:
+        """Why a call that reached this point must be computed: one reason of :mod:`edgecache.ledger`'s. Only misses
+        pay for it (a look at the key's history, and at most one store read)."""
+        if not policy.read:
+            return POLICY
+        history = self.ledger.history
+        gone = history.why_gone(key)
+        if gone == EVICTED and (call.ttl_s is not None or call.max_age_s is not None) and \
+                (store.get_memory(key) or await store.get(key)) is not None:
+            return POLICY  # still there, but older than this caller accepts
+        if gone is not None:
+            return gone
+        if found is not None:
+            if found.lookup.refusal is not None:
+                return semantic_reason(found.lookup.refusal)
+            if found.dropped == "too_old":
+                return POLICY
+            if found.dropped == "gone" and found.lookup.candidate is not None:
+                return history.why_gone(found.lookup.candidate.store_key) or EVICTED
+        return FIRST_SEEN
 
     async def _refuse_early(self, call: Call) -> None:
         self.admission.refuse_if_full(call.tenant, call.tenant_limit)
@@ -264,6 +297,9 @@ class RequestPipeline:
 
     async def _semantic_answer(self, call: Call, key: str, probe: Probe, policy: CachePolicy) -> SemanticAnswer:
         found = await self._semantic_decide(call, key, probe, policy)
+        if found.answer is None and found.lookup.similarity is not None:
+            # How near the nearest candidate of a miss was: where a scenario's misses sit against its cut.
+            self.metrics.semantic_miss_similarity.labels(call.scenario).observe(found.lookup.similarity)
         if self.decisions is None:
             return found
         return msgspec.structs.replace(found, decision_id=record_lookup(
@@ -295,8 +331,9 @@ class RequestPipeline:
             return SemanticAnswer(lookup=lookup, dropped="gone")
         if not _fresh_enough(answer, call):
             return SemanticAnswer(lookup=lookup, dropped="too_old")
-        if policy.write:  # kept under this request's own key too: its repeats are exact hits
-            await store.put(key, answer, tag=call.scenario)
+        # Kept under this request's own key too (unless it writes nothing): its repeats are exact hits.
+        if policy.write and await store.put(key, answer, tag=call.scenario):
+            self.ledger.history.stored(call.tenant, call.scenario, key, answer.expires_at)
         return SemanticAnswer(lookup=lookup, answer=answer, similarity=hit.similarity)
 
     async def store_known_answers(self, known: Sequence[tuple[Call, str]]) -> list[bool | None]:
@@ -325,8 +362,10 @@ class RequestPipeline:
                                               expires_at=now + self.ttl_for(known[i][0])), known[i][0].scenario)
                        for i in fresh]
             stored = await store.put_many(answers)
-            for i in fresh:
+            for i, (_, answer, _) in zip(fresh, answers):
                 outcome[i] = True if stored else None
+                if stored:
+                    self.ledger.history.stored(tenant, known[i][0].scenario, keys[i], answer.expires_at)
             if stored and self.semantic is not None:
                 await self._index_known(tenant, [(known[i][0], keys[i]) for i in fresh])
         return outcome
@@ -349,20 +388,21 @@ class RequestPipeline:
         """:meth:`store_known_answers` for one call: False when it already has an answer or was not stored."""
         return bool((await self.store_known_answers([(call, text)]))[0])
 
-    async def _engine_stream(self, call: Call) -> AsyncIterator[Chunk]:
-        """One engine call, inside an admission slot (raises Overloaded, a 429, when none is to be had)."""
+    async def _engine_stream(self, call: Call, purpose: str) -> AsyncIterator[Chunk]:
+        """One engine call, inside an admission slot (raises Overloaded, a 429, when none is to be had), metered for
+        the ledger under ``purpose`` (miss, explore, warmup)."""
         async with (self.admission.slot(call.tenant, call.tenant_limit),
-                    aclosing(self.engine.generate(call.request)) as stream):
-            async for chunk in stream:
-                if chunk.finish_reason is not None:
-                    self.metrics.observe_engine_call(chunk.prompt_tokens, chunk.cached_tokens, chunk.completion_tokens)
+                    aclosing(self.engine.generate(call.request)) as stream,
+                    aclosing(metered_stream(self.ledger, self.metrics, stream, call.tenant, call.scenario,
+                                            purpose)) as chunks):
+            async for chunk in chunks:
                 yield chunk
 
     async def _compute_and_store(self, call: Call, key: str, ttl_s: float, flight: SharedFlight,
                                  probe: Probe | None = None, lookup: Lookup | None = None,
-                                 decision_id: str | None = None) -> None:
+                                 decision_id: str | None = None, purpose: str = "miss") -> None:
         final: Chunk | None = None
-        async with aclosing(self._engine_stream(call)) as stream:
+        async with aclosing(self._engine_stream(call, purpose)) as stream:
             async for chunk in stream:
                 flight.publish(chunk)
                 if chunk.finish_reason is not None:
@@ -377,12 +417,13 @@ class RequestPipeline:
             now = time.time()
             first = final.choices[0] if final.choices else None
             text = first.text if first else "".join(c.text for c in flight.chunks)
-            await self.stores(call.tenant).put(key, CachedAnswer(
-                text=text,
-                finish_reason=first.finish_reason if first else final.finish_reason,
-                prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
-                created_at=now, expires_at=now + ttl_s, choices=final.choices,
-                stop_sequence=first.stop_sequence if first else final.stop_sequence), tag=call.scenario)
+            if await self.stores(call.tenant).put(key, CachedAnswer(
+                    text=text,
+                    finish_reason=first.finish_reason if first else final.finish_reason,
+                    prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
+                    created_at=now, expires_at=now + ttl_s, choices=final.choices,
+                    stop_sequence=first.stop_sequence if first else final.stop_sequence), tag=call.scenario):
+                self.ledger.history.stored(call.tenant, call.scenario, key, now + ttl_s)
             if probe is not None and lookup is not None and self.semantic is not None:
                 vector = (lookup.vector if lookup.vector is not None
                           else await self.semantic.batcher.embed(probe.text))
@@ -404,3 +445,23 @@ async def _served_by_whom(reply: Reply, flight: SharedFlight) -> AsyncIterator[C
             if getattr(flight, "led_elsewhere", False):
                 reply.served, reply.ttl_s = "shared", None
             yield chunk
+
+
+async def metered_stream(ledger: Ledger, metrics: Metrics, chunks: AsyncIterator[Chunk], tenant: str, scenario: str,
+                         purpose: str) -> AsyncIterator[Chunk]:
+    """An engine call's chunks, metered for the ledger: its share of the engine's busy time is charged to
+    ``tenant``/``scenario`` under ``purpose`` (to its prefill until its first output, to its decode after), and its
+    token counts reach the ledger and the engine's counters. A call that fails or is abandoned is charged its time."""
+    meter = ledger.meter
+    metered = meter.start(tenant, scenario, purpose)
+    try:
+        async for chunk in chunks:
+            if chunk.finish_reason is not None:
+                metrics.observe_engine_call(chunk.prompt_tokens, chunk.cached_tokens, chunk.completion_tokens)
+                # Ended before the chunk goes out: the engine's work is done, whatever the consumer does next.
+                meter.end(metered, (chunk.prompt_tokens, chunk.cached_tokens, chunk.completion_tokens))
+            elif not metered.decoding:
+                meter.first_output(metered)
+            yield chunk
+    finally:
+        meter.end(metered)

@@ -25,8 +25,9 @@ from edgecache.errors import EdgeCacheError, NotReady
 from edgecache.health import READY, Health, HealthChecks, StorageFaults
 from edgecache.inflight import FlightTable
 from edgecache.inflight.local import InflightTable
+from edgecache.ledger import Ledger
 from edgecache.metrics import Metrics
-from edgecache.pipeline import RequestPipeline
+from edgecache.pipeline import RequestPipeline, metered_stream
 from edgecache.semantic.assembly import SemanticLayer
 from edgecache.semantic.cache import SemanticCache
 from edgecache.semantic.decision_log import DecisionLog
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("edgecache")
 
 SHUTDOWN_GRACE_S = 30.0
+#: How often a changed ledger is written to the data dir (and at shutdown): a crash loses at most this much of it.
+LEDGER_SAVE_INTERVAL_S = 30.0
 
 
 class Runtime:
@@ -62,6 +65,14 @@ class Runtime:
         self.engine = engine
         self.tenants = tenants
         self.metrics = Metrics()
+        # What the cache saved and the engine spent, per tenant: kept under the data dir across restarts.
+        led = settings.ledger
+        self.ledger = Ledger(path=settings.data_path / "ledger" / "ledger.json", price_per_hour=led.price_per_hour,
+                             currency=led.currency, fit_min_calls=led.fit_min_calls,
+                             fit_half_life_calls=led.fit_half_life_calls,
+                             parallel_calls=getattr(engine, "parallel_calls", None))
+        self.metrics.registry.register(self.ledger.collector())
+        self._ledger_saved_at = time.monotonic()
         # /health is the worst of these checks; a layer added later (a shared store) registers its own.
         self.health = HealthChecks()
         self.storage_faults = StorageFaults(self.metrics.storage_failures)
@@ -153,7 +164,7 @@ class Runtime:
         self.pipeline = RequestPipeline(engine=self.engine, stores=self.stores, inflight=self.inflight,
                                         metrics=self.metrics, ttl_for=self.ttl_for, admission=self.admission,
                                         semantic=self.semantic, decisions=self.decisions, labels=self.labels,
-                                        marks=self.marks)
+                                        marks=self.marks, ledger=self.ledger)
         if layer is not None:
             layer.on_open.append(self.pipeline.use_semantic)
         self._background.append(asyncio.create_task(self._housekeeping(), name="housekeeping"))
@@ -231,12 +242,13 @@ class Runtime:
 
     async def _judge_call(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         """One engine call for the judge, inside an admission slot like any miss (the judge asks only when one is
-        free, so it does not wait)."""
-        async with (self.admission.slot(request.salt or "default"),
-                    aclosing(self.engine.generate(request)) as stream):
-            async for chunk in stream:
-                if chunk.finish_reason is not None:
-                    self.metrics.observe_engine_call(chunk.prompt_tokens, chunk.cached_tokens, chunk.completion_tokens)
+        free, so it does not wait). The ledger charges it to the tenant whose label it judges (its salt's tenant),
+        under the default scenario."""
+        tenant = (request.salt or "default").split(":", 1)[0]
+        async with (self.admission.slot(tenant),
+                    aclosing(self.engine.generate(request)) as stream,
+                    aclosing(metered_stream(self.ledger, self.metrics, stream, tenant, "default", "judge")) as chunks):
+            async for chunk in chunks:
                 yield chunk
 
     @property
@@ -282,6 +294,7 @@ class Runtime:
         """Drop entries across every layer: the tenant's (or everyone's) result store, scenario-tagged entries
         only when a scenario is named, the semantic vectors, and the engine's prefix cache when flushing all."""
         stores = [tenant] if tenant is not None else await self.stores.known_tenants()  # a fleet's: from Redis
+        self.ledger.history.flushed(tenant, scenario)  # the misses it causes are counted as flushed
         dropped = 0
         for name in stores:
             dropped += await self.stores(name).clear(tag=scenario)
@@ -304,6 +317,7 @@ class Runtime:
 
     async def apply_remote_flush(self, tenant: str | None, scenario: str | None) -> None:
         """Another node flushed (the shared store is already cleared): drop what this node holds of it."""
+        self.ledger.history.flushed(tenant, scenario)
         for name, store in self.stores.opened().items():
             if tenant in (None, name):
                 store.forget_memory()  # the memory tier has no tags: all of it
@@ -326,6 +340,22 @@ class Runtime:
             elif self.semantic_layer is not None:
                 await self.semantic_layer.retry()  # its indexes failed to open (a full disk?): try again
             await self.refresh_gauges()
+            self.ledger.tick()
+            if self.ledger.dirty and time.monotonic() - self._ledger_saved_at >= LEDGER_SAVE_INTERVAL_S:
+                await self.save_ledger()
+
+    async def save_ledger(self) -> None:
+        """Write the ledger to the data dir: encoded on the loop (a consistent snapshot), written off it. A failed
+        write is counted and logged like any storage fault; the ledger stays in memory and is written next time."""
+        self._ledger_saved_at = time.monotonic()
+        data = self.ledger.encoded()
+        try:
+            await asyncio.to_thread(self.ledger.write, data)
+        except OSError as exc:
+            self.storage_faults.record("ledger", exc, action="ledger not written; retrying",
+                                       path=self.ledger.path)
+        else:
+            self.storage_faults.recovered("ledger")
 
     async def refresh_gauges(self) -> dict[str, dict[str, int]]:
         """Store bytes against quota per tenant and index sizes per (tenant, scenario); returns the store stats."""
@@ -367,6 +397,7 @@ class Runtime:
         finally:
             if self.decisions is not None:
                 await asyncio.to_thread(self.decisions.close)  # writes what is pending
+            await self.save_ledger()
             await asyncio.to_thread(self.marks.save)
             try:
                 if self.fleet is not None and self.fleet.vectors is not None:

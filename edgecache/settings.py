@@ -276,6 +276,20 @@ class SloSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         "against.")] = 2.0
 
 
+class LedgerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    price_per_hour: Annotated[Annotated[float, Meta(ge=0)] | None, _help(
+        "What the box costs per hour, in `ledger.currency`: with it, /stats, `edgecache stats` and /metrics give "
+        "the money the cache saved per tenant and layer; unset, they give no money figures.")] = None
+    currency: Annotated[str, Meta(min_length=1, max_length=8), _help(
+        "The currency of `ledger.price_per_hour` (a label only: USD, EUR, CNY, ...).")] = "USD"
+    fit_min_calls: Annotated[int, Meta(ge=1), _help(
+        "Engine calls the measured cost per token must rest on before engine-seconds saved are given; until then "
+        "the ledger keeps the tokens saved and says why it gives no seconds.")] = 10
+    fit_half_life_calls: Annotated[float, Meta(gt=0), _help(
+        "How fast the measured cost per token follows the engine: a call's weight halves after this many more "
+        "calls.")] = 500.0
+
+
 class CanarySettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     enabled: Annotated[bool, _help(
         "Before serve says ready (and before an offline warmup), run one short generation and one embedding in a "
@@ -302,6 +316,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     ttl_tiers: TtlTierSettings = TtlTierSettings()
     slo: SloSettings = SloSettings()
     canary: CanarySettings = CanarySettings()
+    ledger: LedgerSettings = LedgerSettings()
     scenarios: Annotated[dict[str, ScenarioSettings], _help(
         "Named scenarios (callers pick one with X-EdgeCache-Scenario or body edgecache.scenario), each with its "
         "semantic threshold and TTL; `default` always exists.")] = msgspec.field(

@@ -169,6 +169,16 @@ class TenantDirectory:
         if not _any_match(digest, self._admin_digests):
             raise Unauthorized("an admin key is needed for this route")
 
+    def authenticate_stats(self, authorization: str | None, api_key: str | None = None) -> Tenant | None:
+        """``/stats``: an admin key sees every tenant (None); a tenant's key sees its own figures (its Tenant)."""
+        if self.open:
+            return None
+        key = presented_key(authorization, api_key)
+        digest = _digest(key) if key is not None else b""
+        if _any_match(digest, self._admin_digests):
+            return None
+        return self.authenticate(authorization, api_key)
+
     def authenticate_metrics(self, authorization: str | None, api_key: str | None = None) -> None:
         """``/metrics`` names every tenant with its traffic: with a tenants file it needs the admin key or a key
         from the file's ``[metrics]`` section (a scraper's token that opens nothing else)."""

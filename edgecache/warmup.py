@@ -71,9 +71,10 @@ async def _prefill(pipeline: RequestPipeline, calls: list[Call]) -> None:
     first real request that shares it skips its prefill."""
     for call in calls:
         try:
-            await _drain(pipeline, msgspec.structs.replace(call, policy="bypass", request=GenerationRequest(
-                messages=(*_system_prompt(call), Message("user", "")),
-                params=SamplingParams(max_tokens=1, temperature=0.0), salt=call.request.salt)))
+            await _drain(pipeline, msgspec.structs.replace(
+                call, policy="bypass", warmup=True, request=GenerationRequest(
+                    messages=(*_system_prompt(call), Message("user", "")),
+                    params=SamplingParams(max_tokens=1, temperature=0.0), salt=call.request.salt)))
         except EdgeCacheError:
             pass  # an optimisation only: the lines are stored either way
 
@@ -126,7 +127,7 @@ async def warm(pipeline: RequestPipeline, calls: list[tuple[int, Call, str | Non
         if answer is not None:
             continue
         try:
-            served = await _drain(pipeline, call)
+            served = await _drain(pipeline, msgspec.structs.replace(call, warmup=True))
             results.append(LineResult(line=number, outcome="written" if served == "miss" else "skipped",
                                       detail=served))
         except EdgeCacheError as exc:

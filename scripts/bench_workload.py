@@ -50,11 +50,10 @@ def gptcache_runner(work: Path, trace_path: Path, answers_path: Path, out_path: 
                     tokenizer_path: str, live_url: str | None) -> None:
     import numpy as np
     import onnxruntime
-    from tokenizers import Tokenizer
-
     from gptcache import Config
     from gptcache.adapter.api import get, init_similar_cache, put
     from gptcache.manager import manager_factory
+    from tokenizers import Tokenizer
 
     class OnnxMeanPool:
         """GPTCache's `Onnx` embedding (gptcache/embedding/onnx.py) with another model: the same pad-to-max-length
@@ -161,6 +160,28 @@ def admin(url: str, method: str, path: str, body: dict | None = None, timeout: f
     r = httpx.request(method, url + path, json=body, timeout=timeout, headers={"authorization": f"Bearer {ADMIN_KEY}"})
     r.raise_for_status()
     return r.json()
+
+
+def ledger_delta(before: dict, after: dict, cpu_s: float | None) -> dict:
+    """What the server's ledger says of one phase: engine-seconds spent (its measured busy time) and saved by layer
+    (its fitted cost per token times the tokens not computed), and the server's CPU seconds (an independent look at
+    the box's work, embedding and HTTP included)."""
+    b, a = before["ledger"]["total"], after["ledger"]["total"]
+    saved = {layer: round(a["saved"][layer]["engine_s"] - b["saved"][layer]["engine_s"], 3) for layer in a["saved"]}
+    return {"spent_engine_s": round(a["spent_engine_s"] - b["spent_engine_s"], 3), "saved_engine_s": saved,
+            "saved_total_s": round(sum(saved.values()), 3), "server_cpu_s": None if cpu_s is None else round(cpu_s, 2),
+            "fit": after["ledger"]["fit"]}
+
+
+def process_cpu_s(pid: int | None) -> float | None:
+    """User + system CPU seconds of a process (Linux /proc), or None where it cannot be read."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def phase_summary(name: str, results: list[dict], wall: float, stats_before: dict, stats_after: dict,
@@ -306,11 +327,15 @@ def main() -> None:
 
         def run_phase(name: str, policy: str | None) -> list[dict]:
             before = admin(url, "GET", "/stats")
+            cpu_before = process_cpu_s(proc.pid if proc is not None else None)
             t = time.perf_counter()
             results, wall = asyncio.run(replay(url, reqs, policy, args.concurrency))
             after = admin(url, "GET", "/stats")
+            cpu_after = process_cpu_s(proc.pid if proc is not None else None)
             raw[name] = results
             phases[name] = phase_summary(name, results, wall, before, after)
+            phases[name]["ledger"] = ledger_delta(before, after, None if cpu_before is None or cpu_after is None
+                                                  else cpu_after - cpu_before)
             phases[name]["stats_requests_delta"] = {k: after["requests"][k] - before["requests"].get(k, 0)
                                                    for k in after["requests"]}
             print(f"[{time.perf_counter() - t:6.1f}s] {name}: {json.dumps({k: v for k, v in phases[name].items() if k != 'false_hits'})}",
@@ -473,9 +498,11 @@ def report(args, wsum: dict, phases: dict, hitpath: dict, warmup: dict, gpt: dic
         print(f"GPTCache: {gpt['config']}; default Onnx() embedding: {gpt['default_embedding_check']}; "
               f"false hits by answer {gpt['false_hits']['by_answer']}, cross-tenant hits "
               f"{gpt['false_hits']['cross_tenant']}")
+    ledger_check = ledger_report(phases)
+    goals.update(ledger_check["goals"])
     print("goals: " + ", ".join(f"{k} {'PASS' if v else 'FAIL'}" for k, v in goals.items()))
     final = {"workload": wsum, "phases": phases, "hit_path": hitpath, "warmup": warmup, "gptcache": gpt,
-             "goals": goals}
+             "ledger_check": ledger_check, "goals": goals}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(final, indent=1))
     print(json.dumps({
@@ -491,7 +518,47 @@ def report(args, wsum: dict, phases: dict, hitpath: dict, warmup: dict, gpt: dic
                        "gptcache": gpt and gpt["false_hits"]["by_source_group"]},
         "hit_path_hits_per_s": {"edgecache": hp_all, "edgecache_semantic": hp_sem,
                                 "gptcache": gpt and gpt["hit_path"]["hits_per_s"]},
-        "warmup_s": warmup["seconds"], "goals": goals}))
+        "warmup_s": warmup["seconds"], "ledger_check": {k: v for k, v in ledger_check.items() if k != "goals"},
+        "goals": goals}))
+
+
+def ledger_report(phases: dict) -> dict:
+    """The server's ledger beside the benchmark's own measurement, per phase: the engine time the off phase spent
+    minus what the phase spent (measured) against what the ledger says the phase saved beyond what it saved in the
+    off phase (the engine's prefix cache saves in both). Printed as a table; returns the figures and the goals."""
+    off = phases["off"]["ledger"]
+    cols = ["ledger", "caches off", "on, cold", "on, warm"]
+    rows = [["engine-s spent (measured busy time)"] + [phases[p]["ledger"]["spent_engine_s"] for p in ("off", "cold", "warm")],
+            ["server CPU s"] + [phases[p]["ledger"]["server_cpu_s"] for p in ("off", "cold", "warm")]]
+    for layer in off["saved_engine_s"]:
+        rows.append([f"engine-s saved: {layer}"] + [phases[p]["ledger"]["saved_engine_s"][layer]
+                                                    for p in ("off", "cold", "warm")])
+    figures: dict = {"fit": phases["warm"]["ledger"]["fit"]}
+    goals = {}
+    measured_row, ledger_row, ratio_row = ["measured saving: off spent - spent"], ["ledger's saving: saved - off saved"], ["ledger / measured"]
+    for p in ("cold", "warm"):
+        led = phases[p]["ledger"]
+        measured = off["spent_engine_s"] - led["spent_engine_s"]
+        said = led["saved_total_s"] - off["saved_total_s"]
+        ratio = said / measured if measured > 0 else float("nan")
+        figures[p] = {"measured_s": round(measured, 2), "ledger_s": round(said, 2), "ratio": round(ratio, 3)}
+        goals[f"ledger_within_20pct_{p}"] = measured > 0 and abs(ratio - 1) <= 0.2
+        measured_row.append(round(measured, 2))
+        ledger_row.append(round(said, 2))
+        ratio_row.append(f"{ratio:.3f}")
+    rows += [measured_row[:1] + ["-"] + measured_row[1:], ledger_row[:1] + ["-"] + ledger_row[1:],
+             ratio_row[:1] + ["-"] + ratio_row[1:]]
+    widths = [max(len(str(r[i])) for r in [cols] + rows) for i in range(len(cols))]
+    print()
+    fit = figures["fit"]
+    print(f"ledger: cost per token fitted on {fit['calls']} engine calls: prefill "
+          f"{fit['prefill_s_per_token']} s, decode {fit['decode_s_per_token']} s")
+    print(fmt_row(cols, widths))
+    print(" | ".join("-" * w for w in widths))
+    for r in rows:
+        print(fmt_row(r, widths))
+    figures["goals"] = goals
+    return figures
 
 
 if __name__ == "__main__":

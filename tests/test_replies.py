@@ -25,7 +25,7 @@ from edgecache.http.responses_api import (
     TextFormat,
     TextOut,
 )
-from edgecache.pipeline import replay
+from edgecache.pipeline import Reply, replay
 from edgecache.stores import CachedAnswer
 from tests.conftest import chat_body
 
@@ -58,8 +58,14 @@ class _Metrics:
         pass
 
 
+class _Ledger:
+    def request(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
 class _Runtime:
     metrics = _Metrics()
+    ledger = _Ledger()
 
 
 async def old_stream(writer: AnswerWriter, stored: CachedAnswer) -> bytes:
@@ -67,7 +73,8 @@ async def old_stream(writer: AnswerWriter, stored: CachedAnswer) -> bytes:
     call = Call(request=GenerationRequest(messages=(Message(role="user", content="q"),)), tenant="t")
     chunks = replay(stored)
     first = await anext(chunks)
-    frames: AsyncIterator[bytes] = _sse(_Runtime(), call, "exact", writer, first, chunks, 0.0)  # type: ignore[arg-type]
+    frames: AsyncIterator[bytes] = _sse(_Runtime(), call, Reply(served="exact", answer=stored), writer, first,  # type: ignore[arg-type]
+                                        chunks, 0.0)
     return b"".join([frame async for frame in frames])
 
 

@@ -16,6 +16,7 @@ class FakeEngine:
     ``gate``: when set, every generation waits for it before its first chunk (to line up concurrent requests).
     ``fail_after``: raise EngineError after that many text chunks (a failure mid-stream).
     ``marker``: prefixed to every answer (tests of isolation make leaks visible this way).
+    ``cached_tokens``: the prompt tokens it reports its prefix cache served (at most the prompt's).
     """
 
     kind = "FakeEngine"
@@ -40,6 +41,7 @@ class FakeEngine:
         self.closed = False
         self.flushed = 0
         self.context_chars: int | None = None
+        self.cached_tokens = 0
 
     async def start(self) -> None:
         self.started = True
@@ -96,7 +98,7 @@ class FakeEngine:
             finished = True
             self.completed += 1
             yield Chunk(finish_reason="stop", prompt_tokens=prompt_tokens, completion_tokens=len(parts),
-                        cached_tokens=0)
+                        cached_tokens=min(self.cached_tokens, prompt_tokens))
         finally:
             self.running -= 1
             if not finished:

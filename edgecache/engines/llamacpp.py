@@ -199,6 +199,8 @@ class LlamaCppEngine:
     """
 
     kind = "llamacpp"
+    # Generations run one at a time (the lock below): the ledger's meter charges busy time to the running one only.
+    parallel_calls = 1
     features = frozenset({"tools", "tool_choice", "response_format", "n", "logprobs", "top_logprobs", "echo",
                           "top_k", "min_p", "repetition_penalty", "chat_template_kwargs", "min_tokens", "ignore_eos",
                           "stop_token_ids", "skip_special_tokens"})

@@ -37,6 +37,7 @@ from litestar.handlers import HTTPRouteHandler
 from litestar.params import PathParameter, QueryParameter
 from litestar.types import ASGIApp
 
+from edgecache.call import HITS
 from edgecache.canary import CanaryReport
 from edgecache.data_dir import DataDirLock
 from edgecache.engines.base import Engine
@@ -296,10 +297,18 @@ async def metrics(request: Request[Any, Any, Any]) -> ASGIApp:
 
 @get("/stats")
 async def stats(request: Request[Any, Any, Any]) -> Response[Any]:
+    """Everything for the admin key (``?tenant=NAME``: that tenant's view); a tenant's key gets its own figures
+    only (its requests, store and ledger)."""
     rt = _runtime(request.app.state)
-    rt.tenants.authenticate_admin(*_credentials(request))
+    tenant = rt.tenants.authenticate_stats(*_credentials(request))
+    if tenant is not None:
+        return Response(_json.encode(await _tenant_stats(rt, tenant.id)), media_type=JSON)
+    named = request.query_params.get("tenant")  # the admin's view of one tenant (`edgecache stats --tenant`)
+    if named:
+        return Response(_json.encode(await _tenant_stats(rt, named)), media_type=JSON)
     stores = await rt.refresh_gauges()
     body = rt.metrics.snapshot()
+    body["ledger"] = rt.ledger.report()
     body["stores"] = stores
     if rt.semantic is not None and (learned := rt.semantic.learned()) is not None:
         body["semantic"]["learner"] = learned  # type: ignore[index]
@@ -313,6 +322,25 @@ async def stats(request: Request[Any, Any, Any]) -> Response[Any]:
     body["model"] = {"id": rt.engine.model_id, "version": rt.engine.version, "ready": rt.ready}
     body["profile"] = rt.settings.profile
     return Response(_json.encode(body), media_type=JSON)
+
+
+async def _tenant_stats(rt: Runtime, tenant: str) -> dict[str, Any]:
+    """/stats as one tenant sees it: nothing of another tenant's, not even its name."""
+    body = rt.metrics.snapshot()
+    mine = body["by_tenant"].get(tenant, {})
+    totals: dict[str, int] = {}
+    for counts in mine.values():
+        for outcome, n in counts.items():
+            totals[outcome] = totals.get(outcome, 0) + n
+    served = sum(n for outcome, n in totals.items() if outcome not in ("error", "rejected"))
+    hits = sum(totals.get(layer, 0) for layer in HITS)
+    stores = {}
+    if tenant in rt.stores.existing_tenants():
+        stores[tenant] = await rt.stores(tenant).stats()
+    return {"tenant": tenant, "requests": totals, "hit_rate": hits / served if served else 0.0,
+            "by_tenant": {tenant: mine}, "stores": stores, "ledger": rt.ledger.report(tenant),
+            "model": {"id": rt.engine.model_id, "version": rt.engine.version, "ready": rt.ready},
+            "profile": rt.settings.profile}
 
 
 class FlushRequest(msgspec.Struct, forbid_unknown_fields=True):

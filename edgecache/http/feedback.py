@@ -43,8 +43,10 @@ from msgspec import Meta
 from edgecache.call import Call, Served
 from edgecache.errors import NotFound
 from edgecache.health import STORAGE_ERRORS
+from edgecache.ledger import semantic_reason
 from edgecache.pipeline import Reply
 from edgecache.runtime import Runtime
+from edgecache.semantic import refusals
 from edgecache.semantic.learner import Decision
 from edgecache.semantic.lookup import Lookup, SemanticHit
 from edgecache.semantic.marks import FEEDBACK_LABELER
@@ -210,4 +212,5 @@ async def apply_feedback(rt: Runtime, responses: ResponseLedger, tenant: str, ma
         # Refused first, then dropped: a lookup between the two must not store the copy again.
         rt.marks.mark(tenant, hit.key, hit.candidate.store_key)
         await rt.stores(tenant).delete(hit.key)
+        rt.ledger.history.removed(hit.key, semantic_reason(refusals.MARKED_WRONG))  # its next miss says why
     return reply("demoted")

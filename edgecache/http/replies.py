@@ -24,6 +24,7 @@ from litestar.types import ASGIApp
 from edgecache.call import HITS, Call
 from edgecache.engines.base import Choice, Chunk
 from edgecache.errors import ClientGone, EdgeCacheError, Overloaded
+from edgecache.ledger import ENGINE_ERROR
 from edgecache.pipeline import Reply
 from edgecache.runtime import Runtime
 from edgecache.stores import CachedAnswer
@@ -244,14 +245,15 @@ async def respond(rt: Runtime, request: Request[Any, Any, Any], call: Call, stre
     try:
         reply = await rt.pipeline.serve(call)
     except Overloaded:
-        rt.metrics.observe_request(call.tenant, call.scenario, "rejected", None)
+        observe(rt, call, None, "rejected", None)
         raise
     request.app.state.front.ledger.remember(writer.id, call, reply)  # what served it, for the caller's feedback
-    metrics = rt.metrics
     answer = reply.answer
     if answer is not None:
         # The hot path: a stored answer, its JSON body or its whole SSE stream made once and sent as one body.
-        metrics.observe_request(call.tenant, call.scenario, reply.served, time.perf_counter() - started)
+        rt.metrics.observe_request(call.tenant, call.scenario, reply.served, time.perf_counter() - started)
+        rt.ledger.request(call.tenant, call.scenario, reply.served, prompt_tokens=answer.prompt_tokens,
+                          completion_tokens=answer.completion_tokens)
         renderings = request.app.state.front.renderings
         body = renderings.render(writer, answer, stream)
         replayed = getattr(writer, "replayed", None)
@@ -269,8 +271,7 @@ async def respond(rt: Runtime, request: Request[Any, Any, Any], call: Call, stre
     except BaseException as exc:
         await chunks.aclose()
         if not isinstance(exc, ClientGone):
-            metrics.observe_request(call.tenant, call.scenario,
-                                    "rejected" if isinstance(exc, Overloaded) else "error", None)
+            observe(rt, call, reply, "rejected" if isinstance(exc, Overloaded) else "error", None)
         raise
     ttft = time.perf_counter() - started
 
@@ -286,18 +287,30 @@ async def respond(rt: Runtime, request: Request[Any, Any, Any], call: Call, stre
             texts, final = await unless_client_gone(request, rest())
         except BaseException as exc:
             if not isinstance(exc, ClientGone):
-                metrics.observe_request(call.tenant, call.scenario, "error", None)
+                observe(rt, call, reply, "error", None)
             raise
         finally:
             await chunks.aclose()
-        metrics.observe_request(call.tenant, call.scenario, reply.served, ttft)
+        observe(rt, call, reply, reply.served, ttft, final)
         body = writer.body("".join(texts), final.finish_reason,
                            Counts(final.prompt_tokens, final.completion_tokens, final.cached_tokens), final.choices,
                            final.stop_sequence)
         return RawAnswer(body, reply_headers(reply))
 
-    return StreamedAnswer(_sse(rt, call, reply.served, writer, first, chunks, ttft),
-                          reply_headers(reply) + SSE_HEADERS)
+    return StreamedAnswer(_sse(rt, call, reply, writer, first, chunks, ttft), reply_headers(reply) + SSE_HEADERS)
+
+
+def observe(rt: Runtime, call: Call, reply: Reply | None, outcome: str, ttft: float | None,
+            final: Chunk | None = None) -> None:
+    """A request's outcome, once: in the metrics and in the ledger (a shared answer saved the tokens its final
+    chunk counts; a miss is counted under its reason, and under engine_error when the engine it asked failed)."""
+    rt.metrics.observe_request(call.tenant, call.scenario, outcome, ttft)  # type: ignore[arg-type]
+    miss_reason = None
+    if reply is not None and reply.served == "miss":
+        miss_reason = ENGINE_ERROR if outcome == "error" else reply.miss_reason
+    rt.ledger.request(call.tenant, call.scenario, outcome, miss_reason=miss_reason,
+                      prompt_tokens=final.prompt_tokens if final is not None else 0,
+                      completion_tokens=final.completion_tokens if final is not None else 0)
 
 
 async def unless_client_gone(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:
@@ -325,16 +338,18 @@ async def disconnected(receive: Any) -> None:
         pass
 
 
-async def _sse(rt: Runtime, call: Call, served: str, writer: AnswerWriter, first: Chunk,
+async def _sse(rt: Runtime, call: Call, reply: Reply, writer: AnswerWriter, first: Chunk,
                chunks: AsyncIterator[Chunk], ttft: float) -> AsyncIterator[bytes]:
     outcome = "error"
+    served = reply.served
+    final: Chunk | None = None
     try:
         async with aclosing(chunks):
             if first.choices is not None:
                 # A whole answer (tool calls, logprobs, several choices) arrives as one final chunk.
                 yield writer.sse_whole(first.choices, Counts(first.prompt_tokens, first.completion_tokens,
                                                              first.cached_tokens))
-                outcome = served
+                outcome, final = served, first
                 return
             yield writer.sse_start()
             chunk: Chunk | None = first
@@ -345,11 +360,11 @@ async def _sse(rt: Runtime, call: Call, served: str, writer: AnswerWriter, first
                     yield writer.sse_end(chunk.finish_reason,
                                          Counts(chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_tokens),
                                          chunk.stop_sequence)
-                    outcome = served
+                    outcome, final = served, chunk
                     return
                 chunk = await anext(chunks, None)
     except EdgeCacheError as exc:
         # Headers are gone already: the error travels as an event in the API's own error shape.
         yield writer.sse_error(exc)
     finally:
-        rt.metrics.observe_request(call.tenant, call.scenario, outcome, ttft if outcome != "error" else None)
+        observe(rt, call, reply, outcome, ttft if outcome != "error" else None, final)

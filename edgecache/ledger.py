@@ -1,0 +1,623 @@
+"""The operator's ledger: what the cache saved and what the engine spent, per tenant and scenario, in engine-seconds,
+tokens and (with a box price) money, and why each miss missed.
+
+Every request of the API lands here once (:meth:`Ledger.request`), with what served it:
+
+- an **exact**, **shared** or **semantic** hit saved the whole request: its prompt and completion tokens, and the
+  engine-seconds they would have cost;
+- a **miss** is counted under exactly one reason (:data:`MISS_REASONS`, plus ``semantic:<refusal>`` for a semantic
+  candidate refused, spelled as :mod:`edgecache.semantic.refusals` spells it);
+- the engine's own prefix cache (**kv_prefix**) saved the prefill of the cached tokens of every engine call.
+
+Engine time is measured, not assumed. :class:`EngineMeter` watches every engine call (misses, explorations, the
+judge, warmup) and splits the engine's **busy time** (the wall time during which at least one
+call is running) between the calls that share it: while ``k`` calls run, each is charged ``1/k`` of every second,
+to its prefill phase until its first output and to its decode phase after. The charges add up to the busy time
+exactly, however many calls a batching engine (SGLang, vLLM, several llama.cpp slots) runs at once, so the cost of a
+token is the box's cost (busy time over the tokens computed in it), not one request's latency. An engine that runs
+one call at a time (``parallel_calls = 1``: llama.cpp) charges only the call it is running; the others wait.
+
+:class:`CostFit` turns those charges into seconds per prefill token and per decode token, exponentially weighted
+over recent calls so that it follows the engine when it gets slower. Until it rests on ``fit_min_calls`` calls it
+prices nothing: the tokens saved meanwhile are kept, unpriced, and priced once the fit has a basis.
+
+So the engine-seconds spent (by purpose) are measured, and the engine-seconds saved are the fit applied to the
+tokens not computed: ``saved + spent`` is what the box would have computed with no cache at all, ``saved / (saved +
+spent)`` the share of that work the cache did, and ``(saved + spent) / spent`` the effective capacity.
+
+The ledger survives a restart (``<data dir>/ledger/ledger.json``, written by the runtime's housekeeping and at
+shutdown). Nothing on the hit path waits for it: a hit adds a few numbers to a row.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("edgecache")
+
+#: What saved a request, or part of one. ``kv_prefix``: the engine's own prefix cache, on a call it computed.
+LAYERS = ("exact", "shared", "semantic", "kv_prefix")
+#: Why the engine was asked: a client's miss, a learner's exploration (a miss the learner chose, to label a
+#: candidate), the served model judging a label, a warmup line (or its system prompt's prefill).
+PURPOSES = ("miss", "explore", "judge", "warmup")
+
+# Why a miss missed: one of these, or SEMANTIC_PREFIX + the semantic layer's refusal reason.
+FIRST_SEEN = "first_seen"        # no answer was ever stored under its key that this node knows of
+EXPIRED = "expired"              # its answer was stored and outlived its TTL
+EVICTED = "evicted"              # its answer was stored, is not expired, and is gone: the quota's LRU dropped it
+FLUSHED = "flushed"              # its answer was flushed (`edgecache flush`, here or on another node)
+NOT_CACHEABLE = "not_cacheable"  # sampling without a seed: no layer may keep or share it
+POLICY = "policy"                # the caller's policy read no cache (bypass, no-cache), or its max-age refused one
+ENGINE_ERROR = "engine_error"    # the engine was asked and failed
+MISS_REASONS = (FIRST_SEEN, EXPIRED, EVICTED, FLUSHED, NOT_CACHEABLE, POLICY, ENGINE_ERROR)
+SEMANTIC_PREFIX = "semantic:"
+
+
+def semantic_reason(refusal: str) -> str:
+    """The miss reason of a semantic candidate refused for ``refusal`` (``below_cut``, ``learner:unsure``, ...)."""
+    return SEMANTIC_PREFIX + refusal
+
+
+class CostFit:
+    """Seconds per prefill token and per decode token, from the busy time charged to engine calls.
+
+    ``p = charged prefill seconds / prefill tokens computed`` and ``q = charged decode seconds / decode tokens``,
+    both sums weighted by ``0.5 ** (age / half_life_calls)`` (age in calls), so a slower engine moves the rates
+    within a few hundred calls. ``rates()`` is None until ``min_calls`` calls were observed with tokens of both
+    kinds: the ledger then says so instead of printing a figure with no basis.
+    """
+
+    def __init__(self, *, min_calls: int, half_life_calls: float) -> None:
+        self.min_calls = min_calls
+        self._decay = 0.5 ** (1.0 / half_life_calls)
+        self.calls = 0  # calls observed (unweighted)
+        self.prefill_s = self.prefill_tokens = self.decode_s = self.decode_tokens = 0.0
+
+    def observe(self, prefill_s: float, prefill_tokens: int, decode_s: float, decode_tokens: int) -> None:
+        d = self._decay
+        self.prefill_s = self.prefill_s * d + prefill_s
+        self.prefill_tokens = self.prefill_tokens * d + prefill_tokens
+        self.decode_s = self.decode_s * d + decode_s
+        self.decode_tokens = self.decode_tokens * d + decode_tokens
+        self.calls += 1
+
+    def rates(self) -> tuple[float, float] | None:
+        """(prefill, decode) seconds per token, or None while the fit rests on too few calls."""
+        if self.calls < self.min_calls or self.prefill_tokens <= 0 or self.decode_tokens <= 0:
+            return None
+        return self.prefill_s / self.prefill_tokens, self.decode_s / self.decode_tokens
+
+    def state(self) -> dict[str, float]:
+        return {"calls": self.calls, "prefill_s": self.prefill_s, "prefill_tokens": self.prefill_tokens,
+                "decode_s": self.decode_s, "decode_tokens": self.decode_tokens}
+
+    def restore(self, state: dict[str, float]) -> None:
+        self.calls = int(state.get("calls", 0))
+        self.prefill_s = float(state.get("prefill_s", 0.0))
+        self.prefill_tokens = float(state.get("prefill_tokens", 0.0))
+        self.decode_s = float(state.get("decode_s", 0.0))
+        self.decode_tokens = float(state.get("decode_tokens", 0.0))
+
+
+class MeteredCall:
+    """One engine call as the meter charges it (see :class:`EngineMeter`)."""
+
+    __slots__ = ("decode_s", "decoding", "ended", "prefill_s", "purpose", "scenario", "tenant")
+
+    def __init__(self, tenant: str, scenario: str, purpose: str) -> None:
+        self.tenant, self.scenario, self.purpose = tenant, scenario, purpose
+        self.prefill_s = self.decode_s = 0.0
+        self.decoding = False  # its first output is out: its charges go to decode
+        self.ended = False
+
+
+class EngineMeter:
+    """The engine's busy time, shared out between the calls running in it (the module says how).
+
+    Every method runs on the event loop (the engine's streams are consumed there), so no lock is needed. ``parallel``:
+    how many calls the engine runs at once (None: as many as it is given); calls past that many, in the order they
+    started, wait and are charged nothing.
+    """
+
+    def __init__(self, on_end: Callable[[MeteredCall, tuple[int, int, int] | None], None], *,
+                 parallel: int | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._on_end = on_end
+        self._parallel = parallel
+        self._clock = clock
+        self._running: list[MeteredCall] = []
+        self._last = clock()
+        self.busy_s = 0.0
+
+    def _advance(self) -> None:
+        now = self._clock()
+        dt, self._last = now - self._last, now
+        if not self._running or dt <= 0:
+            return
+        self.busy_s += dt
+        charged = self._running if self._parallel is None else self._running[:self._parallel]
+        share = dt / len(charged)
+        for call in charged:
+            if call.decoding:
+                call.decode_s += share
+            else:
+                call.prefill_s += share
+
+    def start(self, tenant: str, scenario: str, purpose: str) -> MeteredCall:
+        self._advance()
+        call = MeteredCall(tenant, scenario, purpose)
+        self._running.append(call)
+        return call
+
+    def first_output(self, call: MeteredCall) -> None:
+        if not call.decoding:
+            self._advance()
+            call.decoding = True
+
+    def end(self, call: MeteredCall, tokens: tuple[int, int, int] | None = None) -> None:
+        """The call is over: ``tokens`` (prompt, cached, completion) when it finished, None when it failed or was
+        abandoned (its time is still spent). Safe to call twice: the second is ignored."""
+        if call.ended:
+            return
+        self._advance()
+        call.ended = True
+        self._running.remove(call)
+        self._on_end(call, tokens)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+
+class Row(msgspec.Struct, kw_only=True):
+    """One tenant and scenario's figures since the ledger began. Token counts are ints; seconds are floats."""
+
+    requests: dict[str, int] = {}
+    misses: dict[str, int] = {}
+    saved_prompt_tokens: dict[str, int] = {}
+    saved_completion_tokens: dict[str, int] = {}
+    saved_engine_s: dict[str, float] = {}
+    # Tokens saved while the cost fit had no basis yet; priced (moved into saved_engine_s) once it has one.
+    unpriced_prompt_tokens: dict[str, int] = {}
+    unpriced_completion_tokens: dict[str, int] = {}
+    spent_engine_s: dict[str, float] = {}
+    spent_prompt_tokens: dict[str, int] = {}
+    spent_completion_tokens: dict[str, int] = {}
+    spent_calls: dict[str, int] = {}
+
+
+#: A request key's first 16 hex characters (64 bits) name it in the history: the file stays small, and a collision
+#: among 50,000 keys is a one-in-ten-billion chance of a miss counted under another reason.
+_KEY_CHARS = 16
+
+
+class KeyHistory:
+    """Why a key this node stored an answer under has none now: expired, evicted or flushed (None: never stored
+    here, so the miss is a first sighting). Bounded: past ``max_keys`` the oldest are forgotten (their misses then
+    read as first seen). Kept with the ledger across restarts.
+
+    A key's entry says when its answer was stored and when it expires; a flush of its tenant (or scenario, or all)
+    after it was stored makes it flushed; a removal (a caller marked it wrong) is recorded as such. Neither: the
+    quota's LRU (or the store's own LRU) evicted it.
+    """
+
+    def __init__(self, max_keys: int = 50_000) -> None:
+        self.max_keys = max_keys
+        # key -> (tenant, scenario, stored_at, expires_at, removed reason or "")
+        self._keys: dict[str, tuple[str, str, float, float, str]] = {}
+        self._flushes: dict[tuple[str, str], float] = {}  # ("" = any tenant / scenario) -> last flush time
+
+    def stored(self, tenant: str, scenario: str, key: str, expires_at: float, now: float | None = None) -> None:
+        key = key[:_KEY_CHARS]
+        self._keys.pop(key, None)  # re-inserted: the newest are kept longest
+        self._keys[key] = (tenant, scenario, time.time() if now is None else now, expires_at, "")
+        if len(self._keys) > self.max_keys:
+            del self._keys[next(iter(self._keys))]
+
+    def removed(self, key: str, reason: str) -> None:
+        key = key[:_KEY_CHARS]
+        entry = self._keys.get(key)
+        if entry is not None:
+            self._keys[key] = (*entry[:4], reason)
+
+    def flushed(self, tenant: str | None, scenario: str | None, now: float | None = None) -> None:
+        self._flushes[(tenant or "", scenario or "")] = time.time() if now is None else now
+
+    def why_gone(self, key: str, now: float | None = None) -> str | None:
+        """expired, evicted, flushed, a removal's reason, or None (never stored here)."""
+        entry = self._keys.get(key[:_KEY_CHARS])
+        if entry is None:
+            return None
+        tenant, scenario, stored_at, expires_at, removed = entry
+        flushed_at = min((at for (t, s), at in self._flushes.items()
+                          if t in ("", tenant) and s in ("", scenario) and at >= stored_at), default=None)
+        now = time.time() if now is None else now
+        if flushed_at is not None and flushed_at < min(expires_at, now):
+            return FLUSHED
+        if expires_at <= now:
+            return EXPIRED
+        return removed or EVICTED
+
+    def state(self) -> dict[str, Any]:
+        return {"keys": self._keys, "flushes": [[t, s, at] for (t, s), at in self._flushes.items()]}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self._keys = {k: tuple(v) for k, v in state.get("keys", {}).items()}  # type: ignore[misc]
+        self._flushes = {(t, s): at for t, s, at in state.get("flushes", [])}
+
+
+class _Saved(msgspec.Struct):
+    version: int
+    started_at: float
+    fit: dict[str, float]
+    rows: dict[str, Row]
+    minutes: list[tuple[int, dict[str, Row]]] = []  # (minute, rows then): the last hour's starting points
+    history: dict[str, Any] = {}
+    busy_s: float = 0.0
+
+
+_FORMAT_VERSION = 1
+
+
+def _row_key(tenant: str, scenario: str) -> str:
+    return f"{tenant}/{scenario}"
+
+
+class Ledger:
+    """Per tenant and scenario: requests, misses by reason, tokens and engine-seconds saved by layer and spent by
+    purpose. ``price_per_hour`` (with ``currency``): the box's price, for money figures (None: none are given)."""
+
+    def __init__(self, *, path: Path | None = None, price_per_hour: float | None = None, currency: str = "USD",
+                 fit_min_calls: int = 10, fit_half_life_calls: float = 500.0, parallel_calls: int | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.path = path
+        self.price_per_hour = price_per_hour
+        self.currency = currency
+        self._clock = clock
+        self.fit = CostFit(min_calls=fit_min_calls, half_life_calls=fit_half_life_calls)
+        self.meter = EngineMeter(self._engine_call_ended, parallel=parallel_calls)
+        self.history = KeyHistory()
+        self.started_at = clock()
+        self._rows: dict[tuple[str, str], Row] = {}
+        self._unpriced = False
+        self._minutes: list[tuple[int, dict[str, Row]]] = []
+        self._busy_before = 0.0  # busy seconds of earlier runs (the meter counts this run's)
+        self._dirty = False
+        if path is not None:
+            self._load(path)
+
+    # ---- recording ----
+
+    def _row(self, tenant: str, scenario: str) -> Row:
+        row = self._rows.get((tenant, scenario))
+        if row is None:
+            row = self._rows[(tenant, scenario)] = Row(requests={}, misses={}, saved_prompt_tokens={},
+                                                       saved_completion_tokens={}, saved_engine_s={},
+                                                       unpriced_prompt_tokens={}, unpriced_completion_tokens={},
+                                                       spent_engine_s={}, spent_prompt_tokens={},
+                                                       spent_completion_tokens={}, spent_calls={})
+        return row
+
+    def request(self, tenant: str, scenario: str, outcome: str, *, miss_reason: str | None = None,
+                prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+        """One request of the API, once, with its outcome (exact, semantic, shared, miss, error, rejected). A hit
+        saved ``prompt_tokens`` and ``completion_tokens``; a miss (or an error the engine raised on a miss:
+        ``miss_reason`` ENGINE_ERROR) is counted under ``miss_reason``."""
+        row = self._row(tenant, scenario)
+        row.requests[outcome] = row.requests.get(outcome, 0) + 1
+        self._dirty = True
+        if outcome in ("exact", "shared", "semantic"):
+            self._save(row, outcome, prompt_tokens, completion_tokens)
+        elif miss_reason is not None:
+            row.misses[miss_reason] = row.misses.get(miss_reason, 0) + 1
+
+    def _save(self, row: Row, layer: str, prompt_tokens: int, completion_tokens: int) -> None:
+        row.saved_prompt_tokens[layer] = row.saved_prompt_tokens.get(layer, 0) + prompt_tokens
+        row.saved_completion_tokens[layer] = row.saved_completion_tokens.get(layer, 0) + completion_tokens
+        rates = self.fit.rates()
+        if rates is None:
+            row.unpriced_prompt_tokens[layer] = row.unpriced_prompt_tokens.get(layer, 0) + prompt_tokens
+            row.unpriced_completion_tokens[layer] = row.unpriced_completion_tokens.get(layer, 0) + completion_tokens
+            self._unpriced = True
+            return
+        if self._unpriced:
+            self._price_pending(rates)
+        row.saved_engine_s[layer] = (row.saved_engine_s.get(layer, 0.0) + rates[0] * prompt_tokens
+                                     + rates[1] * completion_tokens)
+
+    def _price_pending(self, rates: tuple[float, float]) -> None:
+        """The fit has a basis now: what was saved before it is priced at its rates."""
+        self._unpriced = False
+        for row in self._rows.values():
+            for layer in set(row.unpriced_prompt_tokens) | set(row.unpriced_completion_tokens):
+                seconds = (rates[0] * row.unpriced_prompt_tokens.get(layer, 0)
+                           + rates[1] * row.unpriced_completion_tokens.get(layer, 0))
+                row.saved_engine_s[layer] = row.saved_engine_s.get(layer, 0.0) + seconds
+            row.unpriced_prompt_tokens.clear()
+            row.unpriced_completion_tokens.clear()
+
+    def _engine_call_ended(self, call: MeteredCall, tokens: tuple[int, int, int] | None) -> None:
+        row = self._row(call.tenant, call.scenario)
+        purpose = call.purpose
+        spent = call.prefill_s + call.decode_s
+        row.spent_engine_s[purpose] = row.spent_engine_s.get(purpose, 0.0) + spent
+        row.spent_calls[purpose] = row.spent_calls.get(purpose, 0) + 1
+        self._dirty = True
+        if tokens is None:
+            return
+        prompt, cached, completion = tokens
+        computed = max(0, prompt - cached)
+        row.spent_prompt_tokens[purpose] = row.spent_prompt_tokens.get(purpose, 0) + computed
+        row.spent_completion_tokens[purpose] = row.spent_completion_tokens.get(purpose, 0) + completion
+        if call.decoding:
+            self.fit.observe(call.prefill_s, computed, call.decode_s, completion)
+        else:
+            # The whole answer came at once (tool calls, logprobs): no first output split its phases. Split its
+            # time at the current rates where there are some; else it teaches the fit nothing.
+            rates = self.fit.rates()
+            if rates is not None and computed + completion > 0:
+                cost = rates[0] * computed + rates[1] * completion
+                prefill = spent * (rates[0] * computed / cost) if cost > 0 else spent
+                self.fit.observe(prefill, computed, spent - prefill, completion)
+        if cached > 0:
+            self._save(row, "kv_prefix", cached, 0)
+
+    # ---- reading ----
+
+    def rows(self, tenant: str | None = None) -> dict[str, Row]:
+        return {_row_key(t, s): row for (t, s), row in sorted(self._rows.items()) if tenant in (None, t)}
+
+    @property
+    def busy_s(self) -> float:
+        """Engine busy seconds since the ledger began (earlier runs included)."""
+        return self._busy_before + self.meter.busy_s
+
+    def fit_report(self) -> dict[str, Any]:
+        rates = self.fit.rates()
+        report: dict[str, Any] = {"calls": self.fit.calls, "min_calls": self.fit.min_calls, "ready": rates is not None,
+                                  "prefill_s_per_token": rates[0] if rates else None,
+                                  "decode_s_per_token": rates[1] if rates else None}
+        if rates is None:
+            report["why"] = (f"the engine's cost per token rests on {self.fit.calls} engine calls (it needs "
+                             f"{self.fit.min_calls} with prompt and completion tokens): engine-seconds saved are "
+                             "not given until then; the tokens saved meanwhile are priced once it has")
+        return report
+
+    def report(self, tenant: str | None = None, *, since_minute: int | None = None) -> dict[str, Any]:
+        """The ledger as /stats shows it: per ``tenant/scenario`` and in total (only ``tenant``'s rows when named),
+        since the ledger began, and over the last hour."""
+        rows = self.rows(tenant)
+        hour_ago = self._hour_ago()
+        before = {k: v for k, v in hour_ago[1].items() if k in rows} if hour_ago is not None else {}
+        body: dict[str, Any] = {
+            "since": self.started_at,
+            "fit": self.fit_report(),
+            "price": ({"per_hour": self.price_per_hour, "currency": self.currency}
+                      if self.price_per_hour is not None else None),
+            "total": self._figures(list(rows.values())),
+            "by_tenant_scenario": {name: self._figures([row]) for name, row in rows.items()},
+        }
+        last_hour = {name: _minus(row, before.get(name)) for name, row in rows.items()}
+        body["last_hour"] = {
+            "since": (hour_ago[0] * 60 if hour_ago is not None else self.started_at),
+            "total": self._figures(list(last_hour.values())),
+            "by_tenant_scenario": {name: self._figures([row]) for name, row in last_hour.items()},
+        }
+        if tenant is None:
+            body["engine_busy_s"] = self.busy_s
+        return body
+
+    def _figures(self, rows: list[Row]) -> dict[str, Any]:
+        def total(field: str) -> dict[str, float]:
+            out: dict[str, float] = {}
+            for row in rows:
+                for k, v in getattr(row, field).items():
+                    out[k] = out.get(k, 0) + v
+            return out
+
+        saved_s, spent_s = total("saved_engine_s"), total("spent_engine_s")
+        unpriced = {k: v for k, v in total("unpriced_prompt_tokens").items() if v}
+        unpriced_c = {k: v for k, v in total("unpriced_completion_tokens").items() if v}
+        saved, spent = sum(saved_s.values()), sum(spent_s.values())
+        misses = total("misses")
+        figures: dict[str, Any] = {
+            "requests": total("requests"),
+            "misses": int(sum(misses.values())),
+            "miss_reasons": misses,
+            "saved": {layer: {"prompt_tokens": int(total("saved_prompt_tokens").get(layer, 0)),
+                              "completion_tokens": int(total("saved_completion_tokens").get(layer, 0)),
+                              "engine_s": saved_s.get(layer, 0.0)}
+                      for layer in LAYERS},
+            "spent": {purpose: {"engine_s": spent_s.get(purpose, 0.0), "calls": int(total("spent_calls").get(purpose, 0)),
+                                "prompt_tokens": int(total("spent_prompt_tokens").get(purpose, 0)),
+                                "completion_tokens": int(total("spent_completion_tokens").get(purpose, 0))}
+                      for purpose in PURPOSES},
+            "saved_engine_s": saved,
+            "spent_engine_s": spent,
+            # Of the work the box would have done with no cache, the share the cache did; and how many boxes'
+            # worth of work this one did (None while nothing was spent).
+            "cache_share": saved / (saved + spent) if saved + spent > 0 else None,
+            "effective_capacity": (saved + spent) / spent if spent > 0 else None,
+        }
+        if unpriced or unpriced_c:
+            figures["unpriced_tokens"] = {"prompt": unpriced, "completion": unpriced_c}
+        if self.price_per_hour is not None:
+            per_s = self.price_per_hour / 3600.0
+            figures["cost_saved"] = {layer: saved_s.get(layer, 0.0) * per_s for layer in LAYERS}
+            figures["cost_saved_total"] = saved * per_s
+            figures["cost_spent"] = spent * per_s
+            figures["currency"] = self.currency
+        return figures
+
+    # ---- the last hour ----
+
+    def tick(self, now: float | None = None) -> None:
+        """Called every few seconds (the runtime's housekeeping): keeps the rows as they stood at the start of each
+        minute of the last hour, so the last hour's figures are now's minus an hour ago's."""
+        minute = int((self._clock() if now is None else now) // 60)
+        if self._minutes and self._minutes[-1][0] == minute:
+            return
+        self._minutes.append((minute, {name: _copy(row) for name, row in self.rows().items()}))
+        while self._minutes and self._minutes[0][0] < minute - 60:
+            self._minutes.pop(0)
+
+    def _hour_ago(self) -> tuple[int, dict[str, Row]] | None:
+        """The oldest kept minute within the last hour (None: none kept yet, so the last hour is everything)."""
+        minute = int(self._clock() // 60)
+        for at, rows in self._minutes:
+            if at >= minute - 60:
+                return at, rows
+        return None
+
+    # ---- Prometheus ----
+
+    def collector(self) -> Collector:
+        return _LedgerCollector(self)
+
+    # ---- persistence ----
+
+    def _load(self, path: Path) -> None:
+        if not path.is_file():
+            return
+        try:
+            saved = msgspec.json.decode(path.read_bytes(), type=_Saved)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            # Kept for whoever wants to read it; the ledger starts again (the next write would overwrite it).
+            aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
+            try:
+                os.replace(path, aside)
+            except OSError:
+                aside = path
+            log.error("the ledger at %s could not be read (%s); kept as %s, the ledger starts again", path, exc,
+                      aside)
+            return
+        if saved.version != _FORMAT_VERSION:
+            return
+        self.started_at = saved.started_at
+        self.fit.restore(saved.fit)
+        self._busy_before = saved.busy_s
+        for name, row in saved.rows.items():
+            tenant, scenario = name.split("/", 1)
+            self._rows[(tenant, scenario)] = row
+            self._unpriced = self._unpriced or bool(row.unpriced_prompt_tokens or row.unpriced_completion_tokens)
+        self._minutes = [(minute, rows) for minute, rows in saved.minutes]
+        self.history.restore(saved.history)
+
+    def save(self) -> None:
+        """Write the ledger (blocking: call it off the event loop, with no recording running meanwhile, or from a
+        snapshot taken on the loop: :meth:`encoded`)."""
+        if self.path is None:
+            return
+        self.write(self.encoded())
+
+    def encoded(self) -> bytes:
+        """The ledger as it stands, encoded (on the event loop: a consistent snapshot)."""
+        self._dirty = False
+        return msgspec.json.encode(_Saved(version=_FORMAT_VERSION, started_at=self.started_at, fit=self.fit.state(),
+                                          rows=self.rows(), minutes=self._minutes, history=self.history.state(),
+                                          busy_s=self.busy_s))
+
+    @property
+    def dirty(self) -> bool:
+        return self._dirty
+
+    def write(self, data: bytes) -> None:
+        """Write ``data`` (from :meth:`encoded`) to the ledger's file, atomically (blocking: a worker thread)."""
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, self.path)
+
+
+def _copy(row: Row) -> Row:
+    return msgspec.structs.replace(row, **{f: dict(getattr(row, f)) for f in row.__struct_fields__})
+
+
+def _minus(row: Row, before: Row | None) -> Row:
+    if before is None:
+        return row
+    out = _copy(row)
+    for field in row.__struct_fields__:
+        now, then = getattr(out, field), getattr(before, field)
+        for k in list(now):
+            now[k] = now[k] - then.get(k, 0)
+    return out
+
+
+class _LedgerCollector(Collector):
+    """The ledger's counters in Prometheus' conventions, read at scrape time (nothing is paid per request)."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        ledger = self.ledger
+        rows = ledger.rows()
+        saved_s = CounterMetricFamily("edgecache_saved_engine_seconds", "Engine-seconds the cache saved, by tenant, "
+                                      "scenario and layer (exact, shared, semantic: whole requests; kv_prefix: the "
+                                      "prefill of tokens the engine's prefix cache held), at the engine's measured "
+                                      "cost per token.", labels=["tenant", "scenario", "layer"])
+        saved_p = CounterMetricFamily("edgecache_saved_prompt_tokens", "Prompt tokens not computed, by tenant, "
+                                      "scenario and layer.", labels=["tenant", "scenario", "layer"])
+        saved_c = CounterMetricFamily("edgecache_saved_completion_tokens", "Completion tokens not generated, by "
+                                      "tenant, scenario and layer.", labels=["tenant", "scenario", "layer"])
+        spent_s = CounterMetricFamily("edgecache_spent_engine_seconds", "Engine busy seconds, shared out between "
+                                      "the calls running, by tenant, scenario and purpose (miss, explore, judge, "
+                                      "warmup).", labels=["tenant", "scenario", "purpose"])
+        spent_p = CounterMetricFamily("edgecache_spent_prompt_tokens", "Prompt tokens the engine computed (its "
+                                      "prefix cache's excluded), by tenant, scenario and purpose.",
+                                      labels=["tenant", "scenario", "purpose"])
+        spent_c = CounterMetricFamily("edgecache_spent_completion_tokens", "Tokens the engine generated, by tenant, "
+                                      "scenario and purpose.", labels=["tenant", "scenario", "purpose"])
+        misses = CounterMetricFamily("edgecache_misses", "Misses by tenant, scenario and reason (first_seen, "
+                                     "expired, evicted, flushed, not_cacheable, policy, engine_error, "
+                                     "semantic:<refusal>).", labels=["tenant", "scenario", "reason"])
+        cost = (CounterMetricFamily("edgecache_saved_cost", "What the engine-seconds saved cost at the box's price "
+                                    "(ledger.price_per_hour), by tenant, scenario and layer.",
+                                    labels=["tenant", "scenario", "layer", "currency"])
+                if ledger.price_per_hour is not None else None)
+        per_s = (ledger.price_per_hour or 0.0) / 3600.0
+        for name, row in rows.items():
+            tenant, scenario = name.split("/", 1)
+            for layer in LAYERS:
+                if layer in row.saved_prompt_tokens or layer in row.saved_completion_tokens:
+                    saved_p.add_metric([tenant, scenario, layer], row.saved_prompt_tokens.get(layer, 0))
+                    saved_c.add_metric([tenant, scenario, layer], row.saved_completion_tokens.get(layer, 0))
+                if layer in row.saved_engine_s:
+                    saved_s.add_metric([tenant, scenario, layer], row.saved_engine_s[layer])
+                    if cost is not None:
+                        cost.add_metric([tenant, scenario, layer, ledger.currency], row.saved_engine_s[layer] * per_s)
+            for purpose, seconds in row.spent_engine_s.items():
+                spent_s.add_metric([tenant, scenario, purpose], seconds)
+                spent_p.add_metric([tenant, scenario, purpose], row.spent_prompt_tokens.get(purpose, 0))
+                spent_c.add_metric([tenant, scenario, purpose], row.spent_completion_tokens.get(purpose, 0))
+            for reason, n in row.misses.items():
+                misses.add_metric([tenant, scenario, reason], n)
+        yield from (saved_s, saved_p, saved_c, spent_s, spent_p, spent_c, misses)
+        if cost is not None:
+            yield cost
+        busy = CounterMetricFamily("edgecache_engine_busy_seconds", "Seconds during which the engine was running "
+                                   "at least one call (since the ledger began).")
+        busy.add_metric([], ledger.busy_s)
+        yield busy
+        rates = ledger.fit.rates()
+        if rates is not None:
+            per_token = GaugeMetricFamily("edgecache_engine_seconds_per_token", "The engine's measured cost of a "
+                                          "token on this box, by phase (prefill, decode): busy time over the tokens "
+                                          "computed in it.", labels=["phase"])
+            per_token.add_metric(["prefill"], rates[0])
+            per_token.add_metric(["decode"], rates[1])
+            yield per_token
+        calls = GaugeMetricFamily("edgecache_engine_cost_fit_calls", "Engine calls the cost per token rests on.")
+        calls.add_metric([], ledger.fit.calls)
+        yield calls

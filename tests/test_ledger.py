@@ -1,0 +1,349 @@
+"""The operator's ledger: every request once, misses under one reason each, tokens and engine-seconds saved by
+layer and spent by purpose, the measured cost per token, money only with a price, a restart, and tenants apart."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from edgecache.bench.harness import serve_in_process
+from edgecache.http.app import create_app
+from edgecache.ledger import (
+    ENGINE_ERROR,
+    EVICTED,
+    EXPIRED,
+    FIRST_SEEN,
+    FLUSHED,
+    NOT_CACHEABLE,
+    POLICY,
+    CostFit,
+    EngineMeter,
+    KeyHistory,
+    Ledger,
+    MeteredCall,
+)
+from edgecache.settings import Settings
+from tests.conftest import chat_body
+from tests.fakes import FakeEngine
+
+ADMIN = {"Authorization": "Bearer sk-admin-ledger-01"}
+
+
+def auth(tenant: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer sk-{tenant}-ledger-key-01"}
+
+
+def tenants_file(path: Path, *, quota: str = "2GB") -> Path:
+    path.write_text(f'[plans.basic]\nstore_bytes = "{quota}"\n\n[admin]\nkeys = ["sk-admin-ledger-01"]\n\n'
+                    + "".join(f'[[tenants]]\nid = "{t}"\nplan = "basic"\nkeys = ["sk-{t}-ledger-key-01"]\n\n'
+                              for t in ("acme", "globex")))
+    return path
+
+
+async def settle(c: httpx.AsyncClient) -> None:
+    """Until every flight has finished (its answer stored)."""
+    rt = c.app.state.runtime  # type: ignore[attr-defined]
+    for _ in range(1000):
+        if not len(rt.inflight):
+            return
+        await asyncio.sleep(0.01)
+
+
+async def ask(c: httpx.AsyncClient, content: str, headers: dict[str, str] | None = None, **extra: Any) -> httpx.Response:
+    resp = await c.post("/v1/chat/completions", json=chat_body(content, **extra), headers=headers or {})
+    await settle(c)
+    return resp
+
+
+def ledger_of(c: httpx.AsyncClient) -> Ledger:
+    return c.app.state.runtime.ledger  # type: ignore[attr-defined]
+
+
+async def stats(c: httpx.AsyncClient, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    resp = await c.get("/stats", headers=headers or {})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+# --- the meter and the fit, on a clock the test moves ----------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_concurrent_calls_are_charged_shares_of_the_busy_time_that_add_up_to_it() -> None:
+    ended: list[MeteredCall] = []
+    clock = Clock()
+    meter = EngineMeter(lambda call, tokens: ended.append(call), clock=clock)
+    a = meter.start("t", "s", "miss")
+    clock.now = 1.0                      # a alone: 1 s of prefill
+    b = meter.start("t", "s", "miss")
+    clock.now = 3.0                      # a and b: 1 s each
+    meter.first_output(a)
+    clock.now = 4.0                      # a decoding, b prefilling: 0.5 s each
+    meter.end(a, (10, 0, 5))
+    clock.now = 6.0                      # idle
+    meter.end(b, (10, 0, 5))
+    clock.now = 9.0                      # nothing runs: not busy
+    c = meter.start("t", "s", "judge")
+    clock.now = 9.5
+    meter.end(c, None)
+    assert (a.prefill_s, a.decode_s) == (2.0, 0.5)
+    assert (b.prefill_s, b.decode_s) == (1.5 + 2.0, 0.0)
+    assert meter.busy_s == 6.5
+    assert sum(call.prefill_s + call.decode_s for call in ended) == pytest.approx(meter.busy_s)
+    meter.end(c, None)  # twice: ignored
+    assert len(ended) == 3
+
+
+def test_an_engine_that_runs_one_call_at_a_time_charges_only_the_running_call() -> None:
+    clock = Clock()
+    meter = EngineMeter(lambda call, tokens: None, parallel=1, clock=clock)
+    a = meter.start("t", "s", "miss")
+    b = meter.start("t", "s", "miss")  # waits for a (llama.cpp's lock)
+    clock.now = 2.0
+    meter.end(a, (1, 0, 1))
+    clock.now = 3.0
+    meter.end(b, (1, 0, 1))
+    assert a.prefill_s == 2.0 and b.prefill_s == 1.0 and meter.busy_s == 3.0
+
+
+def test_the_fit_has_no_rates_below_its_minimum_and_follows_a_slower_engine() -> None:
+    fit = CostFit(min_calls=5, half_life_calls=20)
+    for _ in range(4):
+        fit.observe(0.001 * 100, 100, 0.01 * 10, 10)
+    assert fit.rates() is None
+    fit.observe(0.001 * 100, 100, 0.01 * 10, 10)
+    assert fit.rates() == pytest.approx((0.001, 0.01))
+    for _ in range(200):  # the engine got twice as slow
+        fit.observe(0.002 * 100, 100, 0.02 * 10, 10)
+    prefill, decode = fit.rates()  # type: ignore[misc]
+    assert prefill == pytest.approx(0.002, rel=0.01) and decode == pytest.approx(0.02, rel=0.01)
+
+
+def test_the_key_history_tells_expired_evicted_flushed_and_first_seen_apart() -> None:
+    history = KeyHistory(max_keys=3)
+    history.stored("t", "s", "k-expired", expires_at=10.0, now=0.0)
+    history.stored("t", "s", "k-live", expires_at=100.0, now=0.0)
+    history.stored("t", "other", "k-flushed", expires_at=100.0, now=0.0)
+    history.flushed("t", "other", now=5.0)
+    assert history.why_gone("k-expired", now=20.0) == EXPIRED
+    assert history.why_gone("k-live", now=20.0) == EVICTED
+    assert history.why_gone("k-flushed", now=20.0) == FLUSHED
+    assert history.why_gone("never", now=20.0) is None
+    history.stored("t", "s", "k-new", expires_at=100.0, now=30.0)  # past max_keys: the oldest is forgotten
+    assert history.why_gone("k-expired", now=40.0) is None
+
+
+# --- through the server ----------------------------------------------------------------------------------------
+
+
+async def test_every_request_lands_in_the_ledger_once_and_each_miss_under_one_reason(
+        make_settings: Callable[..., Settings], tmp_path: Path) -> None:
+    engine = FakeEngine()
+    settings = make_settings(tenants_file=str(tenants_file(tmp_path / "tenants.toml")))
+    async with serve_in_process(create_app(settings, engine=engine)) as c:
+        acme = auth("acme")
+        sent: dict[str, str] = {}  # request -> expected outcome/reason
+
+        async def send(name: str, expected: str, content: str, headers: dict[str, str] | None = None,
+                       **extra: Any) -> None:
+            resp = await ask(c, content, {**acme, **(headers or {})}, **extra)
+            sent[name] = expected
+            assert resp.status_code in (200, 502), resp.text
+
+        await send("first", FIRST_SEEN, "What is a cache?")
+        await send("repeat", "exact", "What is a cache?")
+        await send("sampled", NOT_CACHEABLE, "Tell me a story", temperature=0.9)
+        await send("bypass", POLICY, "What is a cache?", {"X-EdgeCache-Policy": "bypass"})
+        await send("max-age", POLICY, "What is a cache?", {"Cache-Control": "max-age=0"})
+        await send("short", FIRST_SEEN, "What is a queue?", edgecache={"ttl": 0.2})
+        await asyncio.sleep(0.4)
+        await send("expired", EXPIRED, "What is a queue?")
+        await c.post("/admin/flush", json={"tenant": "acme"}, headers=ADMIN)
+        await send("flushed", FLUSHED, "What is a cache?")
+        engine.fail_after = 0
+        await send("failed", ENGINE_ERROR, "What is a heap?")
+        engine.fail_after = None
+
+        # Two identical requests at once: one engine call, one shared answer.
+        engine.gate = asyncio.Event()
+        pending = [asyncio.create_task(c.post("/v1/chat/completions", json=chat_body("What is a stack?"),
+                                              headers=acme)) for _ in range(2)]
+        while engine.running < 1:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the second joins the flight (a later arrival would be an exact hit: counted too)
+        engine.gate.set()
+        served = sorted(r.headers["x-edgecache"] for r in await asyncio.gather(*pending))
+        await settle(c)
+
+        body = await stats(c, ADMIN)
+        row = body["ledger"]["by_tenant_scenario"]["acme/default"]
+        assert sum(row["requests"].values()) == len(sent) + 2, row["requests"]
+        assert body["by_tenant"]["acme"]["default"] == row["requests"]  # the same requests the metrics count
+        reasons = row["miss_reasons"]
+        want: dict[str, int] = {}
+        for expected in [*sent.values(), *(FIRST_SEEN for s in served if s == "miss")]:
+            if expected not in ("exact", "shared"):
+                want[expected] = want.get(expected, 0) + 1
+        assert reasons == want
+        assert row["misses"] == sum(reasons.values()) == row["requests"].get("miss", 0) + 1  # + the engine error
+        assert served in (["miss", "shared"], ["exact", "miss"])
+        metrics = (await c.get("/metrics", headers=ADMIN)).text
+        assert f'edgecache_misses_total{{reason="{EXPIRED}",scenario="default",tenant="acme"}} 1.0' in metrics
+
+
+async def test_tokens_saved_by_an_exact_hit_are_the_stored_answers_and_kv_savings_the_engines_cached_tokens(
+        client: httpx.AsyncClient, fake_engine: FakeEngine) -> None:
+    fake_engine.cached_tokens = 2
+    first = (await ask(client, "one two three four five")).json()
+    await ask(client, "one two three four five")
+    saved = ledger_of(client).report()["by_tenant_scenario"]["default/default"]["saved"]
+    assert saved["exact"]["prompt_tokens"] == first["usage"]["prompt_tokens"]
+    assert saved["exact"]["completion_tokens"] == first["usage"]["completion_tokens"]
+    assert saved["kv_prefix"]["prompt_tokens"] == first["usage"]["prompt_tokens_details"]["cached_tokens"] == 2
+    assert saved["kv_prefix"]["completion_tokens"] == 0
+
+
+async def test_engine_seconds_saved_wait_for_a_fit_with_a_basis_then_price_what_was_saved_meanwhile(
+        make_settings: Callable[..., Settings]) -> None:
+    engine = FakeEngine(delay_s=0.002)
+    async with serve_in_process(create_app(make_settings(ledger__fit_min_calls=4), engine=engine)) as c:
+        await ask(c, "the first question")
+        await ask(c, "the first question")
+        report = ledger_of(c).report()
+        assert not report["fit"]["ready"] and "rests on 1 engine calls" in report["fit"]["why"]
+        assert report["total"]["saved"]["exact"]["engine_s"] == 0.0
+        assert report["total"]["unpriced_tokens"]["prompt"]["exact"] > 0
+        for i in range(3):
+            await ask(c, f"question number {i}")
+        await ask(c, "the first question")  # a hit once the fit rests on 4 calls: both hits are priced
+        report = ledger_of(c).report()
+        prefill, decode = report["fit"]["prefill_s_per_token"], report["fit"]["decode_s_per_token"]
+        assert report["fit"]["ready"] and prefill > 0 and decode > 0
+        exact = report["total"]["saved"]["exact"]
+        assert "unpriced_tokens" not in report["total"]
+        assert exact["engine_s"] == pytest.approx(prefill * exact["prompt_tokens"] + decode * exact["completion_tokens"])
+        # What was spent is the engine's busy time, shared out: the ledger's spent adds up to it.
+        assert report["total"]["spent_engine_s"] == pytest.approx(report["engine_busy_s"])
+        assert report["total"]["effective_capacity"] > 1.0
+
+
+async def test_spent_adds_up_to_the_busy_time_when_calls_run_at_once(make_settings: Callable[..., Settings]) -> None:
+    engine = FakeEngine(delay_s=0.01)
+    async with serve_in_process(create_app(make_settings(admission__max_concurrent_misses=4), engine=engine)) as c:
+        await asyncio.gather(*(c.post("/v1/chat/completions", json=chat_body(f"question {i}")) for i in range(8)))
+        await settle(c)
+        assert engine.max_running > 1
+        report = ledger_of(c).report()
+        assert report["total"]["spent"]["miss"]["calls"] == 8
+        assert report["total"]["spent_engine_s"] == pytest.approx(report["engine_busy_s"])
+
+
+async def test_money_figures_appear_only_with_a_price(make_settings: Callable[..., Settings], tmp_path: Path) -> None:
+    for price in (None, 1.23):
+        overrides: dict[str, Any] = {"data_dir": str(tmp_path / f"data-{price}"), "ledger__fit_min_calls": 1}
+        if price is not None:
+            overrides.update(ledger__price_per_hour=price, ledger__currency="CNY")
+        async with serve_in_process(create_app(make_settings(**overrides), engine=FakeEngine(delay_s=0.001))) as c:
+            await ask(c, "What is a cache?")
+            await ask(c, "What is a cache?")
+            body = await stats(c)
+            metrics = (await c.get("/metrics")).text
+            total = body["ledger"]["total"]
+            if price is None:
+                assert "cost_saved" not in total and body["ledger"]["price"] is None
+                assert "edgecache_saved_cost" not in metrics
+            else:
+                assert total["currency"] == "CNY"
+                assert total["cost_saved"]["exact"] == pytest.approx(total["saved"]["exact"]["engine_s"] * 1.23 / 3600)
+                assert 'edgecache_saved_cost_total{currency="CNY",layer="exact",scenario="default",tenant="default"}' \
+                    in metrics
+
+
+async def test_the_ledger_survives_a_restart(make_settings: Callable[..., Settings]) -> None:
+    settings = make_settings(ledger__fit_min_calls=1)
+    async with serve_in_process(create_app(settings, engine=FakeEngine(delay_s=0.001))) as c:
+        await ask(c, "What is a cache?")
+        await ask(c, "What is a cache?")
+        before = ledger_of(c).report()
+    assert (settings.data_path / "ledger" / "ledger.json").is_file()
+    async with serve_in_process(create_app(settings, engine=FakeEngine(delay_s=0.001))) as c:
+        after = ledger_of(c).report()
+        assert after["total"] == before["total"] and after["since"] == before["since"]
+        assert after["fit"]["calls"] == before["fit"]["calls"]
+        await c.post("/admin/flush", json={"all": True})
+        # The key history came back too: a repeat after the flush is counted as flushed, not first seen.
+        assert (await ask(c, "What is a cache?")).headers["x-edgecache"] == "miss"
+        assert ledger_of(c).report()["total"]["miss_reasons"][FLUSHED] == 1
+
+
+async def test_a_damaged_ledger_file_is_moved_aside_and_the_ledger_starts_again(
+        make_settings: Callable[..., Settings]) -> None:
+    settings = make_settings()
+    path = settings.data_path / "ledger" / "ledger.json"
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    async with serve_in_process(create_app(settings, engine=FakeEngine())) as c:
+        assert (await ask(c, "What is a cache?")).status_code == 200
+        assert ledger_of(c).report()["total"]["misses"] == 1
+    assert [p.name for p in path.parent.glob("ledger.json.damaged-*")], "the damaged file was not kept"
+    assert json.loads(path.read_text())["version"] == 1
+
+
+async def test_a_tenants_key_sees_only_its_own_figures_and_the_admin_key_sees_all(
+        make_settings: Callable[..., Settings], tmp_path: Path) -> None:
+    settings = make_settings(tenants_file=str(tenants_file(tmp_path / "tenants.toml")))
+    async with serve_in_process(create_app(settings, engine=FakeEngine())) as c:
+        for tenant in ("acme", "globex"):
+            await ask(c, f"a question of {tenant}", auth(tenant))
+            await ask(c, f"a question of {tenant}", auth(tenant))
+        mine = await stats(c, auth("acme"))
+        assert mine["tenant"] == "acme"
+        assert "globex" not in json.dumps(mine)
+        assert set(mine["ledger"]["by_tenant_scenario"]) == {"acme/default"}
+        assert mine["ledger"]["total"]["requests"] == {"miss": 1, "exact": 1}
+        admin = await stats(c, ADMIN)
+        assert set(admin["ledger"]["by_tenant_scenario"]) == {"acme/default", "globex/default"}
+        assert admin["ledger"]["total"]["requests"] == {"miss": 2, "exact": 2}
+        one = await c.get("/stats", params={"tenant": "globex"}, headers=ADMIN)
+        assert set(one.json()["ledger"]["by_tenant_scenario"]) == {"globex/default"}
+        assert (await c.get("/stats", headers={"Authorization": "Bearer sk-nobody-0000001"})).status_code == 401
+        assert (await c.get("/metrics", headers=auth("acme"))).status_code == 401
+
+
+async def test_a_refused_semantic_candidate_is_its_misses_reason_and_its_similarity_is_kept(
+        make_settings: Callable[..., Settings]) -> None:
+    async with serve_in_process(create_app(make_settings(semantic__enabled=True), engine=FakeEngine())) as c:
+        await ask(c, "How do I reset my password?")
+        resp = await ask(c, "How can I reset my password?")
+        assert resp.headers["x-edgecache"] == "miss"  # an untaught learner serves no paraphrase
+        reasons = ledger_of(c).report()["total"]["miss_reasons"]
+        assert reasons.pop(FIRST_SEEN) == 1
+        [(reason, n)] = reasons.items()
+        assert reason.startswith("semantic:") and n == 1
+        metrics = (await c.get("/metrics")).text
+        assert 'edgecache_semantic_miss_similarity_count{scenario="default"} 1.0' in metrics
+
+
+async def test_an_eviction_at_quota_is_counted_as_evicted(make_settings: Callable[..., Settings],
+                                                          tmp_path: Path) -> None:
+    settings = make_settings(tenants_file=str(tenants_file(tmp_path / "tenants.toml", quota="200KB")),
+                             store__memory_bytes=1)
+    async with serve_in_process(create_app(settings, engine=FakeEngine())) as c:
+        for i in range(60):  # ~10 KB answers: 600 KB into a 200 KB quota
+            await ask(c, f"flood {i}: " + "x" * 10_000, auth("acme"))
+        resp = await ask(c, "flood 0: " + "x" * 10_000, auth("acme"))
+        assert resp.headers["x-edgecache"] == "miss"
+        assert ledger_of(c).report()["total"]["miss_reasons"].get(EVICTED) == 1
