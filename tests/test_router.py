@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from edgecache.bench.harness import free_port
-from tests.redis_server import RedisServer
 from tests.real_server import MODEL, Server
+from tests.redis_server import RedisServer
 from tests.test_app import sse_events, sse_text
 from tests.test_tenants import auth, write_tenants_file
 
@@ -245,8 +245,8 @@ def shape(resp: httpx.Response) -> Any:
         sorted(body["usage"])
 
 
-@pytest.mark.parametrize(("path", "body"), SAME_THROUGH_THE_ROUTER,
-                         ids=[f"{'chat' if 'chat' in p else 'text'}-{i}" for i, (p, _) in enumerate(SAME_THROUGH_THE_ROUTER)])
+@pytest.mark.parametrize(("path", "body"), SAME_THROUGH_THE_ROUTER, ids=[
+    f"{'chat' if 'chat' in p else 'text'}-{i}" for i, (p, _) in enumerate(SAME_THROUGH_THE_ROUTER)])
 def test_the_api_tests_requests_are_answered_the_same_through_the_router(
         router: Router, nodes: list[Server], path: str, body: dict[str, Any]) -> None:
     direct = post(nodes[0].url, path, body)

@@ -99,8 +99,8 @@ def _response_id(summary: str, answer: type, *, query: list[dict[str, Any]] | No
 
 def openapi_document(version: str) -> dict[str, Any]:
     structs = (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ChatCompletion, ChatCompletionChunk,
-               TextCompletion, EmbeddingList, ModelList, ModelCard, ModelInfo, ServerInfo, ErrorBody, WarmupBatch, MessagesRequest,
-               CountTokensRequest, MessageOut, TokenCount, AnthropicError, ResponseCreateRequest, *INPUT_ITEMS,
+               TextCompletion, EmbeddingList, ModelList, ModelCard, ModelInfo, ServerInfo, ErrorBody, WarmupBatch,
+               MessagesRequest, CountTokensRequest, MessageOut, TokenCount, AnthropicError, ResponseCreateRequest, *INPUT_ITEMS,
                FunctionTool, NamespaceTool, FunctionToolChoice, AllowedToolChoice, ResponseObject, DeletedResponse, InputItemList,
                FeedbackRequest, FeedbackReply)
     _, components = msgspec.json.schema_components(structs, ref_template=_REF)

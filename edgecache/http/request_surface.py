@@ -359,7 +359,8 @@ class _CommonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sampling_seed: Annotated[int, Meta(ge=0)] | None = None
     # SGLang's own, refused when set (REFUSED_WHEN_SET); SGLang's router adds the switches at false to every body.
     no_stop_trim: Annotated[bool | None, refused_when_set("no_stop_trim", False)] = None
-    return_hidden_states: Annotated[bool | Literal["last"] | None, refused_when_set("return_hidden_states", False)] = None
+    return_hidden_states: Annotated[bool | Literal["last"] | None,
+                                    refused_when_set("return_hidden_states", False)] = None
     return_routed_experts: Annotated[bool | None, refused_when_set("return_routed_experts", False)] = None
     return_cached_tokens_details: Annotated[bool | None, refused_when_set("return_cached_tokens_details", False)] = None
     return_token_ids: Annotated[bool | None, refused_when_set("return_token_ids", False)] = None
