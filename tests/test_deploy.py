@@ -1,4 +1,5 @@
-"""The monitoring assets in deploy/: the Grafana dashboard and the Prometheus rules.
+"""The assets in deploy/: the Grafana dashboard and the Prometheus rules, the systemd unit, the Docker files and the
+Kubernetes manifests.
 
 Every metric name in every PromQL expression must be one the server really exports, checked against a live
 registry (``Metrics()`` with an admission gate tracked, as the app builds it), or a recording rule defined in
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -346,6 +348,8 @@ DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile"
 DOCKERIGNORE = ROOT / "deploy" / "docker" / "Dockerfile.dockerignore"
 COMPOSE = ROOT / "deploy" / "docker" / "docker-compose.yml"
 TENANTS_EXAMPLE = ROOT / "deploy" / "docker" / "tenants.example.toml"
+ROUTER_DOCKERFILE = ROOT / "deploy" / "docker" / "Dockerfile.router"
+KUBERNETES = ROOT / "deploy" / "kubernetes"
 # systemd 254 added these two (the growing back-off); an older systemd-analyze warns that it does not know them.
 NEWER_SYSTEMD_KEYS = ("RestartSteps", "RestartMaxDelaySec")
 
@@ -466,7 +470,7 @@ def test_the_dockerfile_builds_llama_cpp_portably() -> None:
 def test_compose_runs_three_nodes_and_redis() -> None:
     compose = yaml.safe_load(COMPOSE.read_text())
     services = compose["services"]
-    nodes = {name: s for name, s in services.items() if name != "redis"}
+    nodes = {name: s for name, s in services.items() if name not in ("redis", "router")}
     assert set(nodes) == {"node1", "node2", "node3"}
     assert services["redis"]["healthcheck"]["test"]
     ports, volumes = set(), set()
@@ -492,3 +496,134 @@ def test_the_tenants_example_loads() -> None:
 
     directory = TenantDirectory.from_file(str(TENANTS_EXAMPLE))
     assert directory.get("acme") is not None
+
+
+def router_requirement() -> str:
+    """The sglang-router the dev extra pins (tests/test_router.py runs it): the images must build the same one."""
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["dev"]
+    return next(r for r in extra if r.startswith("sglang-router=="))
+
+
+def test_compose_puts_the_router_in_front_of_every_node() -> None:
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    router = services["router"]
+    nodes = sorted(name for name in services if name.startswith("node"))
+    command = router["command"]
+    urls = command[command.index("--worker-urls") + 1:]
+    assert urls == [f"http://{name}:8000" for name in nodes]
+    assert command[command.index("--policy") + 1] == "cache_aware"
+    assert all(router["depends_on"][name]["condition"] == "service_healthy" for name in nodes)
+    assert (COMPOSE.parent / router["build"]["context"] / router["build"]["dockerfile"]).resolve() == \
+        ROUTER_DOCKERFILE
+    version = router_requirement().split("==")[1]
+    assert router["image"].endswith(":" + version)
+    steps = dockerfile_instructions(ROUTER_DOCKERFILE.read_text())
+    assert any(w == "RUN" and router_requirement() in rest for w, rest in steps)
+    assert json.loads(next(rest for w, rest in steps if w == "ENTRYPOINT")) == \
+        ["python", "-m", "sglang_router.launch_router"]
+    assert not any(w in ("COPY", "ADD") for w, _ in steps)
+
+
+# ------------------------------------------------------------------------------------------------- Kubernetes
+
+KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")
+
+
+def kubernetes_validate(*paths: Path, version: str) -> subprocess.CompletedProcess[str]:
+    """The kubernetes-validate command (the dev extra installs it), strict: an unknown field is an error too."""
+    import sys
+
+    program = Path(sys.executable).with_name("kubernetes-validate")
+    assert program.exists(), "kubernetes-validate is not installed (pip install -e '.[dev]'; .ci/run does)"
+    return subprocess.run([str(program), "--strict", "--quiet", "-k", version, *map(str, paths)],
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def manifests() -> list[Path]:
+    return sorted(p for p in KUBERNETES.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def resources() -> dict[tuple[str, str], dict]:
+    """(kind, name) -> resource, over every manifest."""
+    out = {}
+    for path in manifests():
+        for doc in yaml.safe_load_all(path.read_text()):
+            out[(doc["kind"], doc["metadata"]["name"])] = doc
+    return out
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_kubernetes_validate_passes_every_manifest(version: str) -> None:
+    result = kubernetes_validate(*manifests(), version=version)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("what", "breaks"), [
+    ("a misspelt field", lambda s: s.replace("livenessProbe:", "livenesProbe:", 1)),
+    ("a number as a word", lambda s: s.replace("replicas: 3", 'replicas: "three"', 1)),
+    ("no selector", lambda s: s.replace("  selector:\n    matchLabels:\n      app.kubernetes.io/name: edgecache\n",
+                                        "", 1)),
+])
+def test_kubernetes_validate_fails_a_broken_manifest(tmp_path: Path, what: str, breaks: Any) -> None:
+    text = (KUBERNETES / "edgecache.yaml").read_text()
+    broken = breaks(text)
+    assert broken != text, what
+    path = tmp_path / "broken.yaml"
+    path.write_text(broken)
+    result = kubernetes_validate(path, version=KUBERNETES_VERSIONS[-1])
+    assert result.returncode != 0, (what, result.stdout)
+
+
+def test_the_kustomization_lists_every_manifest() -> None:
+    kustomization = yaml.safe_load((KUBERNETES / "kustomization.yaml").read_text())
+    assert kustomization["kind"] == "Kustomization"
+    assert sorted(kustomization["resources"]) == sorted(p.name for p in manifests())
+
+
+def test_the_nodes_keep_their_data_on_a_volume_with_keys_from_the_secret_and_probes_on_health(
+        tmp_path: Path) -> None:
+    found = resources()
+    nodes = found[("StatefulSet", "edgecache")]
+    pod = nodes["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    args = container["args"]
+    assert args[0] == "serve" and args[args.index("--redis") + 1] == "redis://redis:6379/0"
+    port = container["ports"][0]["containerPort"]
+    assert args[args.index("--port") + 1] == str(port)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["path"] == "/health", probe
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert [t["metadata"]["name"] for t in nodes["spec"]["volumeClaimTemplates"]] == ["data"]
+    assert mounts["data"]["mountPath"] == env["EDGECACHE_DATA_DIR"] == "/var/lib/edgecache"
+    tenants_path = args[args.index("--tenants") + 1]
+    assert Path(tenants_path).parent == Path(mounts["tenants"]["mountPath"]) and mounts["tenants"]["readOnly"]
+    secret_name = next(v["secret"]["secretName"] for v in pod["volumes"] if v["name"] == "tenants")
+    secret = found[("Secret", secret_name)]
+    assert set(secret["stringData"]) == {Path(tenants_path).name}
+    from edgecache.tenants import TenantDirectory
+
+    # the example in the Secret is a tenants file the server loads
+    path = tmp_path / Path(tenants_path).name
+    path.write_text(secret["stringData"][path.name])
+    assert TenantDirectory.from_file(str(path)).get("acme") is not None
+    # the headless Service names the nodes for the router, and Redis has its Deployment and Service
+    service = found[("Service", nodes["spec"]["serviceName"])]
+    assert service["spec"]["clusterIP"] == "None"
+    assert found[("Deployment", "redis")] and found[("Service", "redis")]
+
+
+def test_the_router_names_every_node_and_runs_the_tested_version() -> None:
+    found = resources()
+    nodes = found[("StatefulSet", "edgecache")]
+    router = found[("Deployment", "edgecache-router")]["spec"]["template"]["spec"]["containers"][0]
+    args = router["args"]
+    urls = args[args.index("--worker-urls") + 1:]
+    service, port = nodes["spec"]["serviceName"], nodes["spec"]["template"]["spec"]["containers"][0]["ports"][0]
+    assert urls == [f"http://edgecache-{i}.{service}:{port['containerPort']}" for i in range(nodes["spec"]["replicas"])]
+    assert args[args.index("--policy") + 1] == "cache_aware"
+    assert router["image"].endswith(":" + router_requirement().split("==")[1])
+    assert router["readinessProbe"]["httpGet"]["path"] == "/readiness"
+    assert found[("Service", "edgecache-router")]

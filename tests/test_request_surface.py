@@ -373,3 +373,105 @@ def test_tools_tool_choice_and_response_format_name_the_semantic_namespace() -> 
     # The user's text is what is embedded, never part of the namespace.
     paraphrase = msgspec.structs.replace(base, messages=(Message("user", "Weather in Paris now?"),))
     assert probe_for(paraphrase, "m@1").namespace == namespaces[0]  # type: ignore[union-attr]
+
+
+# What SGLang's router 0.3.2 adds to every body it forwards (its fields at their defaults), beside max_tokens
+# renamed max_completion_tokens: tests/test_router.py sends requests through the real router.
+ROUTER_CHAT_DEFAULTS = {"logprobs": False, "no_stop_trim": False, "ignore_eos": False, "continue_final_message": False,
+                        "skip_special_tokens": True, "separate_reasoning": True, "stream_reasoning": True,
+                        "return_hidden_states": False}
+ROUTER_COMPLETION_DEFAULTS = {"echo": False, "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True,
+                              "return_hidden_states": False}
+
+
+async def test_what_sglang_s_router_adds_is_accepted_and_shares_the_key(
+        client: httpx.AsyncClient, fake_engine: FakeEngine) -> None:
+    from edgecache.http.request_surface import SGLANG_PASSED_OVER
+
+    first = await client.post("/v1/chat/completions", json=chat_body("routed"))
+    assert first.headers["x-edgecache"] == "miss"
+    routed = chat_body("routed", **ROUTER_CHAT_DEFAULTS)
+    routed["max_completion_tokens"] = routed.pop("max_tokens")
+    passed_over = {"rid": "r1", "extra_key": ["k"], "priority": 3, "custom_labels": {"team": "a"}, "routing_id": "w1",
+                   "bootstrap_host": "10.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 7, "routed_dp_rank": 0,
+                   "data_parallel_rank": 0, "disagg_prefill_dp_rank": 0, "separate_reasoning": False,
+                   "stream_reasoning": False}
+    assert set(passed_over) == set(SGLANG_PASSED_OVER)
+    off = {"return_routed_experts": False, "return_cached_tokens_details": False, "return_token_ids": False,
+           "return_prompt_token_ids": False, "return_meta_info": False, "regex": None, "lora_path": None,
+           "stream_options": {"include_usage": True, "continuous_usage_stats": False}}
+    for body in (routed, {**routed, **passed_over}, {**routed, **off, "stream": True}):
+        resp = await client.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, (body, resp.text)
+        assert resp.headers["x-edgecache"] == "exact", body
+    text = {"model": "fake-model", "prompt": "routed", "max_tokens": 8, "temperature": 0}
+    assert (await client.post("/v1/completions", json=text)).headers["x-edgecache"] == "miss"
+    resp = await client.post("/v1/completions", json={**text, **ROUTER_COMPLETION_DEFAULTS, "rid": "r2",
+                                                      "json_schema": None})
+    assert resp.status_code == 200 and resp.headers["x-edgecache"] == "exact", resp.text
+    assert fake_engine.calls == 2
+
+
+async def test_sampling_seed_is_the_seed(client: httpx.AsyncClient, fake_engine: FakeEngine) -> None:
+    first = await client.post("/v1/chat/completions", json=chat_body("seeded", seed=7, temperature=0.7))
+    again = await client.post("/v1/chat/completions", json=chat_body("seeded", sampling_seed=7, temperature=0.7))
+    other = await client.post("/v1/chat/completions", json=chat_body("seeded", sampling_seed=8, temperature=0.7))
+    assert [r.headers["x-edgecache"] for r in (first, again, other)] == ["miss", "exact", "miss"]
+    assert fake_engine.requests[-1].params.seed == 8
+    error = assert_openai_error(await client.post("/v1/chat/completions", json=chat_body(
+        "seeded", seed=7, sampling_seed=8)), 400)
+    assert error["param"] == "sampling_seed"
+
+
+@pytest.mark.parametrize(("route", "field", "value"), [
+    ("/v1/chat/completions", "no_stop_trim", True),
+    ("/v1/chat/completions", "continue_final_message", True),
+    ("/v1/chat/completions", "return_hidden_states", True),
+    ("/v1/chat/completions", "return_hidden_states", "last"),
+    ("/v1/chat/completions", "return_token_ids", True),
+    ("/v1/chat/completions", "return_meta_info", True),
+    ("/v1/chat/completions", "regex", "[a-z]+"),
+    ("/v1/chat/completions", "ebnf", 'root ::= "a"'),
+    ("/v1/chat/completions", "stop_regex", ["x+"]),
+    ("/v1/chat/completions", "lora_path", "adapter"),
+    ("/v1/chat/completions", "session_params", {"id": "s"}),
+    ("/v1/chat/completions", "custom_logit_processor", "{}"),
+    ("/v1/chat/completions", "input_ids", [1, 2]),
+    ("/v1/completions", "no_stop_trim", True),
+    ("/v1/completions", "json_schema", "{}"),
+    ("/v1/completions", "regex", "a"),
+    ("/v1/completions", "return_hidden_states", True),
+])
+async def test_sglang_s_fields_that_change_the_answer_are_400s_naming_them(
+        client: httpx.AsyncClient, fake_engine: FakeEngine, route: str, field: str, value: Any) -> None:
+    body = chat_body("x") if route == "/v1/chat/completions" else {"model": "fake-model", "prompt": "x"}
+    error = assert_openai_error(await client.post(route, json={**body, field: value}), 400)
+    assert error["param"] == field and field in error["message"], error
+    assert fake_engine.calls == 0
+
+
+async def test_continuous_usage_stats_and_a_completion_only_field_on_chat_are_refused(
+        client: httpx.AsyncClient) -> None:
+    error = assert_openai_error(await client.post("/v1/chat/completions", json=chat_body(
+        "x", stream=True, stream_options={"continuous_usage_stats": True})), 400)
+    assert error["param"] == "stream_options.continuous_usage_stats"
+    # chat has response_format, not SGLang's completions-only json_schema: an unknown field, named
+    error = assert_openai_error(await client.post("/v1/chat/completions", json=chat_body("x", json_schema="{}")), 400)
+    assert error["param"] == "json_schema"
+    error = assert_openai_error(await client.post("/v1/completions", json={
+        "model": "fake-model", "prompt": "x", "continue_final_message": False}), 400)
+    assert error["param"] == "continue_final_message"
+
+
+async def test_sglang_s_router_discovery_routes(client: httpx.AsyncClient) -> None:
+    for path in ("/model_info", "/get_model_info"):
+        info = (await client.get(path)).json()
+        assert info["served_model_name"] == info["model_id"] == "fake-model" and info["is_generation"] is True
+        # a model_path would send the router to download a tokenizer
+        assert "model_path" not in info and "tokenizer_path" not in info
+    for path in ("/server_info", "/get_server_info"):
+        info = (await client.get(path)).json()
+        assert info["served_model_name"] == "fake-model" and info["dp_size"] == 1
+        assert info["max_running_requests"] >= 1
+    doc = (await client.get("/openapi.json")).json()
+    assert {"/model_info", "/get_model_info", "/server_info", "/get_server_info"} <= set(doc["paths"])

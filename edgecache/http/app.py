@@ -3,7 +3,8 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``POST /v1/responses`` with
 ``GET``/``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` (OpenAI), ``POST /v1/messages``
 and ``POST /v1/messages/count_tokens`` (Anthropic, whose errors come in Anthropic's shape), ``GET /health``
-(503 while the model loads), ``GET /metrics`` (Prometheus), ``GET /stats`` (JSON), ``POST /admin/flush`` and
+(503 while the model loads), ``GET /model_info`` and ``GET /server_info`` (what SGLang's router reads of a worker),
+``GET /metrics`` (Prometheus), ``GET /stats`` (JSON), ``POST /admin/flush`` and
 ``POST /admin/warmup`` (admin key when there is a tenants file), ``POST /v1/feedback`` (a caller marks a response
 right or wrong: :mod:`edgecache.http.feedback`). The state they share is a
 :class:`~edgecache.runtime.Runtime`.
@@ -55,7 +56,7 @@ from edgecache.http.calls import apply_headers, read_body, read_headers
 from edgecache.http.embeddings import EmbeddingRequest, embed
 from edgecache.http.feedback import FeedbackRequest, apply_feedback
 from edgecache.http.front import Front
-from edgecache.http.openai_api import ModelCard, ModelList, ResponseWriter
+from edgecache.http.openai_api import ModelCard, ModelInfo, ModelList, ResponseWriter, ServerInfo
 from edgecache.http.openapi import openapi_document
 from edgecache.http.replies import RawAnswer, respond
 from edgecache.http.request_surface import check_engine_supports, decode_body
@@ -237,6 +238,21 @@ async def retrieve_model(state: State, model_id: Annotated[str, PathParameter()]
             return Response(_json.encode(card), media_type=JSON)
     raise ModelNotFound(f"the model {model_id!r} does not exist here; this server serves "
                         f"{', '.join(repr(c.id) for c in _model_cards(rt))}", param="model")
+
+
+@get(["/model_info", "/get_model_info"])
+async def model_info(state: State) -> Response[Any]:
+    rt = _runtime(state)
+    model = rt.engine.model_id
+    return Response(_json.encode(ModelInfo(model_id=model, served_model_name=model, weight_version=rt.engine.version)),
+                    media_type=JSON)
+
+
+@get(["/server_info", "/get_server_info"])
+async def server_info(state: State) -> Response[Any]:
+    rt = _runtime(state)
+    return Response(_json.encode(ServerInfo(served_model_name=rt.engine.model_id, version=state.version, dp_size=1,
+                                            max_running_requests=rt.admission.max_running)), media_type=JSON)
 
 
 @post("/v1/embeddings", status_code=200)
@@ -457,9 +473,10 @@ def create_app(settings: Settings, engine: Engine | None = None,
     app = Litestar(
         route_handlers=[chat_completions, completions, create_response, retrieve_response, delete_response,
                         response_input_items, messages, count_tokens, feedback, embeddings, list_models,
-                        retrieve_model, openapi_json, health, metrics, stats, admin_flush, admin_warmup],
+                        retrieve_model, model_info, server_info, openapi_json, health, metrics, stats, admin_flush,
+                        admin_warmup],
         lifespan=[lifespan],
-        state=State({"openapi": _json.encode(openapi_document(_package_version()))}),
+        state=State({"openapi": _json.encode(openapi_document(_package_version())), "version": _package_version()}),
         exception_handlers={Exception: _error_response},
         request_max_body_size=settings.server.max_body_bytes,
         openapi_config=None,

@@ -191,6 +191,29 @@ class ModelList(msgspec.Struct):
     object: str = "list"
 
 
+class ModelInfo(msgspec.Struct):
+    """``GET /model_info`` (and SGLang's older ``/get_model_info``), as SGLang's router reads it when it registers
+    a worker. No ``model_path`` or ``tokenizer_path``: the router would take either for a Hugging Face repository
+    and try to download its tokenizer; it routes by text and needs none."""
+
+    model_id: str
+    served_model_name: str
+    weight_version: str
+    is_generation: bool = True
+    has_image_understanding: bool = False
+    has_audio_understanding: bool = False
+
+
+class ServerInfo(msgspec.Struct):
+    """``GET /server_info`` (and ``/get_server_info``): what SGLang's router reads of a worker at registration
+    (the served model's name, one data-parallel rank, how many requests it runs at once)."""
+
+    served_model_name: str
+    version: str
+    dp_size: int
+    max_running_requests: int
+
+
 def usage(counts: Counts) -> Usage:
     return Usage(prompt_tokens=counts.prompt, completion_tokens=counts.completion,
                  total_tokens=counts.prompt + counts.completion,

@@ -16,7 +16,15 @@ from edgecache.errors import ErrorBody
 from edgecache.http.anthropic_api import AnthropicError, CountTokensRequest, MessageOut, MessagesRequest, TokenCount
 from edgecache.http.embeddings import EmbeddingList, EmbeddingRequest
 from edgecache.http.feedback import FeedbackReply, FeedbackRequest
-from edgecache.http.openai_api import ChatCompletion, ChatCompletionChunk, ModelCard, ModelList, TextCompletion
+from edgecache.http.openai_api import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ModelCard,
+    ModelInfo,
+    ModelList,
+    ServerInfo,
+    TextCompletion,
+)
 from edgecache.http.request_surface import SCHEMA_RULES, ChatCompletionRequest, CompletionRequest
 from edgecache.http.responses_api import (
     INPUT_ITEMS,
@@ -91,8 +99,8 @@ def _response_id(summary: str, answer: type, *, query: list[dict[str, Any]] | No
 
 def openapi_document(version: str) -> dict[str, Any]:
     structs = (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ChatCompletion, ChatCompletionChunk,
-               TextCompletion, EmbeddingList, ModelList, ModelCard, ErrorBody, WarmupBatch, MessagesRequest,
-               CountTokensRequest, MessageOut, TokenCount, AnthropicError, ResponseCreateRequest, *INPUT_ITEMS,
+               TextCompletion, EmbeddingList, ModelList, ModelCard, ModelInfo, ServerInfo, ErrorBody, WarmupBatch,
+               MessagesRequest, CountTokensRequest, MessageOut, TokenCount, AnthropicError, ResponseCreateRequest, *INPUT_ITEMS,
                FunctionTool, NamespaceTool, FunctionToolChoice, AllowedToolChoice, ResponseObject, DeletedResponse, InputItemList,
                FeedbackRequest, FeedbackReply)
     _, components = msgspec.json.schema_components(structs, ref_template=_REF)
@@ -147,6 +155,13 @@ def openapi_document(version: str) -> dict[str, Any]:
                 "responses": {"200": {"description": "OK",
                                       "content": {"application/json": {"schema": _ref(ModelCard)}}},
                               **_errors(404)}}},
+            **{path: {"get": {"summary": summary, "responses": {"200": {
+                "description": "OK", "content": {"application/json": {"schema": _ref(shape)}}}}}}
+               for path, summary, shape in (
+                   ("/model_info", "The served model, as SGLang's router reads a worker's", ModelInfo),
+                   ("/get_model_info", "The same as /model_info (SGLang's older name)", ModelInfo),
+                   ("/server_info", "The server, as SGLang's router reads a worker's", ServerInfo),
+                   ("/get_server_info", "The same as /server_info (SGLang's older name)", ServerInfo))},
             "/health": {"get": {"summary": "Ready, degraded (and why) or failed", "responses": {
                 **plain_json, "503": {"description": "Not ready"}}}},
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {

@@ -7,14 +7,16 @@ Each field is one of three kinds:
   copied into the :class:`~edgecache.engines.base.GenerationRequest`, the whole of which is the cache key, and the
   running engine must honour it; an engine that cannot is named in a 400 (:func:`check_engine_supports`), because
   ignoring the field would serve an answer the caller did not ask for, and cache it under a key that says it did;
-- **cannot change the output** (``store``, ``metadata``, ``service_tier``, ``user``, ``stream``,
+- **cannot change the output** (``store``, ``metadata``, ``service_tier``, ``user``, ``stream``, SGLang's request
+  ids, priorities and routing hints (:data:`SGLANG_PASSED_OVER`),
   ``stream_options``, ``prediction``, ``prompt_cache_key``, ``prompt_cache_retention``, ``safety_identifier``, the
   assistant history's ``reasoning_content`` / ``reasoning`` / ``annotations`` that other servers echo back, and
   "off" values such as ``logprobs: false``, ``response_format: {"type": "text"}``, ``logit_bias: {}``, ``n: 1``,
   ``tool_choice: "none"`` without tools): accepted and left out of the key, so it never splits the cache;
 - **refused when set** (:data:`REFUSED_WHEN_SET`): a field OpenAI defines that no engine here can honour (audio
-  output, web search, the deprecated ``functions``). The OpenAPI document says such a field may only be null, so
-  the schema and the server agree;
+  output, web search, the deprecated ``functions``), or one of SGLang's own that changes the answer in a way no
+  engine here does (``regex``, ``lora_path``, ``no_stop_trim: true``, ...). The OpenAPI document says such a field
+  may only be null (or its "off" value, false), so the schema and the server agree;
 - **unknown**: a 400 naming it, as OpenAI answers. A typo (``max_token``) must not pass as a default.
 
 Normalisation happens here once: a field's "off" value and its absence build the same request, so they share a key.
@@ -52,24 +54,62 @@ MAX_TOOLS = 128
 MAX_STOPS = 4
 MAX_STOP_TOKEN_IDS = 64
 
-#: The fields OpenAI defines that are refused when set (any value but null), each with why.
+#: The fields refused when set (any value but null, or false for a switch), each with why: OpenAI's that no engine
+#: here can honour, and SGLang's own (its OpenAI surface's extensions; its router adds the switches to every body it
+#: forwards, at false) that would change the answer in a way no engine here does.
 REFUSED_WHEN_SET: dict[str, str] = {
     "audio": "audio output needs an audio model; this server's model is text-only",
     "web_search_options": "this server does not search the web",
     "functions": "functions is deprecated and not supported; send tools",
     "function_call": "function_call is deprecated and not supported; send tool_choice",
+    # SGLang's
+    "no_stop_trim": "this server's engines leave the matched stop string out of the answer",
+    "continue_final_message": "this server's engines answer after the last message; they do not continue it",
+    "return_hidden_states": "this server's engines do not return hidden states",
+    "return_routed_experts": "this server's engines do not return routed experts",
+    "return_cached_tokens_details": "usage.prompt_tokens_details.cached_tokens is the cached-token count here",
+    "return_token_ids": "this server's answers carry text, not token ids",
+    "return_prompt_token_ids": "this server's answers carry text, not token ids",
+    "return_meta_info": "this server's answers carry no SGLang meta info",
+    "regex": "constrained decoding here takes response_format or tools",
+    "ebnf": "constrained decoding here takes response_format or tools",
+    "json_schema": "constrained decoding here takes response_format on /v1/chat/completions",
+    "stop_regex": "stop takes strings here",
+    "lora_path": "this server serves one model without adapters",
+    "session_id": "this server keeps no SGLang sessions",
+    "session_params": "this server keeps no SGLang sessions",
+    "custom_logit_processor": "this server runs no custom logit processors",
+    "custom_params": "this server runs no custom logit processors",
+    "input_ids": "the prompt is built from messages here; send the messages",
+    "continuous_usage_stats": "usage comes once, at the end of the stream (stream_options.include_usage)",
 }
 
+#: SGLang's fields that cannot change the answer: request ids, a priority, and the hints its router and its
+#: disaggregated serving add (the router's ``routing_id`` names a worker under its manual policy). Accepted with any
+#: value and left out of the key. ``separate_reasoning`` and ``stream_reasoning`` are here too: they only split a
+#: reasoning parser's output into ``reasoning_content``, and no engine here splits it, so either value gives the
+#: same answer.
+SGLANG_PASSED_OVER = ("rid", "extra_key", "priority", "custom_labels", "routing_id", "bootstrap_host",
+                      "bootstrap_port", "bootstrap_room", "routed_dp_rank", "data_parallel_rank",
+                      "disagg_prefill_dp_rank", "separate_reasoning", "stream_reasoning")
 
-def refused_when_set(name: str) -> Meta:
-    """The schema of a :data:`REFUSED_WHEN_SET` field: null only (beside the type's own ``anyOf``, which still says
-    what OpenAI's field holds), and why."""
-    return Meta(extra_json_schema={"type": "null", "description": f"Refused when set: {REFUSED_WHEN_SET[name]}."})
+#: SGLang's fields of :data:`REFUSED_WHEN_SET` that both request bodies (chat and completions) have.
+SGLANG_REFUSED = ("no_stop_trim", "return_hidden_states", "return_routed_experts", "return_cached_tokens_details",
+                  "return_token_ids", "regex", "ebnf", "stop_regex", "lora_path", "session_id", "session_params",
+                  "custom_logit_processor", "custom_params")
+
+
+def refused_when_set(name: str, off: bool | None = None) -> Meta:
+    """The schema of a :data:`REFUSED_WHEN_SET` field: null only, or its "off" value (false) and null (beside the
+    type's own ``anyOf``, which still says what the field holds), and why."""
+    allowed: dict[str, Any] = {"type": "null"} if off is None else {"enum": [off, None]}
+    return Meta(extra_json_schema={**allowed, "description": f"Refused when set: {REFUSED_WHEN_SET[name]}."})
 
 
 def _refuse_if_set(request: msgspec.Struct, names: tuple[str, ...], at: str = "") -> None:
     for name in names:
-        if getattr(request, name) is not None:
+        value = getattr(request, name)
+        if value is not None and value is not False:
             raise BadRequest(f"{name} is not supported: {REFUSED_WHEN_SET[name]}", param=at + name)
 
 
@@ -272,6 +312,8 @@ class ResponseFormatIn(msgspec.Struct, forbid_unknown_fields=True):
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
     include_obfuscation: bool | None = None
+    # SGLang's (and vLLM's): usage in every chunk.
+    continuous_usage_stats: Annotated[bool | None, refused_when_set("continuous_usage_stats", False)] = None
 
 
 class CacheOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -313,6 +355,35 @@ class _CommonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop_token_ids: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: bool | None = None
     edgecache: CacheOptions | None = None
+    # SGLang's seed (its router passes it on as sent): the same as seed.
+    sampling_seed: Annotated[int, Meta(ge=0)] | None = None
+    # SGLang's own, refused when set (REFUSED_WHEN_SET); SGLang's router adds the switches at false to every body.
+    no_stop_trim: Annotated[bool | None, refused_when_set("no_stop_trim", False)] = None
+    return_hidden_states: Annotated[bool | Literal["last"] | None,
+                                    refused_when_set("return_hidden_states", False)] = None
+    return_routed_experts: Annotated[bool | None, refused_when_set("return_routed_experts", False)] = None
+    return_cached_tokens_details: Annotated[bool | None, refused_when_set("return_cached_tokens_details", False)] = None
+    return_token_ids: Annotated[bool | None, refused_when_set("return_token_ids", False)] = None
+    regex: Annotated[str | None, refused_when_set("regex")] = None
+    ebnf: Annotated[str | None, refused_when_set("ebnf")] = None
+    stop_regex: Annotated[str | list[str] | None, refused_when_set("stop_regex")] = None
+    lora_path: Annotated[str | list[str | None] | None, refused_when_set("lora_path")] = None
+    session_id: Annotated[str | None, refused_when_set("session_id")] = None
+    session_params: Annotated[dict[str, Any] | None, refused_when_set("session_params")] = None
+    custom_logit_processor: Annotated[str | list[str | None] | None, refused_when_set("custom_logit_processor")] = None
+    custom_params: Annotated[dict[str, Any] | None, refused_when_set("custom_params")] = None
+    # SGLang's, accepted and left out of the key (SGLANG_PASSED_OVER).
+    rid: str | list[str] | None = None
+    extra_key: str | list[str] | None = None
+    priority: int | None = None
+    custom_labels: dict[str, str] | None = None
+    routing_id: str | None = None
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int | None] | None = None
+    bootstrap_room: int | list[int] | None = None
+    routed_dp_rank: int | None = None
+    data_parallel_rank: int | None = None
+    disagg_prefill_dp_rank: int | None = None
 
     def sampling(self, default_max_tokens: int, max_tokens_override: int | None = None) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -325,11 +396,16 @@ class _CommonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise BadRequest(f"logit_bias keys are token ids; {token!r} is not one", param="logit_bias")
             if value != 0.0:
                 bias.append((int(token), float(value)))
+        seed = self.seed
+        if self.sampling_seed is not None:
+            if seed is not None and seed != self.sampling_seed:
+                raise BadRequest("seed and sampling_seed disagree; send one of them", param="sampling_seed")
+            seed = self.sampling_seed
         return SamplingParams(
             max_tokens=max_tokens_override or self.max_tokens or default_max_tokens,
             temperature=float(self.temperature), top_p=float(self.top_p),
             # Order does not change the output, so it must not change the key.
-            stop=tuple(sorted(set(stop))), seed=self.seed,
+            stop=tuple(sorted(set(stop))), seed=seed,
             presence_penalty=float(self.presence_penalty), frequency_penalty=float(self.frequency_penalty),
             top_k=max(0, self.top_k or 0), min_p=float(self.min_p or 0.0),
             repetition_penalty=float(self.repetition_penalty or 1.0), logit_bias=tuple(sorted(bias)),
@@ -337,6 +413,12 @@ class _CommonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def refuse_unsupported(self, names: tuple[str, ...]) -> None:
+        """A 400 naming the first field set that no engine here honours (:data:`REFUSED_WHEN_SET`)."""
+        _refuse_if_set(self, names)
+        if self.stream_options is not None:
+            _refuse_if_set(self.stream_options, ("continuous_usage_stats",), at="stream_options.")
 
     def stopping(self, max_tokens: int) -> dict[str, Any]:
         """The vLLM stopping controls as :class:`GenerationRequest` fields ("off" values left at their defaults)."""
@@ -377,9 +459,19 @@ class ChatCompletionRequest(_CommonRequest, kw_only=True, forbid_unknown_fields=
     web_search_options: Annotated[dict[str, Any] | None, refused_when_set("web_search_options")] = None
     functions: Annotated[list[dict[str, Any]] | None, refused_when_set("functions")] = None
     function_call: Annotated[str | dict[str, Any] | None, refused_when_set("function_call")] = None
+    # SGLang's chat extensions: refused when set (continue_final_message at false is what its router sends) ...
+    continue_final_message: Annotated[bool | None, refused_when_set("continue_final_message", False)] = None
+    return_prompt_token_ids: Annotated[bool | None, refused_when_set("return_prompt_token_ids", False)] = None
+    return_meta_info: Annotated[bool | None, refused_when_set("return_meta_info", False)] = None
+    input_ids: Annotated[list[int] | None, refused_when_set("input_ids")] = None
+    # ... or accepted with either value (SGLANG_PASSED_OVER).
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
 
     def generation(self, default_max_tokens: int, salt: str) -> GenerationRequest:
-        _refuse_if_set(self, ("audio", "web_search_options", "functions", "function_call"))
+        self.refuse_unsupported(("audio", "web_search_options", "functions", "function_call", *SGLANG_REFUSED,
+                                 "continue_final_message", "return_prompt_token_ids", "return_meta_info",
+                                 "input_ids"))
         if self.modalities and "audio" in self.modalities:
             raise BadRequest("audio output needs an audio model; this server's model is text-only",
                              param="modalities")
@@ -453,8 +545,11 @@ class CompletionRequest(_CommonRequest, kw_only=True, forbid_unknown_fields=True
     echo: bool = False
     best_of: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None
     suffix: str | None = None
+    # SGLang's completions extension, refused when set.
+    json_schema: Annotated[str | None, refused_when_set("json_schema")] = None
 
     def generation(self, default_max_tokens: int, salt: str) -> GenerationRequest:
+        self.refuse_unsupported((*SGLANG_REFUSED, "json_schema"))
         prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
         if not prompt:
             raise BadRequest("the prompt is empty; send some text", param="prompt")
