@@ -320,6 +320,26 @@ def test_admission_and_guard_alerts_exist() -> None:
     assert "edgecache_semantic_guard_rejections_total" in alert(doc, "EdgeCacheSemanticGuardRejectionsSpike")["expr"]
 
 
+def test_ledger_rules_compare_saved_with_spent_engine_seconds_per_instance_and_tenant() -> None:
+    doc = load_rules()
+    recorded = {r["record"]: r["expr"] for r in rules(doc) if "record" in r}
+    for level in ("instance", "tenant"):
+        for name in (f"{level}:edgecache_effective_capacity:ratio_rate1h", f"{level}:edgecache_cache_work_share:ratio_rate1h"):
+            body = expanded(recorded[name], doc)
+            assert "edgecache_saved_engine_seconds_total" in body and "edgecache_spent_engine_seconds_total" in body
+            assert "> 0" in recorded[name], f"{name} must leave no figure where nothing was spent"
+
+
+def test_miss_reason_alert_compares_each_reason_with_the_day_before_per_tenant() -> None:
+    doc = load_rules()
+    rule = alert(doc, "EdgeCacheMissReasonShift")
+    body = expanded(rule["expr"], doc)
+    assert "edgecache_misses_total" in body and "offset 1h" in body and "[1d]" in body
+    assert re.search(r"by \(tenant, reason\)", body)
+    assert len(re.findall(r"\band on \(tenant\)", body)) >= 2, "needs a floor on the misses now and the day before"
+    assert rule["for"] == "30m"
+
+
 # ---------------------------------------------------------------------------------------------------- promtool
 
 promtool = shutil.which("promtool")
