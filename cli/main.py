@@ -413,8 +413,8 @@ def doctor(
     as_json: Annotated[bool, typer.Option("--json", help="Print every check as JSON, for scripts.")] = False,
     overlay: OverlayOpt = None,
 ) -> None:
-    """Check this box before serving: Python and packages, the CPU and llama.cpp, the GPU, RAM, the data dir, Redis,
-    the profile serve would pick, and the start-up canary. One line per check; exits 1 when any check fails."""
+    """Check this box before serving: Python and packages, the CPU and llama.cpp, the GPU and whether /metrics has
+    its utilisation gauges (NVML), RAM, the data dir, Redis, the profile serve would pick, and the start-up canary. One line per check; exits 1 when any check fails."""
     import json
 
     from edgecache.doctor import run_checks

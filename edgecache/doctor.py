@@ -42,7 +42,8 @@ class Check(msgspec.Struct, frozen=True):
 
 
 # The checks in the order they print; `doctor --json` has one entry per name.
-CHECK_NAMES = ("python", "cpu", "llama.cpp", "gpu", "memory", "data_dir", "redis", "profile", "canary")
+CHECK_NAMES = ("python", "cpu", "llama.cpp", "gpu", "gpu_metrics", "memory", "data_dir", "redis", "profile",
+               "canary")
 
 
 def check_python() -> Check:
@@ -123,6 +124,17 @@ def check_gpu(settings: Settings) -> Check:
     if not gpu_seen and status == "ok":
         parts.append("CPU only")
     return Check("gpu", status, "; ".join(parts))
+
+
+def check_gpu_metrics() -> Check:
+    """Whether /metrics has the NVML gauges (GPU utilisation and memory), and why not. Off is the answer on a CPU
+    box; on a box with a visible GPU it is a warning, since the GPU's busy share is then missing from the ledger."""
+    from edgecache.gpu import nvml_status
+
+    on, detail = nvml_status()
+    if on or not visible_gpu_memory_gb():
+        return Check("gpu_metrics", "ok", detail)
+    return Check("gpu_metrics", "warn", detail + "; a GPU is visible: pip install 'edgecache[gpu]' (nvidia-ml-py)")
 
 
 def memory_needed(settings: Settings) -> int:
@@ -229,7 +241,7 @@ def run_checks(settings: Settings, *, profile_given: str | None, redis_url: str 
     """Every check in :data:`CHECK_NAMES` order; ``on_check`` sees each as it completes (the canary takes seconds)."""
     steps: list[Callable[[], Check]] = [
         check_python, lambda: check_cpu(settings), lambda: check_llamacpp(settings), lambda: check_gpu(settings),
-        lambda: check_memory(settings), lambda: check_data_dir(settings), lambda: check_redis(redis_url),
+        check_gpu_metrics, lambda: check_memory(settings), lambda: check_data_dir(settings), lambda: check_redis(redis_url),
         lambda: check_profile(settings, profile_given), lambda: check_canary(settings)]
     checks = []
     for name, step in zip(CHECK_NAMES, steps, strict=True):
