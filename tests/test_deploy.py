@@ -13,15 +13,18 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import yaml
 
 from edgecache.admission import AdmissionGate
 from edgecache.metrics import Metrics
+from tests.nvml_double import FakeGpu, nvml_module
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "edgecache.json"
@@ -37,6 +40,14 @@ DASHBOARD_MUST_SHOW = (
     "edgecache_semantic_search_seconds_bucket", "edgecache_embed_seconds_bucket",
     "edgecache_semantic_guard_rejections_total", "edgecache_store_bytes", "edgecache_store_quota_bytes",
     "edgecache_admission_queue_depth", "edgecache_admission_running", "edgecache_admission_rejections_total",
+)
+# What the row "What the cache saved" shows: the ledger (saved by layer, spent by purpose, cost), the misses by
+# reason and how near they came, and the GPU's busy share.
+SAVED_ROW = "What the cache saved"
+SAVED_ROW_MUST_SHOW = (
+    "edgecache_saved_engine_seconds_total", "edgecache_saved_cost_total", "edgecache_saved_prompt_tokens_total",
+    "edgecache_saved_completion_tokens_total", "edgecache_spent_engine_seconds_total", "edgecache_misses_total",
+    "edgecache_semantic_miss_similarity_bucket", "edgecache_gpu_utilization_ratio",
 )
 
 SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_count", "_sum", "_created"),
@@ -57,15 +68,17 @@ _NUMBER = re.compile(r"(?<![\w:])\d[\w.]*")
 
 
 def exported_metrics() -> dict[str, str]:
-    """Series names the server exports -> the type of their family, from a live registry as the app builds it."""
-    metrics = Metrics()
-    metrics.track_admission(AdmissionGate(max_running=1, max_queue=1, queue_timeout_s=1, retry_after_s=1))
+    """Series names the server exports -> the type of their family, from a live registry as the app builds it, on
+    a box where NVML reports a GPU (tests/nvml_double.py), so the GPU gauges count only if the app registers them."""
     names: dict[str, str] = {}
-    for family in metrics.registry.collect():
-        for suffix in SUFFIXES[family.type]:
-            names[family.name + suffix] = family.type
-        for sample in family.samples:
-            names.setdefault(sample.name, family.type)
+    with mock.patch.dict(sys.modules, {"pynvml": nvml_module([FakeGpu("Tesla T4", 35, 2**30, 15 * 2**30)])}):
+        metrics = Metrics()
+        metrics.track_admission(AdmissionGate(max_running=1, max_queue=1, queue_timeout_s=1, retry_after_s=1))
+        for family in metrics.registry.collect():
+            for suffix in SUFFIXES[family.type]:
+                names[family.name + suffix] = family.type
+            for sample in family.samples:
+                names.setdefault(sample.name, family.type)
     return names
 
 
@@ -243,6 +256,26 @@ def test_dashboard_expressions_use_only_exported_metrics() -> None:
 def test_dashboard_shows_the_issue_6_metric_set() -> None:
     used = set().union(*(metric_names(expr) for _, expr in dashboard_exprs(load_dashboard())))
     assert set(DASHBOARD_MUST_SHOW) - used == set()
+
+
+def test_the_saved_row_shows_the_ledger_by_tenant_and_layer_and_the_misses_by_reason() -> None:
+    dash = load_dashboard()
+    top = dash["panels"]
+    start = next(i for i, p in enumerate(top) if p["type"] == "row" and p["title"] == SAVED_ROW)
+    end = next((i for i, p in enumerate(top) if i > start and p["type"] == "row"), len(top))
+    row = top[start + 1:end] + top[start].get("panels", [])
+    exprs = {t["expr"] for p in row for t in p["targets"]}
+    used = set().union(*(metric_names(e) for e in exprs))
+    assert set(SAVED_ROW_MUST_SHOW) - used == set()
+    assert any("by (tenant, layer)" in e and "edgecache_saved_engine_seconds_total" in e for e in exprs)
+    assert any("by (tenant, layer, currency)" in e and "edgecache_saved_cost_total" in e for e in exprs)
+    assert any("by (reason)" in e and "edgecache_misses_total" in e for e in exprs)
+    stacked = [p for p in row if "edgecache_misses_total" in str(p["targets"])
+               and p["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"]
+    assert stacked, "misses by reason are stacked"
+    for e in exprs:  # the tenant's figures follow the tenant and scenario pickers
+        for m in re.finditer(r"edgecache_(?:saved|spent)_\w+_total(\{[^}]*\})?", e):
+            assert m.group(1) and '"$tenant"' in m.group(1) and '"$scenario"' in m.group(1), e
 
 
 def test_dashboard_filters_requests_by_tenant_and_scenario() -> None:
