@@ -1,5 +1,6 @@
 """The GPU gauges (edgecache/gpu.py): absent without NVML, with doctor saying why; read from NVML at scrape time
-where it reports GPUs (a double of pynvml stands in for a GPU box)."""
+where it reports GPUs (a double of pynvml stands in for a GPU box). That the app's registry carries them is checked
+by tests/test_deploy.py, whose exported names come from Metrics() on such a box."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from edgecache import doctor
 from edgecache.gpu import GpuCollector, nvml_status
-from edgecache.metrics import Metrics
 from tests.nvml_double import FakeGpu, nvml_module
 
 GIB = 2**30
@@ -95,12 +95,3 @@ def test_a_gpu_without_a_utilisation_figure_keeps_its_memory_and_the_others_thei
     assert values[("edgecache_gpu_utilization_ratio", "1")] == 0.35
     assert values[("edgecache_gpu_memory_total_bytes", "0")] == 5 * GIB
 
-
-def test_the_collector_sits_in_an_apps_registry_beside_its_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
-    # What wiring it into Metrics amounts to: no name clash, and the gauges render with the rest.
-    monkeypatch.setitem(sys.modules, "pynvml", nvml_module([T4]))
-    metrics = Metrics()
-    metrics.registry.register(GpuCollector())
-    text = metrics.render().decode()
-    assert 'edgecache_gpu_utilization_ratio{gpu="0"} 0.35' in text and "edgecache_requests_total" in text
-    metrics.snapshot()  # /stats reads the same registry
