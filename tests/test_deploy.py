@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from edgecache.admission import AdmissionGate
+from edgecache.ledger import Ledger
 from edgecache.metrics import Metrics
 from tests.nvml_double import FakeGpu, nvml_module
 
@@ -68,12 +69,14 @@ _NUMBER = re.compile(r"(?<![\w:])\d[\w.]*")
 
 
 def exported_metrics() -> dict[str, str]:
-    """Series names the server exports -> the type of their family, from a live registry as the app builds it, on
-    a box where NVML reports a GPU (tests/nvml_double.py), so the GPU gauges count only if the app registers them."""
+    """Series names the server exports -> the type of their family, from a live registry as the app builds it (the
+    ledger's collector with a box price, as the runtime registers it), on a box where NVML reports a GPU
+    (tests/nvml_double.py), so the GPU gauges count only if the app registers them."""
     names: dict[str, str] = {}
     with mock.patch.dict(sys.modules, {"pynvml": nvml_module([FakeGpu("Tesla T4", 35, 2**30, 15 * 2**30)])}):
         metrics = Metrics()
         metrics.track_admission(AdmissionGate(max_running=1, max_queue=1, queue_timeout_s=1, retry_after_s=1))
+        metrics.registry.register(Ledger(price_per_hour=1.0, currency="USD").collector())
         for family in metrics.registry.collect():
             for suffix in SUFFIXES[family.type]:
                 names[family.name + suffix] = family.type
