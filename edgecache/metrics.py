@@ -19,6 +19,7 @@ from prometheus_client import (
 )
 
 from edgecache.call import OUTCOMES, Outcome
+from edgecache.gpu import GpuCollector
 from edgecache.semantic import refusals
 from edgecache.semantic.false_hits import false_hit_estimate
 
@@ -61,6 +62,7 @@ class HourlyCount:
 class Metrics:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(GpuCollector())  # GPU utilisation and memory from NVML, where there is one
         self.requests = Counter("edgecache_requests", "Requests by tenant, scenario and what served them.",
                                 ["tenant", "scenario", "outcome"], registry=self.registry)
         self.engine_calls = Counter("edgecache_engine_calls", "Generations the engine was asked for.",
