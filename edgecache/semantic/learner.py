@@ -65,6 +65,7 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -132,6 +133,17 @@ class _Pool:
     calibration_predicted: float = 0.0
     calibration_wrong: float = 0.0
     signal: Signal = "cosine"
+    #: Labels the tenant taught (:meth:`SemanticLearner.teach`), per bin, apart from the labels of its own lookups
+    #: (``right``/``wrong``, ``labels``): they weigh ``taught / (taught + labels)`` each, so the pool's own traffic
+    #: outranks them as it comes.
+    taught_right: np.ndarray = field(default_factory=lambda: np.zeros(_BINS))
+    taught_wrong: np.ndarray = field(default_factory=lambda: np.zeros(_BINS))
+    taught: int = 0
+
+    def taught_weight(self) -> float:
+        """What one taught label weighs beside one label of the pool's own lookups: 1 before any, half once as many
+        have come as were taught, falling on as they come."""
+        return self.taught / (self.taught + self.labels) if self.taught else 0.0
 
 
 def _position(similarity: float, signal: Signal) -> float:
@@ -348,6 +360,28 @@ class SemanticLearner:
             like.labels.extend(entry.labels)
             entry.labels = like.labels
 
+    def teach(self, tenant: str, scenario: str, classes: Iterable[Sequence[str]],
+              labels: Iterable[tuple[str, float, bool]], *, signal: Signal | None = None) -> int:
+        """What a tenant taught with grouped questions (:mod:`edgecache.semantic.teaching`): each of ``classes`` is one
+        answer class (its entries are :meth:`link`-ed), and each label says the cached answer of an entry did
+        (``True``) or did not serve a query at a similarity. Taught labels count as labels in the pooled curve and in
+        their class (which keeps its last ``entry_labels``, so the class's own lookups push them out), weighed down
+        in the pool as the pool's own labels come (:meth:`_Pool.taught_weight`); they are no lookups and no
+        decisions, so they say nothing of the calibration and strike no entry. Returns the labels taught."""
+        pool = self._pool(tenant, scenario, signal)
+        for keys in classes:
+            for key in keys[1:]:
+                self.link(tenant, scenario, key, keys[0])
+        count = 0
+        for key, similarity, correct in labels:
+            b = _bin(similarity, pool.signal)
+            (pool.taught_right if correct else pool.taught_wrong)[b] += 1
+            self._entry((tenant, scenario, key)).labels.append((float(similarity), bool(correct)))
+            count += 1
+        pool.taught += count
+        pool.curve = None
+        return count
+
     def forget(self, tenant: str, scenario: str, entry_key: str) -> None:
         """Drop an entry's labels (evicted, flushed, or replaced)."""
         self._entries.pop((tenant, scenario, entry_key), None)
@@ -372,7 +406,7 @@ class SemanticLearner:
         for (tenant, scenario), pool in sorted(self._pools.items()):
             rate, upper, labels = self.estimate(tenant, scenario)
             out[(tenant, scenario)] = {"lookups": pool.lookups, "explorations": pool.explorations, "labels": labels,
-                                       "false_hit_rate": rate, "false_hit_upper": upper}
+                                       "taught": pool.taught, "false_hit_rate": rate, "false_hit_upper": upper}
         return out
 
     def estimate(self, tenant: str, scenario: str) -> tuple[float, float, int]:
@@ -433,8 +467,10 @@ class SemanticLearner:
         else:
             centres = (np.arange(_BINS) + 0.5) / _BINS
             prior = np.where(centres >= prior_cut, self.prior_error, 0.5)
-        weight = pool.right + pool.wrong + self.prior_weight
-        rate = (pool.wrong + self.prior_weight * prior) / weight
+        taught = pool.taught_weight()
+        wrong = pool.wrong + taught * pool.taught_wrong
+        weight = pool.right + taught * pool.taught_right + wrong + self.prior_weight
+        rate = (wrong + self.prior_weight * prior) / weight
         pool.curve = _isotonic_decreasing(rate, weight)
         pool.curve_cut = prior_cut
         return pool.curve
@@ -453,7 +489,8 @@ class SemanticLearner:
         b = _bin(similarity, pool.signal)
         pooled = min(max(float(curve[b]), 1e-4), 1.0 - 1e-4)
         lo, hi = max(0, b - 2), min(_BINS, b + 3)
-        n_pool = float(pool.right[lo:hi].sum() + pool.wrong[lo:hi].sum())
+        n_pool = float(pool.right[lo:hi].sum() + pool.wrong[lo:hi].sum() + pool.taught_weight()
+                       * (pool.taught_right[lo:hi].sum() + pool.taught_wrong[lo:hi].sum()))
         base = math.log(pooled / (1.0 - pooled))
         var = 1.0 / (n_pool * pooled * (1.0 - pooled) + self.prior_weight)
         shift = 0.0
