@@ -546,7 +546,7 @@ def learner_stream(stream: Stream, sim: np.ndarray, *, scenario: str, target: fl
                                   **settings)
     axis: Signal = "probability" if signal is not None else "cosine"
     if taught is not None:
-        learner.teach(tenant, scenario, taught.classes, taught.labels, signal=axis)
+        learner.teach(tenant, scenario, taught.classes, taught.labels, prior_cut=shipped, signal=axis)
     decisions: dict[int, tuple] = {}  # query -> (the learner's decision, its log id)
     value_of = signal or (lambda i, j, s: s)
     outcomes: dict[str, list[int]] = defaultdict(lambda: [0, 0])

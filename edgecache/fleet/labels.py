@@ -32,10 +32,10 @@ QUEUE_MAX = 10_000
 
 class SharedTeaching(msgspec.Struct, frozen=True, array_like=True):
     """What a tenant's grouped warmup lines taught (:mod:`edgecache.semantic.teaching`): answer classes (store keys)
-    and labels ``(store key, similarity, right?)``."""
+    and labels ``(store key, similarity, right?, the query's nearest?)``."""
 
     classes: list[list[str]]
-    labels: list[tuple[str, float, bool]]
+    labels: list[tuple[str, float, bool, bool]]
 
 
 class SharedLabel(msgspec.Struct, frozen=True, array_like=True):
@@ -84,7 +84,7 @@ class LabelFeed:
             self.dropped += 1
 
     def publish_taught(self, tenant: str, scenario: str, classes: list[list[str]],
-                       labels: list[tuple[str, float, bool]]) -> None:
+                       labels: list[tuple[str, float, bool, bool]]) -> None:
         """Queue what a tenant's groups taught this node, for the fleet (on the event loop; never blocks)."""
         label = SharedLabel(origin=self.node_id, tenant=tenant, scenario=scenario, store_key="", similarity=0.0,
                             good=None, answer_key=None, taught=SharedTeaching(classes=classes, labels=labels))

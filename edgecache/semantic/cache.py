@@ -277,11 +277,12 @@ class SemanticCache:
         if self.learner is None:
             return 0
         try:
-            self.rule_for(taught.tenant, taught.scenario)
+            prior_cut = self.rule_for(taught.tenant, taught.scenario).threshold
         except KeyError:
             return 0
         with self._learner_lock:
-            return self.learner.teach(taught.tenant, taught.scenario, taught.classes, taught.labels)
+            return self.learner.teach(taught.tenant, taught.scenario, taught.classes, taught.labels,
+                                      prior_cut=prior_cut)
 
     def learn_from_log(self, labelled: Iterable[tuple[DecisionRecord, bool | None]]) -> int:
         """Teach the learner the labels a decision log kept (at start: what this box learned before a restart, or

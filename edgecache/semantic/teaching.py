@@ -4,7 +4,8 @@ A warmup line may name a ``group``: the lines of one group mean the same thing a
 cached and indexed with that answer; :func:`group_labels` turns the groups into labels for
 :meth:`edgecache.semantic.learner.SemanticLearner.teach`, as if each variant had been looked up against the others:
 
-- a variant and its nearest variant of the same group: a right answer at their similarity;
+- a variant and its nearest variant of the same group, where no variant of another group is nearer: a right answer
+  at their similarity (a lookup meets its nearest candidate);
 - a variant and its nearest ``neighbours`` variants of other groups: wrong answers at theirs.
 
 So the learner's pooled curve starts from the tenant's own questions, not from a prior, and the false-hit target holds
@@ -32,7 +33,9 @@ class Taught(msgspec.Struct, frozen=True):
     tenant: str
     scenario: str
     classes: list[list[str]]
-    labels: list[tuple[str, float, bool]]
+    #: (store key, similarity, right?, the variant's nearest candidate?): one label per variant is the lookup it
+    #: stands for (its nearest), the others are more wrong answers it knows of
+    labels: list[tuple[str, float, bool, bool]]
 
 
 def group_labels(keys: Sequence[str], groups: Sequence[str], vectors: np.ndarray, *,
@@ -42,7 +45,7 @@ def group_labels(keys: Sequence[str], groups: Sequence[str], vectors: np.ndarray
     by_group: dict[str, list[int]] = {}
     for i, group in enumerate(groups):
         by_group.setdefault(group, []).append(i)
-    labels: list[tuple[str, float, bool]] = []
+    labels: list[tuple[str, float, bool, bool]] = []
     ids = np.array([list(by_group).index(g) for g in groups]) if len(groups) else np.zeros(0, dtype=int)
     if len(keys) > 1:
         vectors = np.asarray(vectors, dtype=np.float32)
@@ -54,12 +57,16 @@ def group_labels(keys: Sequence[str], groups: Sequence[str], vectors: np.ndarray
                 same = ids == ids[i]
                 inside = np.where(same, s, -np.inf)
                 j = int(np.argmax(inside))
-                if np.isfinite(inside[j]):
-                    labels.append((keys[j], float(inside[j]), True))
                 outside = np.where(same, -np.inf, s)
+                # Only where the variant's nearest candidate is of its own group: a lookup meets its nearest, and a
+                # right answer behind a nearer wrong one would teach the pool that such lookups come right.
+                nearest_inside = bool(np.isfinite(inside[j]) and inside[j] >= outside.max())
+                if nearest_inside:
+                    labels.append((keys[j], float(inside[j]), True, True))
                 k = min(neighbours, int((~same).sum()))
-                for j in np.argpartition(-outside, k - 1)[:k] if k else ():
-                    labels.append((keys[int(j)], float(outside[j]), False))
+                for j in sorted(np.argpartition(-outside, k - 1)[:k] if k else (), key=lambda j: -outside[j]):
+                    labels.append((keys[int(j)], float(outside[j]), False, not nearest_inside))
+                    nearest_inside = True  # only the first is the variant's nearest
     classes = [[keys[i] for i in members] for members in by_group.values()]
     return Taught(tenant="", scenario="", classes=classes, labels=labels)
 
