@@ -16,8 +16,9 @@ import msgspec
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from edgecache.errors import EdgeCacheError
 from edgecache.settings import Settings
-from edgecache.http.warmup_lines import NumberedLine, WarmupBatch, read_lines, warm_lines
+from edgecache.http.warmup_lines import NumberedLine, WarmupBatch, check_line_groups, read_lines, warm_lines
 from edgecache.warmup import LineResult, Prefilled
 
 # One send carries up to ANSWERED lines with an answer (stored in one batch: the fast road) but only UNANSWERED
@@ -40,18 +41,42 @@ def _progress(console: Console) -> Progress:
                     TextColumn("{task.fields[rate]:.1f} lines/s"), TimeRemainingColumn(), console=console)
 
 
-def _batches(path: Path) -> tuple[int, Iterator[list[NumberedLine | LineResult]]]:
+def _batches(path: Path, tenant: str | None = None) -> tuple[int, Iterator[list[NumberedLine | LineResult]]]:
+    """The file's lines in sends. A group's lines go in one send (the server learns a group from the lines it is
+    sent together), unless the group alone is over a send's size; a file that contradicts itself is refused whole
+    (:func:`edgecache.warmup.check_groups`), before anything is sent."""
     with path.open(encoding="utf-8") as f:
         lines = f.readlines()
+    items = list(zip(read_lines(lines), (t for t in lines if t.strip())))
+    try:
+        check_line_groups([item for item, _ in items if isinstance(item, NumberedLine)], tenant)
+    except EdgeCacheError as exc:
+        raise SystemExit(f"error: {path}: {exc.message}") from exc
+    units: dict[object, list[tuple[NumberedLine | LineResult, str]]] = {}
+    for n, (item, text) in enumerate(items):
+        group = item.request.group if isinstance(item, NumberedLine) else None
+        units.setdefault(n if group is None else (item.request.tenant, item.request.scenario, group),  # type: ignore[union-attr]
+                         []).append((item, text))
 
     def gen() -> Iterator[list[NumberedLine | LineResult]]:
         batch: list[NumberedLine | LineResult] = []
         unanswered = size = 0
-        for item, text in zip(read_lines(lines), (t for t in lines if t.strip())):
-            batch.append(item)
-            size += len(text)
-            unanswered += isinstance(item, NumberedLine) and item.request.answer is None
-            if len(batch) >= ANSWERED or unanswered >= UNANSWERED or size >= MAX_SEND_BYTES:
+        for unit in units.values():
+            unit_size = sum(len(text) for _, text in unit)
+            # One engine call for a line with no answer, and for a group none of whose lines gives it.
+            calls = int(all(isinstance(item, NumberedLine) and item.request.answer is None for item, _ in unit))
+            if batch and (len(batch) + len(unit) > ANSWERED or unanswered + calls > UNANSWERED
+                          or size + unit_size > MAX_SEND_BYTES):
+                yield batch
+                batch, unanswered, size = [], 0, 0
+            unanswered += calls
+            for item, text in unit:  # a unit over a send's size alone is cut
+                batch.append(item)
+                size += len(text)
+                if len(batch) >= ANSWERED or size >= MAX_SEND_BYTES:
+                    yield batch
+                    batch, unanswered, size = [], 0, 0
+            if unanswered >= UNANSWERED:
                 yield batch
                 batch, unanswered, size = [], 0, 0
         if batch:
@@ -60,8 +85,9 @@ def _batches(path: Path) -> tuple[int, Iterator[list[NumberedLine | LineResult]]
     return sum(1 for text in lines if text.strip()), gen()
 
 
-def _run(path: Path, console: Console, send: Callable[[list[NumberedLine]], list[LineResult]]) -> Summary:
-    total, batches = _batches(path)
+def _run(path: Path, console: Console, send: Callable[[list[NumberedLine]], list[LineResult]],
+         tenant: str | None = None) -> Summary:
+    total, batches = _batches(path, tenant)
     summary = Summary()
     started = time.perf_counter()
     with _progress(console) as progress:
@@ -94,7 +120,7 @@ def warm_over_http(path: Path, url: str, key: str | None, tenant: str | None, co
                         for n in lines]
             return msgspec.convert(resp.json()["results"], list[LineResult])
 
-        return _run(path, console, send)
+        return _run(path, console, send, tenant)
 
 
 def warm_offline(path: Path, settings: Settings, tenant: str | None, console: Console) -> Summary:
@@ -118,6 +144,6 @@ def warm_offline(path: Path, settings: Settings, tenant: str | None, console: Co
                                  prefilled=prefilled)
                 return asyncio.run_coroutine_threadsafe(job, loop).result()
 
-            return await asyncio.to_thread(_run, path, console, send)
+            return await asyncio.to_thread(_run, path, console, send, tenant)
 
     return asyncio.run(main())

@@ -384,6 +384,24 @@ class RequestPipeline:
         for scenario, items in by_scenario.items():
             await self.semantic.remember_many(tenant, scenario, items)
 
+    async def teach_groups(self, grouped: Sequence[tuple[Call, str]]) -> int:
+        """Warmup: ``(call, group)`` of grouped lines, each stored with its group's answer, teach the semantic
+        learner (:meth:`SemanticCache.teach`) per tenant and scenario; the labels taught (0 without a learner)."""
+        if self.semantic is None or self.semantic.learner is None:
+            return 0
+        version = self.engine.version
+        by_pool: dict[tuple[str, str], list[tuple[Probe, str, str]]] = {}
+        for call, group in grouped:
+            probe = probe_for(call.request, version)
+            if probe is None or not await self.semantic.accepts(probe.text):
+                continue  # not indexed, so never anyone's candidate
+            key = request_key(call.request, model_version=version, tenant=call.tenant, scenario=call.scenario)
+            by_pool.setdefault((call.tenant, call.scenario), []).append((probe, key, group))
+        taught = 0
+        for (tenant, scenario), items in by_pool.items():
+            taught += await self.semantic.teach(tenant, scenario, items)
+        return taught
+
     async def store_known_answer(self, call: Call, text: str) -> bool:
         """:meth:`store_known_answers` for one call: False when it already has an answer or was not stored."""
         return bool((await self.store_known_answers([(call, text)]))[0])

@@ -156,6 +156,7 @@ class Runtime:
         layer = self.semantic_layer
         if layer is not None:
             await layer.open()
+            await layer.teach_taught()
             if self.decisions is not None:
                 await layer.teach_from_log(self.decisions)
         if self.decisions is not None or self.learner is not None:

@@ -7,6 +7,13 @@ A prompts file is JSON lines, one request each::
 
 (``prompt`` instead of ``messages`` for a raw completion; every field but one of those two is optional.)
 
+- A line may name a ``group``: the lines of one group (per tenant and scenario) mean the same thing and share one
+  answer, given on one of its lines or, when none gives it, computed once from the group's first line. Every line of
+  the group is then stored and indexed with that answer, and the groups teach the semantic learner which
+  paraphrases one answer serves and which near questions it does not (:mod:`edgecache.semantic.teaching`), so a
+  tenant's semantic hits start with its first request. One question in two groups, or one group with two answers,
+  contradicts itself: :func:`check_groups` refuses it, naming the lines.
+
 - A line with an ``answer`` is written straight to the result store and, for a first-turn chat prompt, to the
   semantic index: no engine call. Such lines go in batches (one store transaction, large embedding batches, one
   multi-threaded index insert per batch), so a tenant's FAQ of 100k lines loads in minutes.
@@ -29,7 +36,7 @@ import msgspec
 
 from edgecache.call import Call
 from edgecache.engines.base import GenerationRequest, Message, SamplingParams
-from edgecache.errors import EdgeCacheError
+from edgecache.errors import BadRequest, EdgeCacheError
 from edgecache.pipeline import RequestPipeline
 
 Outcome = Literal["written", "skipped", "failed"]
@@ -47,11 +54,49 @@ def _system_prompt(call: Call) -> tuple[Message, ...]:
 
 
 async def _drain(pipeline: RequestPipeline, call: Call) -> str:
+    return (await _answer(pipeline, call))[0]
+
+
+async def _answer(pipeline: RequestPipeline, call: Call) -> tuple[str, str]:
+    """(what served it, the answer's text) of ``call`` through the request path."""
     reply = await pipeline.serve(call)
+    parts = []
     async with aclosing(reply.stream()) as chunks:
-        async for _ in chunks:
-            pass
-    return reply.served
+        async for chunk in chunks:
+            parts.append(chunk.text)
+    return reply.served, "".join(parts)
+
+
+GroupKey = tuple[str, str, str]
+"""(tenant, scenario, group name): a group is one tenant's, in one scenario."""
+
+#: The most contradictions one refusal names.
+CONTRADICTIONS_SHOWN = 20
+
+
+def check_groups(lines: list[tuple[int, Call, str | None, str | None]]) -> None:
+    """Refuse (:class:`BadRequest`, naming the lines) warmup lines ``(line number, call, answer, group)`` that
+    contradict themselves: one question (the same request, tenant and scenario) in two groups, or one group given
+    two different answers."""
+    where: dict[tuple[str, str, bytes], tuple[int, str]] = {}
+    answers: dict[GroupKey, tuple[int, str]] = {}
+    problems: list[str] = []
+    for number, call, answer, group in lines:
+        if group is None:
+            continue
+        question = (call.tenant, call.scenario, msgspec.json.encode(call.request))
+        first = where.setdefault(question, (number, group))
+        if first[1] != group:
+            problems.append(f"lines {first[0]} and {number}: the same question is in group {first[1]!r} (line "
+                            f"{first[0]}) and in group {group!r} (line {number})")
+        if answer is not None:
+            given = answers.setdefault((call.tenant, call.scenario, group), (number, answer))
+            if given[1] != answer:
+                problems.append(f"lines {given[0]} and {number}: group {group!r} is given two different answers")
+    if problems:
+        more = len(problems) - CONTRADICTIONS_SHOWN
+        raise BadRequest("the warmup contradicts itself, nothing was written: " + "; ".join(
+            problems[:CONTRADICTIONS_SHOWN]) + (f"; and {more} more" if more > 0 else ""), param="lines")
 
 
 #: Answered lines stored per batch: large enough that a commit and an embedding call are shared by many lines.
@@ -97,15 +142,58 @@ async def _store_answered(pipeline: RequestPipeline, answered: list[tuple[int, C
     return results
 
 
+async def _group_answers(pipeline: RequestPipeline, calls: list[tuple[int, Call, str | None]],
+                         groups: dict[int, str]) -> tuple[list[tuple[int, Call, str | None]], list[LineResult]]:
+    """Every grouped line with its group's answer: the one a line gives, else the answer of the group's first line
+    run through the request path (its own cache entries only: a semantic hit of another question is no answer
+    for the group). A group whose answer could not be computed fails as a whole."""
+    given: dict[GroupKey, str] = {}
+    for number, call, answer in calls:
+        if answer is not None and number in groups:
+            given.setdefault((call.tenant, call.scenario, groups[number]), answer)
+    results: list[LineResult] = []
+    failed: dict[GroupKey, str] = {}
+    for number, call, _ in calls:
+        key = (call.tenant, call.scenario, groups.get(number, ""))
+        if number not in groups or key in given or key in failed:
+            continue
+        try:
+            served, text = await _answer(pipeline, msgspec.structs.replace(call, policy="exact-only"))
+        except EdgeCacheError as exc:
+            failed[key] = f"group {groups[number]!r}: its answer was not computed (line {number}): {exc.message}"
+            continue
+        given[key] = text
+        results.append(LineResult(line=number, outcome="written" if served == "miss" else "skipped", detail=served))
+    done = {r.line for r in results}
+    out: list[tuple[int, Call, str | None]] = []
+    for number, call, answer in calls:
+        key = (call.tenant, call.scenario, groups.get(number, ""))
+        if number in done:
+            continue
+        if number in groups and key in failed:
+            results.append(LineResult(line=number, outcome="failed", detail=failed[key]))
+        else:
+            out.append((number, call, given[key] if number in groups else answer))
+    return out, results
+
+
 async def warm(pipeline: RequestPipeline, calls: list[tuple[int, Call, str | None]],
-               prefilled: Prefilled | None = None) -> list[LineResult]:
-    """Warm the caches with ``(line number, call, known answer or None)``; one result per line.
+               prefilled: Prefilled | None = None, groups: dict[int, str] | None = None) -> list[LineResult]:
+    """Warm the caches with ``(line number, call, known answer or None)``; one result per line. ``groups``: the
+    group of each grouped line, by line number (checked by :func:`check_groups` first).
 
     Answered lines go in batches through :meth:`RequestPipeline.store_known_answers` (that is what makes
     onboarding a tenant's FAQ fast), while each distinct system prompt among them not in ``prefilled`` is
     prefilled into the engine. Lines without an answer are run through the request path one by one, like
-    requests."""
+    requests. Grouped lines take their group's answer, and then teach the semantic learner
+    (:meth:`RequestPipeline.teach_groups`), unless every one of them was already answered (the same file warmed
+    again teaches nothing twice)."""
     results: list[LineResult] = []
+    groups = groups or {}
+    every = calls
+    if groups:
+        check_groups([(number, call, answer, groups.get(number)) for number, call, answer in calls])
+        calls, results = await _group_answers(pipeline, calls, groups)
     prefilled = set() if prefilled is None else prefilled
     if len(prefilled) > PREFILLED_MAX:
         prefilled.clear()
@@ -132,4 +220,9 @@ async def warm(pipeline: RequestPipeline, calls: list[tuple[int, Call, str | Non
                                       detail=served))
         except EdgeCacheError as exc:
             results.append(LineResult(line=number, outcome="failed", detail=exc.message))
+    outcome = {r.line: r.outcome for r in results}
+    grouped = [(call, groups[number]) for number, call, _ in every if number in groups
+               and outcome.get(number) != "failed"]
+    if any(outcome.get(number) == "written" for number in groups):
+        await pipeline.teach_groups(grouped)
     return sorted(results, key=lambda r: r.line)

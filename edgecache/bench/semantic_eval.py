@@ -77,6 +77,7 @@ from edgecache.semantic.embedders import Embedder, default_threshold, load_embed
 from edgecache.semantic.index import SemanticIndex
 from edgecache.semantic.learner import SemanticLearner, Signal, upper_curve
 from edgecache.semantic.lookup import Lookup, SemanticHit, record_lookup
+from edgecache.semantic.teaching import Taught, group_labels
 from edgecache.semantic.verifier import Verifier
 from edgecache.settings import resolve_settings
 
@@ -293,6 +294,13 @@ class Stream(msgspec.Struct):
     group: list[int]
     different: set[tuple[int, int]]
     name: str = ""
+    #: The last ``taught`` texts are a tenant's grouped questions (``--teach``): cached before the stream starts and
+    #: never looked up themselves; the others are the lookups, in order.
+    taught: int = 0
+
+    @property
+    def lookups(self) -> int:
+        return len(self.texts) - self.taught
 
 
 def sample_per_intent(items: list[tuple[str, str]], n: int, seed: int) -> list[tuple[str, str]]:
@@ -308,15 +316,52 @@ def sample_per_intent(items: list[tuple[str, str]], n: int, seed: int) -> list[t
             for text in rng.sample(texts, len(texts) if intent == "oos" else min(n, len(texts)))]
 
 
+def split_intents(items: list[tuple[str, str]], *, by: str, share: float, seed: int
+                  ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """An intent set cut in two, to teach from one part and stream the other: ``by`` ``text``, a seeded ``share``
+    of every intent's texts is taught and the rest streamed; ``by`` ``intent``, every text of a seeded ``share`` of
+    the intents is taught and the other intents are only streamed (they meet a server that was taught other
+    questions). Out-of-scope texts are always streamed (there is no group to teach them in)."""
+    rng = random.Random(seed)
+    by_intent: dict[str, list[str]] = defaultdict(list)
+    for text, intent in items:
+        by_intent[intent].append(text)
+    names = sorted(i for i in by_intent if i != "oos")
+    taught_intents = set(rng.sample(names, round(share * len(names)))) if by == "intent" else set()
+    teach, stream = [], []
+    for intent in sorted(by_intent):
+        texts = by_intent[intent]
+        if intent == "oos":
+            stream += [(t, intent) for t in texts]
+        elif by == "intent":
+            (teach if intent in taught_intents else stream).extend((t, intent) for t in texts)
+        else:
+            chosen = set(rng.sample(range(len(texts)), round(share * len(texts))))
+            for n, text in enumerate(texts):
+                (teach if n in chosen else stream).append((text, intent))
+    return teach, stream
+
+
+def write_intents(path: Path, items: list[tuple[str, str]]) -> None:
+    """An intent set as ``read_intents`` reads it (CSV ``text,category``)."""
+    with path.open("w", encoding="utf-8", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["text", "category"])
+        writer.writerows(items)
+
+
 def stream_of(kind: str, path: Path, *, seed: int, limit: int, splits: set[str] | None = None,
-              intent_sample: int | None = None, sample_seed: int = 0) -> Stream:
+              intent_sample: int | None = None, sample_seed: int = 0,
+              teach: list[tuple[str, str]] | None = None) -> Stream:
     """Ground truth per protocol.
 
     Pairs TSV: every distinct text of the first ``limit`` pairs is looked up once; texts joined by label-1 pairs
     (transitively) serve each other, except a pair the set labels 0; a text of another pair never does.
     GPTCache's JSON: origins and similars of the first ``limit`` pairs; a text serves another iff they share the
     origin. Intents: the first ``limit`` texts of a seeded shuffle (of :func:`sample_per_intent` of them, with
-    ``intent_sample`` texts per intent); same intent serves, out-of-scope never does.
+    ``intent_sample`` texts per intent); same intent serves, out-of-scope never does. ``teach`` (intents: text and
+    intent) are appended as the stream's taught texts (:attr:`Stream.taught`), an intent of theirs the same group as
+    the stream's of that name.
     """
     edges: list[tuple[str, str, bool]] = []
     labelled: list[tuple[str, str | None]] = []
@@ -347,6 +392,8 @@ def stream_of(kind: str, path: Path, *, seed: int, limit: int, splits: set[str] 
         names = {r: n for n, r in enumerate(sorted({root(t) for t in parent}))}
         labelled = [(t, str(names[root(t)])) for t in sorted(parent)]
         random.Random(seed).shuffle(labelled)
+    taught = [(t, i) for t, i in teach or [] if i != "oos"]
+    labelled += taught
     texts = [t for t, _ in labelled]
     ids = {g: n for n, g in enumerate(sorted({g for _, g in labelled if g is not None}))}
     group = [-1 if g is None else ids[g] for _, g in labelled]
@@ -355,7 +402,7 @@ def stream_of(kind: str, path: Path, *, seed: int, limit: int, splits: set[str] 
     for a, b, same in edges:
         if not same:
             different |= {(position[a], position[b]), (position[b], position[a])}
-    return Stream(texts, group, different, path.name)
+    return Stream(texts, group, different, path.name, taught=len(taught))
 
 
 def right_answer(stream: Stream, query: int, cached: int) -> bool:
@@ -376,6 +423,8 @@ class StreamResult(msgspec.Struct):
     candidates: list[tuple[float, bool]] = msgspec.field(default_factory=list)
     #: the lookups (positions in the stream) served a right answer: the paired bootstrap's unit
     right_hits: list[int] = msgspec.field(default_factory=list)
+    #: the lookups served a wrong answer
+    wrong_hits: list[int] = msgspec.field(default_factory=list)
     #: the learner's outcomes: (what it did: ``hit`` or the refusal, as the decision log spells it) -> [lookups whose
     #: candidate was right, lookups whose candidate was wrong]
     outcomes: dict[str, list[int]] = msgspec.field(default_factory=dict)
@@ -399,6 +448,11 @@ class StreamResult(msgspec.Struct):
     def hit_rate(self) -> float:
         return self.hits / max(self.lookups, 1)
 
+    def first(self, lookups: int) -> tuple[float, float]:
+        """(hit rate, false-hit rate) over the first ``lookups`` lookups (day one)."""
+        n = max(min(lookups, self.lookups), 1)
+        return sum(i < n for i in self.right_hits) / n, sum(i < n for i in self.wrong_hits) / n
+
     @property
     def false_hit_rate(self) -> float:
         return self.false_hits / max(self.lookups, 1)
@@ -415,14 +469,18 @@ def run_stream(stream: Stream, sim: np.ndarray, decide, record=None, link=None, 
     (query, candidate, similarity) -> serve | explore | miss; on explore or miss the pair's label is revealed to
     ``record`` (on a miss the engine computed the answer anyway, so comparing it with the candidate's is free).
     ``alone`` (query) hears a lookup that found the cache empty (no candidate: a plain miss). ``store`` ``on_wrong``:
-    a refused lookup whose label says the candidate was right is not stored (vCache's rule)."""
-    out = StreamResult(lookups=len(stream.texts))
-    n = len(stream.texts)
+    a refused lookup whose label says the candidate was right is not stored (vCache's rule). ``sim``: the lookups'
+    rows of the similarity matrix (the stream's taught texts, :attr:`Stream.taught`, are cached before the first)."""
+    n = stream.lookups
+    out = StreamResult(lookups=n)
     # The nearest stored text of every later lookup, kept up to date as texts are stored (``sim`` is symmetric:
     # storing text i compares it with every later text at once); ties go to the earliest stored, as argmax would.
     best_sim = np.full(n, -np.inf, dtype=np.float32)
     best_j = np.full(n, -1, dtype=np.int64)
-    n_stored = 0
+    if stream.taught:
+        best_j[:] = n + np.argmax(sim[:n, n:], axis=1)
+        best_sim[:] = sim[np.arange(n), best_j]
+    n_stored = stream.taught
     for i in range(n):
         if not n_stored and alone is not None:
             alone(i)
@@ -437,6 +495,7 @@ def run_stream(stream: Stream, sim: np.ndarray, decide, record=None, link=None, 
                     out.right_hits.append(i)
                 else:
                     out.false_hits += 1
+                    out.wrong_hits.append(i)
                 continue
             if action == "explore":
                 out.explorations += 1
@@ -447,12 +506,12 @@ def run_stream(stream: Stream, sim: np.ndarray, decide, record=None, link=None, 
                     link(i, j)
                 if correct and store == "on_wrong":
                     continue
-        row = sim[i, i + 1:]
+        row = sim[i, i + 1:n]
         closer = row > best_sim[i + 1:]
         best_sim[i + 1:][closer] = row[closer]
         best_j[i + 1:][closer] = i
         n_stored += 1
-    out.stored = n_stored
+    out.stored = n_stored - stream.taught
     return out
 
 
@@ -469,7 +528,7 @@ def learner_stream(stream: Stream, sim: np.ndarray, *, scenario: str, target: fl
                    link: bool = True, log: DecisionLog | None = None, tenant: str = "eval",
                    labels: bool = True, store: str = "every_miss",
                    options: dict[str, float] | None = None, prior_curve: np.ndarray | None = None,
-                   learner: SemanticLearner | None = None) -> tuple[StreamResult, int]:
+                   learner: SemanticLearner | None = None, taught: Taught | None = None) -> tuple[StreamResult, int]:
     """The online learner on the stream; returns its result and how many entries it demoted. ``shipped`` is the
     static prior cut on the cosine; ``signal`` (query, candidate, cosine) -> the verifier's calibrated probability
     replaces the cosine (the learner's prior is then that probability). ``labels`` False: the learner is never
@@ -477,7 +536,8 @@ def learner_stream(stream: Stream, sim: np.ndarray, *, scenario: str, target: fl
     ``learner`` one built elsewhere (the server's, :func:`edgecache.semantic.assembly.learner_for`). With ``log``,
     every lookup is written as the server writes it: one ``decision`` record (the nearest candidate's store and
     vector key and its similarity; the learner's reason) and a ``label`` for every label the run reveals
-    (explorations and refused candidates); served lookups stay unlabelled, as in production."""
+    (explorations and refused candidates); served lookups stay unlabelled, as in production. ``taught``: what the
+    stream's taught texts teach (:func:`taught_of`), taught before the first lookup."""
     settings = dict(options or {})
     if audit_share is not None:
         settings["audit_share"] = audit_share
@@ -485,6 +545,8 @@ def learner_stream(stream: Stream, sim: np.ndarray, *, scenario: str, target: fl
         learner = SemanticLearner(prior_cut=shipped, prior_curve=prior_curve, seed=seed, explore_share=explore_share,
                                   **settings)
     axis: Signal = "probability" if signal is not None else "cosine"
+    if taught is not None:
+        learner.teach(tenant, scenario, taught.classes, taught.labels, prior_cut=shipped, signal=axis)
     decisions: dict[int, tuple] = {}  # query -> (the learner's decision, its log id)
     value_of = signal or (lambda i, j, s: s)
     outcomes: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -532,6 +594,50 @@ def learner_stream(stream: Stream, sim: np.ndarray, *, scenario: str, target: fl
     result.errors = errors
     decisions.clear()  # served lookups: never labelled
     return result, learner.demoted
+
+
+def taught_of(stream: Stream, vectors: np.ndarray) -> Taught | None:
+    """What the stream's taught texts teach (their intents are their groups), keyed as the stream keys them (a
+    text's position), as a server taught the same groups in a warmup would teach it."""
+    if not stream.taught:
+        return None
+    n = stream.lookups
+    return group_labels([str(j) for j in range(n, len(stream.texts))], [str(g) for g in stream.group[n:]],
+                        vectors[n:])
+
+
+#: Day one's windows: the first lookups a taught tenant's server answers (``None``: the whole stream).
+DAY_ONE = (500, 1000, None)
+
+
+def day_one_figures(taught: StreamResult, untaught: StreamResult, sweep: list[tuple[float, StreamResult]],
+                    target: float) -> dict:
+    """Over the first 500 and 1,000 lookups and the whole stream: the taught learner's hits and wrong answers, the
+    learner's on the same cache untaught, and the static oracle's hits at 1 % and at ``target`` on those lookups
+    (the best cosine cut with hindsight on that window). The top level repeats the first 1,000 lookups' figures."""
+    windows: dict[str, dict] = {}
+    for window in DAY_ONE:
+        n = taught.lookups if window is None else min(window, taught.lookups)
+
+        def oracle(rate: float) -> float:
+            best = 0.0
+            for _, run in sweep:
+                hits, wrong = run.first(n)
+                if wrong <= rate + 1e-12:
+                    best = max(best, hits)
+            return best
+
+        hit, false = taught.first(n)
+        plain_hit, plain_false = untaught.first(n)
+        at_1 = oracle(0.01)
+        windows["all" if window is None else str(window)] = {
+            "lookups": n, "hit_rate": round(hit, 4), "false_hit_rate": round(false, 4),
+            "untaught_hit_rate": round(plain_hit, 4), "untaught_false_hit_rate": round(plain_false, 4),
+            "oracle_hit_rate_at_1pct": round(at_1, 4), "oracle_hit_rate_at_target": round(oracle(target), 4),
+            "ratio_to_oracle_at_1pct": round(hit / at_1, 3) if at_1 > 0 else None}
+    top = windows["1000"]
+    return {"hit_rate": top["hit_rate"], "false_hit_rate": top["false_hit_rate"],
+            "oracle_hit_rate_at_target": top["oracle_hit_rate_at_target"], "windows": windows}
 
 
 def kind_of(path: Path) -> str:
@@ -701,9 +807,11 @@ def stream_run(args: argparse.Namespace, kind: str, path: Path, *, seed: int, em
     t0 = time.perf_counter()
     stream = stream_of(kind, path, seed=seed, limit=args.limit,
                        splits=set(args.splits.split(",")) if args.splits else None,
-                       intent_sample=args.sample_per_intent, sample_seed=args.sample_seed)
+                       intent_sample=args.sample_per_intent, sample_seed=args.sample_seed,
+                       teach=read_intents(args.teach) if args.teach is not None else None)
     vectors = cache.embed(emb, stream.texts)
-    sim = vectors @ vectors.T
+    sim = vectors[:stream.lookups] @ vectors.T
+    taught = taught_of(stream, vectors)
     embedded = time.perf_counter() - t0
 
     score_of: dict[tuple[int, int], float] = {}
@@ -724,7 +832,8 @@ def stream_run(args: argparse.Namespace, kind: str, path: Path, *, seed: int, em
               "signal": score if use_verifier else None, "seed": seed, "explore_share": args.explore_share,
               "audit_share": args.audit_share, "link": args.link, "options": options}
     try:
-        learned, demoted = learner_stream(stream, sim, log=log, store=args.store, **common)  # type: ignore[arg-type]
+        learned, demoted = learner_stream(stream, sim, log=log, store=args.store, taught=taught,
+                                          **common)  # type: ignore[arg-type]
     finally:
         if log is not None:
             log.close()
@@ -754,6 +863,17 @@ def stream_run(args: argparse.Namespace, kind: str, path: Path, *, seed: int, em
                                  else "miss")) for c in np.round(np.arange(0.0, 1.0001, 0.005), 3)]
         verifier_1 = best_cut(scored, 0.01)[:2]
 
+    windows = None
+    if taught is not None:
+        # The same cache without its groups (a warmup of the same lines with no `group`): what teaching adds.
+        plain, _ = learner_stream(stream, sim, store=args.store, **common)  # type: ignore[arg-type]
+        windows = day_one_figures(learned, plain, sweep, target)
+        for name, figures in windows["windows"].items():
+            print(f"day one, {name} lookups: taught {figures['hit_rate']:.4f} hits / {figures['false_hit_rate']:.4f} "
+                  f"false; untaught {figures['untaught_hit_rate']:.4f} / {figures['untaught_false_hit_rate']:.4f}; "
+                  f"oracle at 1 % {figures['oracle_hit_rate_at_1pct']:.4f} (taught / it "
+                  + ("n/a" if figures["ratio_to_oracle_at_1pct"] is None else
+                     f"{figures['ratio_to_oracle_at_1pct']:.2f}x") + ")")
     oracle_hit, oracle_cut, oracle = oracle_at(learned.false_hit_rate)
     oracle_target_hit, oracle_target_cut, _ = oracle_at(target)
     oracle_1_hit, oracle_1_cut, oracle_1 = oracle_at(0.01)
@@ -850,6 +970,7 @@ def stream_run(args: argparse.Namespace, kind: str, path: Path, *, seed: int, em
         "replay_threshold_at_target": None if replay_target_cut is None else round(replay_target_cut, 4),
         "log": None if log is None else str(args.log),
         "tune": tuned,
+        "day_one": windows,
         "_pair": (mask, mask_1),
     }
 
@@ -938,10 +1059,32 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--log", type=Path, metavar="DIR",
                    help="--stream: write the learner's run to DIR as a decision log (`edgecache tune DIR` reads it)")
     p.add_argument("--oracle-step", type=float, default=0.005, help="--stream: the oracle's cut step")
+    p.add_argument("--teach", type=Path, metavar="FILE",
+                   help="--stream --intents: an intent set (the --intents format) whose intents are groups a tenant "
+                        "taught before the stream: cached and taught to the learner first; the JSON gains day_one")
+    p.add_argument("--split", choices=("text", "intent"),
+                   help="--intents: cut the set in two instead (split_intents) and write TEACH_OUT and STREAM_OUT")
+    p.add_argument("--split-share", type=float, default=0.5, help="--split: the share taught")
+    p.add_argument("--split-seed", type=int, default=0, help="--split: which cut")
+    p.add_argument("--split-out", nargs=2, type=Path, metavar=("TEACH_OUT", "STREAM_OUT"),
+                   help="--split: the two files written")
     p.add_argument("--day-one-prior", metavar="FILES",
                    help="--stream: comma-separated labelled data files; the untaught learner is also run with the worst "
                         "case of their P(wrong | cosine) as its prior (day_one_prior)")
     args = p.parse_args(argv)
+    if args.split is not None:
+        if args.intents is None or args.split_out is None:
+            raise SystemExit("error: --split takes --intents and --split-out TEACH_OUT STREAM_OUT")
+        teach, rest = split_intents(read_intents(args.intents, set(args.splits.split(",")) if args.splits else None),
+                                    by=args.split, share=args.split_share, seed=args.split_seed)
+        for out, items in zip(args.split_out, (teach, rest)):
+            write_intents(out, items)
+        result = {"teach": len(teach), "stream": len(rest), "teach_file": str(args.split_out[0]),
+                  "stream_file": str(args.split_out[1])}
+        print(json.dumps(result))
+        return result
+    if args.teach is not None and (not args.stream or args.intents is None or args.signal != "cosine"):
+        raise SystemExit("error: --teach takes --stream --intents (and the cosine signal)")
     if args.stream:
         return stream_main(args, *(("pairs", args.pairs) if args.pairs is not None else ("intents", args.intents)))
     rules = [] if args.rules == "none" else [r for r in args.rules.split(",") if r]

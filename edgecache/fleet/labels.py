@@ -30,8 +30,17 @@ LABELS_KEPT = 100_000  # roughly: labels come at the rate of misses and explorat
 QUEUE_MAX = 10_000
 
 
+class SharedTeaching(msgspec.Struct, frozen=True, array_like=True):
+    """What a tenant's grouped warmup lines taught (:mod:`edgecache.semantic.teaching`): answer classes (store keys)
+    and labels ``(store key, similarity, right?, the query's nearest?)``."""
+
+    classes: list[list[str]]
+    labels: list[tuple[str, float, bool, bool]]
+
+
 class SharedLabel(msgspec.Struct, frozen=True, array_like=True):
-    """One learner label, as :meth:`edgecache.semantic.cache.SemanticCache.learn` is taught it."""
+    """One learner label, as :meth:`edgecache.semantic.cache.SemanticCache.learn` is taught it, or (``taught``) one
+    teaching of a tenant's groups, which every node teaches its learner and keeps as its own."""
 
     origin: str                 # the node that got the label
     tenant: str
@@ -40,6 +49,7 @@ class SharedLabel(msgspec.Struct, frozen=True, array_like=True):
     similarity: float           # of the query it was (or was not) right for
     good: bool | None           # None: compared, and no labeler could tell (taught as wrong)
     answer_key: str | None      # the answer cached for that query, linked to store_key's class when good
+    taught: SharedTeaching | None = None  # a teaching: the fields above are then empty
 
 
 class LabelFeed:
@@ -68,6 +78,16 @@ class LabelFeed:
         """Queue a label this node's learner was taught, for the fleet (on the event loop; never blocks)."""
         label = SharedLabel(origin=self.node_id, tenant=tenant, scenario=scenario, store_key=store_key,
                             similarity=similarity, good=good, answer_key=answer_key)
+        try:
+            self._queue.put_nowait(label)
+        except asyncio.QueueFull:
+            self.dropped += 1
+
+    def publish_taught(self, tenant: str, scenario: str, classes: list[list[str]],
+                       labels: list[tuple[str, float, bool, bool]]) -> None:
+        """Queue what a tenant's groups taught this node, for the fleet (on the event loop; never blocks)."""
+        label = SharedLabel(origin=self.node_id, tenant=tenant, scenario=scenario, store_key="", similarity=0.0,
+                            good=None, answer_key=None, taught=SharedTeaching(classes=classes, labels=labels))
         try:
             self._queue.put_nowait(label)
         except asyncio.QueueFull:

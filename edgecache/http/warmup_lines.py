@@ -19,7 +19,7 @@ from edgecache.http.request_surface import ChatMessageIn
 from edgecache.pipeline import RequestPipeline
 from edgecache.settings import Settings
 from edgecache.tenants import TenantDirectory
-from edgecache.warmup import LineResult, Prefilled, warm
+from edgecache.warmup import LineResult, Prefilled, check_groups, warm
 
 
 class WarmupLine(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -32,6 +32,7 @@ class WarmupLine(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] = 0.0
     seed: int | None = None
     answer: str | None = None
+    group: Annotated[str, Meta(min_length=1)] | None = None
 
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):
@@ -78,12 +79,18 @@ def to_call(line: WarmupLine, *, tenant: str, default_max_tokens: int, tenant_li
                 tenant=tenant, scenario=line.scenario, ttl_s=line.ttl, tenant_limit=tenant_limit)
 
 
+def check_line_groups(lines: list[NumberedLine], tenant: str | None = None) -> None:
+    """:func:`check_groups` of a whole prompts file before any of it is sent (tenants as the lines name them)."""
+    check_groups([(n.line, to_call(n.request, tenant=n.request.tenant or tenant or "default", default_max_tokens=1),
+                   n.request.answer, n.request.group) for n in lines])
+
+
 async def warm_lines(pipeline: RequestPipeline, lines: list[NumberedLine], *, tenants: TenantDirectory,
                      settings: Settings, tenant: str | None = None,
                      prefilled: Prefilled | None = None) -> list[LineResult]:
     """Check each line's tenant (the line's own, else ``tenant``, else ``default``) and scenario, then :func:`warm`
     the good ones. One result per line, in line order."""
-    calls, results = [], []
+    calls, results, groups = [], [], {}
     for numbered in lines:
         line = numbered.request
         who = tenants.get(line.tenant or tenant or "default")
@@ -97,5 +104,7 @@ async def warm_lines(pipeline: RequestPipeline, lines: list[NumberedLine], *, te
             call = to_call(line, tenant=who.id, tenant_limit=who.plan.max_concurrent_misses,
                            default_max_tokens=settings.engine.default_max_tokens)
             calls.append((numbered.line, call, line.answer))
-    results.extend(await warm(pipeline, calls, prefilled))
+            if line.group is not None:
+                groups[numbered.line] = line.group
+    results.extend(await warm(pipeline, calls, prefilled, groups))
     return sorted(results, key=lambda r: r.line)

@@ -25,6 +25,7 @@ from edgecache.semantic.decision_log import DecisionLog, labelled_decisions, rea
 from edgecache.semantic.embedders import Embedder, load_semantic_embedder
 from edgecache.semantic.learner import SemanticLearner
 from edgecache.semantic.lookup import Lookup, MatchRule
+from edgecache.semantic.teaching import Taught, TaughtLog
 from edgecache.settings import Settings
 
 if TYPE_CHECKING:  # a single box never imports the fleet (nor the redis client)
@@ -132,13 +133,15 @@ class SemanticLayer:
             return
         for report in cache.index.repairs:
             self._faults.repaired("semantic", report)
+        cache.taught_log = TaughtLog(self.settings.data_path / "semantic")
         if self._fleet is not None:
             cache.index = await self._fleet.share_vectors(  # type: ignore[assignment]  # the same methods
                 cache.index, embedder_version=self._embedder.version,
                 cursor_file=self.settings.data_path / "semantic" / "fleet-cursors.json",
                 cap_for=self._cap_for, index_thread=cache.in_index_thread)
             if self.learner is not None:  # a label on one node teaches every node
-                self._fleet.share_labels(self._apply_shared_label)
+                feed = self._fleet.share_labels(self._apply_shared_label)
+                cache.on_taught = lambda t: feed.publish_taught(t.tenant, t.scenario, t.classes, t.labels)
         if self.error is not None:
             log.info("the semantic layer is back")
         self.error = None
@@ -155,6 +158,24 @@ class SemanticLayer:
         if self.error is None:
             log.error("the semantic layer is unavailable, serving exact matches only: %s", why)
         self.error = why
+
+    async def teach_taught(self) -> None:
+        """What grouped warmup lines taught before a restart teaches the learner again, before the first request."""
+        cache = self.cache
+        if cache is None or self.learner is None or cache.taught_log is None:
+            return
+        log_ = cache.taught_log
+
+        def teach() -> int:
+            return sum(cache.teach_taught(taught) for taught in log_.read())
+
+        try:
+            taught = await asyncio.get_running_loop().run_in_executor(None, teach)
+        except STORAGE_ERRORS as exc:
+            self._faults.record("semantic", exc, action="taught labels not read", path=log_.path)
+            return
+        if taught:
+            log.info("the semantic learner starts from %d taught labels", taught)
 
     async def teach_from_log(self, decisions: DecisionLog) -> None:
         """The labels the decision log kept teach the learner before the first request (a restart does not start it
@@ -185,7 +206,14 @@ class SemanticLayer:
                          answer_key)
 
     def _apply_shared_label(self, label: SharedLabel) -> None:
-        """A label another node of the fleet got (edgecache/fleet/labels.py)."""
+        """A label another node of the fleet got (edgecache/fleet/labels.py), or one a group taught there (kept here
+        too, so this node's restart keeps it)."""
+        if self.cache is not None and label.taught is not None:
+            taught = Taught(tenant=label.tenant, scenario=label.scenario, classes=label.taught.classes,
+                            labels=label.taught.labels)
+            if self.cache.teach_taught(taught) and self.cache.taught_log is not None:
+                asyncio.get_running_loop().run_in_executor(None, self.cache.taught_log.append, taught)
+            return
         if self.cache is not None:
             self.cache.learn_shared(label.tenant, label.scenario, label.store_key, label.similarity, label.good,
                                     label.answer_key)

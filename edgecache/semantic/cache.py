@@ -44,6 +44,7 @@ from edgecache.semantic.guard import DEFAULT_RULES
 from edgecache.semantic.index import Candidate, SemanticIndex
 from edgecache.semantic.learner import Decision, SemanticLearner
 from edgecache.semantic.lookup import Lookup, MatchRule, Probe
+from edgecache.semantic.teaching import Taught, TaughtLog, group_labels
 from edgecache.semantic.verifier import Verifier
 
 
@@ -137,6 +138,10 @@ class SemanticCache:
         self.batcher = EmbedBatcher(embedder, self._embed_executor, max_batch=max_batch, max_wait_s=max_wait_s,
                                     observe=observe_embed)
         self._closed = False
+        #: Where what grouped warmup lines taught is kept (None: nowhere; a restart forgets it), and who else hears
+        #: of it (the fleet's label feed).
+        self.taught_log: TaughtLog | None = None
+        self.on_taught: Callable[[Taught], None] | None = None
 
     @staticmethod
     def index_scenario(scenario: str, namespace: str) -> str:
@@ -244,6 +249,41 @@ class SemanticCache:
                 self.learner.link(tenant, scenario, answer_key, store_key)
         return True
 
+    async def teach(self, tenant: str, scenario: str, items: Sequence[tuple[Probe, str, str]]) -> int:
+        """Warmup lines of one tenant and scenario given in groups, as (probe, store key, group), each already stored
+        with its group's answer: what they teach the learner (:func:`edgecache.semantic.teaching.group_labels`, per
+        namespace, since only a namespace's entries are ever each other's candidates), kept in :attr:`taught_log`
+        and handed to :attr:`on_taught`. Returns the labels taught (0 without a learner)."""
+        if self.learner is None or not items:
+            return 0
+        vectors = await self.embed_many([probe.text for probe, _, _ in items])
+        by_namespace: dict[str, list[int]] = {}
+        for i, (probe, _, _) in enumerate(items):
+            by_namespace.setdefault(probe.namespace, []).append(i)
+        taught = 0
+        for rows in by_namespace.values():
+            found = group_labels([items[i][1] for i in rows], [items[i][2] for i in rows], vectors[rows])
+            found = Taught(tenant=tenant, scenario=scenario, classes=found.classes, labels=found.labels)
+            taught += self.teach_taught(found)
+            if self.taught_log is not None:
+                await asyncio.to_thread(self.taught_log.append, found)
+            if self.on_taught is not None:
+                self.on_taught(found)
+        return taught
+
+    def teach_taught(self, taught: Taught) -> int:
+        """A teaching (this node's, one kept from before a restart, or a fleet node's) to the learner; 0 when its
+        scenario is no longer configured."""
+        if self.learner is None:
+            return 0
+        try:
+            prior_cut = self.rule_for(taught.tenant, taught.scenario).threshold
+        except KeyError:
+            return 0
+        with self._learner_lock:
+            return self.learner.teach(taught.tenant, taught.scenario, taught.classes, taught.labels,
+                                      prior_cut=prior_cut)
+
     def learn_from_log(self, labelled: Iterable[tuple[DecisionRecord, bool | None]]) -> int:
         """Teach the learner the labels a decision log kept (at start: what this box learned before a restart, or
         under another rule before the learner was turned on). A candidate the guard refused is skipped, as it is
@@ -316,6 +356,8 @@ class SemanticCache:
         if self.learner is not None:
             with self._learner_lock:
                 self.learner.drop(tenant, scenario)
+        if self.taught_log is not None:
+            await asyncio.to_thread(self.taught_log.drop, tenant, scenario)
         try:
             await self.in_index_thread(drop_matching)
         except STORAGE_ERRORS as exc:

@@ -65,6 +65,7 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -87,6 +88,8 @@ _BINS = 100
 #: A probability signal is binned on its logit between these (P(right) 0.018 .. 0.99995): the targets that matter
 #: (0.1-1 % wrong) lie in the last hundredth of [0, 1], where linear bins would lump them together.
 _LOGIT_LO, _LOGIT_HI = -4.0, 10.0
+#: The most lookups a teaching counts as in the cut and the ledger (:meth:`_Pool.taught_lookup_weight`).
+TAUGHT_LOOKUPS = 100
 #: Bins of the histogram of decisions' error estimates: log-spaced, 1e-5 .. 1.
 _P_EDGES = np.concatenate([[0.0], np.logspace(-5, 0, 101)])
 
@@ -132,6 +135,37 @@ class _Pool:
     calibration_predicted: float = 0.0
     calibration_wrong: float = 0.0
     signal: Signal = "cosine"
+    #: Labels the tenant taught (:meth:`SemanticLearner.teach`), per bin, apart from the labels of its own lookups
+    #: (``right``/``wrong``, ``labels``): they weigh ``taught / (taught + labels)`` each, so the pool's own traffic
+    #: outranks them as it comes.
+    taught_right: np.ndarray = field(default_factory=lambda: np.zeros(_BINS))
+    taught_wrong: np.ndarray = field(default_factory=lambda: np.zeros(_BINS))
+    taught: int = 0
+    #: Taught labels that stand for a lookup (a variant's nearest candidate)
+    taught_lookups: int = 0
+    #: The taught labels as the lookups they stand for: their decisions' error histogram (as ``p_*``), so the cut
+    #: and the ledger start from them (each weighed as a taught label).
+    taught_p_count: np.ndarray = field(default_factory=lambda: np.zeros(len(_P_EDGES)))
+    taught_p_sum: np.ndarray = field(default_factory=lambda: np.zeros(len(_P_EDGES)))
+    taught_p_var: np.ndarray = field(default_factory=lambda: np.zeros(len(_P_EDGES)))
+
+    def allowed_lookups(self) -> float:
+        """The lookups the false-hit target is a share of: the pool's own, and the taught lookups (a variant
+        against the others) at :meth:`taught_lookup_weight`."""
+        return self.lookups + self.taught_lookup_weight() * self.taught_lookups
+
+    def taught_lookup_weight(self) -> float:
+        """What one taught lookup weighs in the cut and the ledger: a taught label's weight, and together never more
+        than :data:`TAUGHT_LOOKUPS` lookups. They are a head start, not a budget: the tenant's questions are not its
+        traffic, so their easy lookups must not pay for the traffic's hard ones."""
+        if not self.taught_lookups:
+            return 0.0
+        return min(self.taught_weight(), TAUGHT_LOOKUPS / self.taught_lookups)
+
+    def taught_weight(self) -> float:
+        """What one taught label weighs beside one label of the pool's own lookups: 1 before any, half once as many
+        have come as were taught, falling on as they come."""
+        return self.taught / (self.taught + self.labels) if self.taught else 0.0
 
 
 def _position(similarity: float, signal: Signal) -> float:
@@ -285,8 +319,10 @@ class SemanticLearner:
             return Decision("miss", error, bound, cut, "demoted")
         if error > cut:
             return Decision("miss", error, bound, cut, "above_cut")
-        if not self._within(pool.served_error + error, pool.served_var + error * (1.0 - error),
-                            target_error * pool.lookups):
+        taught_error, taught_var = self._taught_spent(pool, cut)
+        if not self._within(pool.served_error + taught_error + error,
+                            pool.served_var + taught_var + error * (1.0 - error),
+                            target_error * pool.allowed_lookups()):
             # The cut is the policy for traffic like the past; the ledger is what was actually spent: expected false
             # hits of everything served so far, never over the pool's share.
             return Decision("miss", error, bound, cut, BUDGET)
@@ -348,6 +384,42 @@ class SemanticLearner:
             like.labels.extend(entry.labels)
             entry.labels = like.labels
 
+    def teach(self, tenant: str, scenario: str, classes: Iterable[Sequence[str]],
+              labels: Iterable[tuple[str, float, bool, bool]], *, prior_cut: float | None = None,
+              signal: Signal | None = None) -> int:
+        """What a tenant taught with grouped questions (:mod:`edgecache.semantic.teaching`): each of ``classes`` is one
+        answer class (its entries are :meth:`link`-ed), and each label says the cached answer of an entry did
+        (``True``) or did not serve a query at a similarity, and whether that query stands for a lookup (the pair was
+        the query's nearest). Taught labels count as labels in the pooled curve and in
+        their class (which keeps its last ``entry_labels``, so the class's own lookups push them out), weighed down
+        in the pool as the pool's own labels come (:meth:`_Pool.taught_weight`); they are no lookups and no
+        decisions of this pool's, so they say nothing of its calibration and strike no entry. Each stands for a
+        lookup of the tenant's questions, though: it counts among the lookups the target is a share of, and its
+        estimate after the teaching among the decisions the cut is drawn from (at the same weight). Returns the
+        labels taught."""
+        pool = self._pool(tenant, scenario, signal)
+        for keys in classes:
+            for key in keys[1:]:
+                self.link(tenant, scenario, key, keys[0])
+        taught = list(labels)
+        for key, similarity, correct, _ in taught:
+            b = _bin(similarity, pool.signal)
+            (pool.taught_right if correct else pool.taught_wrong)[b] += 1
+            self._entry((tenant, scenario, key)).labels.append((float(similarity), bool(correct)))
+        pool.taught += len(taught)
+        pool.curve = None
+        cut = self.prior_cut if prior_cut is None else prior_cut
+        for key, similarity, _, lookup in taught:
+            if not lookup:
+                continue
+            pool.taught_lookups += 1
+            error, bound = self._error(pool, self._entries.get((tenant, scenario, key)), similarity, cut)
+            i = min(int(np.searchsorted(_P_EDGES, bound, side="left")), len(_P_EDGES) - 1)
+            pool.taught_p_count[i] += 1
+            pool.taught_p_sum[i] += error
+            pool.taught_p_var[i] += error * (1.0 - error)
+        return len(taught)
+
     def forget(self, tenant: str, scenario: str, entry_key: str) -> None:
         """Drop an entry's labels (evicted, flushed, or replaced)."""
         self._entries.pop((tenant, scenario, entry_key), None)
@@ -372,7 +444,7 @@ class SemanticLearner:
         for (tenant, scenario), pool in sorted(self._pools.items()):
             rate, upper, labels = self.estimate(tenant, scenario)
             out[(tenant, scenario)] = {"lookups": pool.lookups, "explorations": pool.explorations, "labels": labels,
-                                       "false_hit_rate": rate, "false_hit_upper": upper}
+                                       "taught": pool.taught, "false_hit_rate": rate, "false_hit_upper": upper}
         return out
 
     def estimate(self, tenant: str, scenario: str) -> tuple[float, float, int]:
@@ -433,8 +505,10 @@ class SemanticLearner:
         else:
             centres = (np.arange(_BINS) + 0.5) / _BINS
             prior = np.where(centres >= prior_cut, self.prior_error, 0.5)
-        weight = pool.right + pool.wrong + self.prior_weight
-        rate = (pool.wrong + self.prior_weight * prior) / weight
+        taught = pool.taught_weight()
+        wrong = pool.wrong + taught * pool.taught_wrong
+        weight = pool.right + taught * pool.taught_right + wrong + self.prior_weight
+        rate = (wrong + self.prior_weight * prior) / weight
         pool.curve = _isotonic_decreasing(rate, weight)
         pool.curve_cut = prior_cut
         return pool.curve
@@ -453,7 +527,8 @@ class SemanticLearner:
         b = _bin(similarity, pool.signal)
         pooled = min(max(float(curve[b]), 1e-4), 1.0 - 1e-4)
         lo, hi = max(0, b - 2), min(_BINS, b + 3)
-        n_pool = float(pool.right[lo:hi].sum() + pool.wrong[lo:hi].sum())
+        n_pool = float(pool.right[lo:hi].sum() + pool.wrong[lo:hi].sum() + pool.taught_weight()
+                       * (pool.taught_right[lo:hi].sum() + pool.taught_wrong[lo:hi].sum()))
         base = math.log(pooled / (1.0 - pooled))
         var = 1.0 / (n_pool * pooled * (1.0 - pooled) + self.prior_weight)
         shift = 0.0
@@ -509,6 +584,16 @@ class SemanticLearner:
             theta = theta + np.linalg.solve(hessian, gradient)
         return float(theta[0]), float(np.linalg.inv(hessian)[0, 0])
 
+    def _taught_spent(self, pool: _Pool, cut: float) -> tuple[float, float]:
+        """The expected false hits (and their variance) of the taught lookups the cut would serve, at their weight:
+        the ledger counts the tenant's questions as lookups served by the policy, so they add to what may be spent
+        only what the policy would not have spent on them."""
+        if not pool.taught_lookups:
+            return 0.0, 0.0
+        last = int(np.searchsorted(_P_EDGES, cut, side="right"))
+        weight = pool.taught_lookup_weight()
+        return weight * float(pool.taught_p_sum[:last].sum()), weight * float(pool.taught_p_var[:last].sum())
+
     def _note(self, pool: _Pool, bound: float, error: float) -> None:
         """File a decision under its bound (what decides whether it is served) at its expected cost (its error)."""
         i = min(int(np.searchsorted(_P_EDGES, bound, side="left")), len(_P_EDGES) - 1)
@@ -527,9 +612,12 @@ class SemanticLearner:
     def _cut(self, pool: _Pool, target_error: float) -> float:
         """The largest error bound that may be served: the expected false hits of serving every past decision whose
         bound was at or under it stay within ``target_error * (1 - margin)`` of the pool's lookups."""
-        if pool.lookups == 0:
+        if pool.lookups == 0 and not pool.taught:
             return target_error
-        within = self._within(np.cumsum(pool.p_sum), np.cumsum(pool.p_var), target_error * pool.lookups)
+        taught = pool.taught_lookup_weight()
+        within = self._within(np.cumsum(pool.p_sum + taught * pool.taught_p_sum),
+                              np.cumsum(pool.p_var + taught * pool.taught_p_var),
+                              target_error * pool.allowed_lookups())
         if not within[0]:
             return 0.0
         last = int(np.argmin(within)) - 1 if not within.all() else len(within) - 1
