@@ -17,9 +17,10 @@ exactly, however many calls a batching engine (SGLang, vLLM, several llama.cpp s
 token is the box's cost (busy time over the tokens computed in it), not one request's latency. An engine that runs
 one call at a time (``parallel_calls = 1``: llama.cpp) charges only the call it is running; the others wait.
 
-:class:`CostFit` turns those charges into seconds per prefill token and per decode token, exponentially weighted
-over recent calls so that it follows the engine when it gets slower. Until it rests on ``fit_min_calls`` calls it
-prices nothing: the tokens saved meanwhile are kept, unpriced, and priced once the fit has a basis.
+:class:`CostFit` turns those charges into what a call costs whatever its prompt, what one more prompt token costs
+and what one more completion token costs (least squares over recent calls, so that it follows the engine when it gets
+slower). Until it rests on ``fit_min_calls`` calls it prices nothing: the tokens saved meanwhile are kept, unpriced,
+and priced once the fit has a basis.
 
 So the engine-seconds spent (by purpose) are measured, and the engine-seconds saved are the fit applied to the
 tokens not computed: ``saved + spent`` is what the box would have computed with no cache at all, ``saved / (saved +
@@ -68,44 +69,82 @@ def semantic_reason(refusal: str) -> str:
 
 
 class CostFit:
-    """Seconds per prefill token and per decode token, from the busy time charged to engine calls.
+    """What an engine call costs on this box, fitted on the busy time charged to engine calls.
 
-    ``p = charged prefill seconds / prefill tokens computed`` and ``q = charged decode seconds / decode tokens``,
-    both sums weighted by ``0.5 ** (age / half_life_calls)`` (age in calls), so a slower engine moves the rates
-    within a few hundred calls. ``rates()`` is None until ``min_calls`` calls were observed with tokens of both
-    kinds: the ledger then says so instead of printing a figure with no basis.
+    A call's prefill charge (until its first output) is fitted as ``a + p * n`` by weighted least squares over the
+    calls, ``n`` being the prompt tokens it computed (its prefix cache's excluded): ``a`` is what a call costs
+    whatever its prompt (setting up, and sampling its first token), ``p`` the cost of one more prompt token. Its
+    decode charge is ``q`` per completion token after the first. A least-squares fit with its own ``a`` leaves no
+    residual on the whole: the fitted costs of the calls add up to their charges. Without ``a``, a call's fixed cost
+    would be spread over its prompt tokens, and a token the prefix cache held would be valued at the cost of a
+    short prompt's token (measured: 2x too dear on the CPU profile).
+
+    Every sum is weighted by ``0.5 ** (age / half_life_calls)`` (age in calls), so a slower engine moves the fit
+    within a few hundred calls. ``rates()`` is None until ``min_calls`` calls with completion tokens were seen: the
+    ledger then says so instead of printing a figure with no basis.
     """
 
     def __init__(self, *, min_calls: int, half_life_calls: float) -> None:
         self.min_calls = min_calls
         self._decay = 0.5 ** (1.0 / half_life_calls)
         self.calls = 0  # calls observed (unweighted)
-        self.prefill_s = self.prefill_tokens = self.decode_s = self.decode_tokens = 0.0
+        # Weighted sums: calls, prompt tokens n, prefill seconds y, n*n, n*y; decode seconds and tokens.
+        self._w = self._n = self._y = self._nn = self._ny = self._decode_s = self._decode_tokens = 0.0
+        self._rates: tuple[float, float, float] | None = None
 
-    def observe(self, prefill_s: float, prefill_tokens: int, decode_s: float, decode_tokens: int) -> None:
+    def observe(self, prefill_s: float, prefill_tokens: int, decode_s: float, completion_tokens: int) -> None:
         d = self._decay
-        self.prefill_s = self.prefill_s * d + prefill_s
-        self.prefill_tokens = self.prefill_tokens * d + prefill_tokens
-        self.decode_s = self.decode_s * d + decode_s
-        self.decode_tokens = self.decode_tokens * d + decode_tokens
+        n = float(prefill_tokens)
+        self._w = self._w * d + 1.0
+        self._n = self._n * d + n
+        self._y = self._y * d + prefill_s
+        self._nn = self._nn * d + n * n
+        self._ny = self._ny * d + n * prefill_s
+        self._decode_s = self._decode_s * d + decode_s
+        self._decode_tokens = self._decode_tokens * d + max(0, completion_tokens - 1)
         self.calls += 1
+        self._rates = self._fit()
 
-    def rates(self) -> tuple[float, float] | None:
-        """(prefill, decode) seconds per token, or None while the fit rests on too few calls."""
-        if self.calls < self.min_calls or self.prefill_tokens <= 0 or self.decode_tokens <= 0:
+    def _fit(self) -> tuple[float, float, float] | None:
+        if self.calls < self.min_calls or self._decode_tokens <= 0:
             return None
-        return self.prefill_s / self.prefill_tokens, self.decode_s / self.decode_tokens
+        w, n, y = self._w, self._n, self._y
+        spread = w * self._nn - n * n
+        if spread > 1e-9 * w * self._nn:
+            p = (w * self._ny - n * y) / spread
+            a = (y - p * n) / w
+        else:  # every call computed as many prompt tokens: no way to tell a call's cost from its tokens'
+            p, a = (y / n, 0.0) if n > 0 else (0.0, y / w)
+        if p < 0:
+            p, a = 0.0, y / w
+        elif a < 0:
+            p, a = (y / n if n > 0 else 0.0), 0.0
+        return a, p, self._decode_s / self._decode_tokens
+
+    def rates(self) -> tuple[float, float, float] | None:
+        """(seconds per call, per prompt token computed, per completion token after the first), or None while the
+        fit rests on too few calls."""
+        return self._rates
+
+    def cost(self, calls: int, prompt_tokens: int, completion_tokens: int) -> float | None:
+        """What ``calls`` calls with these token totals would have cost (None: no fit yet). A token the prefix
+        cache held is priced with ``calls = 0``: one prompt token more, no call."""
+        rates = self._rates
+        if rates is None:
+            return None
+        return rates[0] * calls + rates[1] * prompt_tokens + rates[2] * max(0, completion_tokens - calls)
 
     def state(self) -> dict[str, float]:
-        return {"calls": self.calls, "prefill_s": self.prefill_s, "prefill_tokens": self.prefill_tokens,
-                "decode_s": self.decode_s, "decode_tokens": self.decode_tokens}
+        return {"calls": self.calls, "w": self._w, "n": self._n, "y": self._y, "nn": self._nn, "ny": self._ny,
+                "decode_s": self._decode_s, "decode_tokens": self._decode_tokens}
 
     def restore(self, state: dict[str, float]) -> None:
         self.calls = int(state.get("calls", 0))
-        self.prefill_s = float(state.get("prefill_s", 0.0))
-        self.prefill_tokens = float(state.get("prefill_tokens", 0.0))
-        self.decode_s = float(state.get("decode_s", 0.0))
-        self.decode_tokens = float(state.get("decode_tokens", 0.0))
+        self._w, self._n, self._y = (float(state.get(k, 0.0)) for k in ("w", "n", "y"))
+        self._nn, self._ny = float(state.get("nn", 0.0)), float(state.get("ny", 0.0))
+        self._decode_s = float(state.get("decode_s", 0.0))
+        self._decode_tokens = float(state.get("decode_tokens", 0.0))
+        self._rates = self._fit()
 
 
 class MeteredCall:
@@ -188,6 +227,7 @@ class Row(msgspec.Struct, kw_only=True):
     # Tokens saved while the cost fit had no basis yet; priced (moved into saved_engine_s) once it has one.
     unpriced_prompt_tokens: dict[str, int] = {}
     unpriced_completion_tokens: dict[str, int] = {}
+    unpriced_calls: dict[str, int] = {}  # whole requests among them (each saved a call's own cost too)
     spent_engine_s: dict[str, float] = {}
     spent_prompt_tokens: dict[str, int] = {}
     spent_completion_tokens: dict[str, int] = {}
@@ -302,6 +342,7 @@ class Ledger:
             row = self._rows[(tenant, scenario)] = Row(requests={}, misses={}, saved_prompt_tokens={},
                                                        saved_completion_tokens={}, saved_engine_s={},
                                                        unpriced_prompt_tokens={}, unpriced_completion_tokens={},
+                                                       unpriced_calls={},
                                                        spent_engine_s={}, spent_prompt_tokens={},
                                                        spent_completion_tokens={}, spent_calls={})
         return row
@@ -315,34 +356,36 @@ class Ledger:
         row.requests[outcome] = row.requests.get(outcome, 0) + 1
         self._dirty = True
         if outcome in ("exact", "shared", "semantic"):
-            self._save(row, outcome, prompt_tokens, completion_tokens)
+            self._save(row, outcome, 1, prompt_tokens, completion_tokens)
         elif miss_reason is not None:
             row.misses[miss_reason] = row.misses.get(miss_reason, 0) + 1
 
-    def _save(self, row: Row, layer: str, prompt_tokens: int, completion_tokens: int) -> None:
+    def _save(self, row: Row, layer: str, calls: int, prompt_tokens: int, completion_tokens: int) -> None:
+        """``calls`` whole requests (0: prompt tokens the prefix cache held) with these tokens were not computed."""
         row.saved_prompt_tokens[layer] = row.saved_prompt_tokens.get(layer, 0) + prompt_tokens
         row.saved_completion_tokens[layer] = row.saved_completion_tokens.get(layer, 0) + completion_tokens
-        rates = self.fit.rates()
-        if rates is None:
+        seconds = self.fit.cost(calls, prompt_tokens, completion_tokens)
+        if seconds is None:
             row.unpriced_prompt_tokens[layer] = row.unpriced_prompt_tokens.get(layer, 0) + prompt_tokens
             row.unpriced_completion_tokens[layer] = row.unpriced_completion_tokens.get(layer, 0) + completion_tokens
+            row.unpriced_calls[layer] = row.unpriced_calls.get(layer, 0) + calls
             self._unpriced = True
             return
         if self._unpriced:
-            self._price_pending(rates)
-        row.saved_engine_s[layer] = (row.saved_engine_s.get(layer, 0.0) + rates[0] * prompt_tokens
-                                     + rates[1] * completion_tokens)
+            self._price_pending()
+        row.saved_engine_s[layer] = row.saved_engine_s.get(layer, 0.0) + seconds
 
-    def _price_pending(self, rates: tuple[float, float]) -> None:
+    def _price_pending(self) -> None:
         """The fit has a basis now: what was saved before it is priced at its rates."""
         self._unpriced = False
         for row in self._rows.values():
             for layer in set(row.unpriced_prompt_tokens) | set(row.unpriced_completion_tokens):
-                seconds = (rates[0] * row.unpriced_prompt_tokens.get(layer, 0)
-                           + rates[1] * row.unpriced_completion_tokens.get(layer, 0))
+                seconds = self.fit.cost(row.unpriced_calls.get(layer, 0), row.unpriced_prompt_tokens.get(layer, 0),
+                                        row.unpriced_completion_tokens.get(layer, 0)) or 0.0
                 row.saved_engine_s[layer] = row.saved_engine_s.get(layer, 0.0) + seconds
             row.unpriced_prompt_tokens.clear()
             row.unpriced_completion_tokens.clear()
+            row.unpriced_calls.clear()
 
     def _engine_call_ended(self, call: MeteredCall, tokens: tuple[int, int, int] | None) -> None:
         row = self._row(call.tenant, call.scenario)
@@ -359,16 +402,10 @@ class Ledger:
         row.spent_completion_tokens[purpose] = row.spent_completion_tokens.get(purpose, 0) + completion
         if call.decoding:
             self.fit.observe(call.prefill_s, computed, call.decode_s, completion)
-        else:
-            # The whole answer came at once (tool calls, logprobs): no first output split its phases. Split its
-            # time at the current rates where there are some; else it teaches the fit nothing.
-            rates = self.fit.rates()
-            if rates is not None and computed + completion > 0:
-                cost = rates[0] * computed + rates[1] * completion
-                prefill = spent * (rates[0] * computed / cost) if cost > 0 else spent
-                self.fit.observe(prefill, computed, spent - prefill, completion)
+        # A whole answer at once (tool calls, logprobs, a warmup's one-token prefill) has no first output to split
+        # its phases at: it teaches the fit nothing, and is still spent.
         if cached > 0:
-            self._save(row, "kv_prefix", cached, 0)
+            self._save(row, "kv_prefix", 0, cached, 0)
 
     # ---- reading ----
 
@@ -383,8 +420,9 @@ class Ledger:
     def fit_report(self) -> dict[str, Any]:
         rates = self.fit.rates()
         report: dict[str, Any] = {"calls": self.fit.calls, "min_calls": self.fit.min_calls, "ready": rates is not None,
-                                  "prefill_s_per_token": rates[0] if rates else None,
-                                  "decode_s_per_token": rates[1] if rates else None}
+                                  "call_s": rates[0] if rates else None,
+                                  "prefill_s_per_token": rates[1] if rates else None,
+                                  "decode_s_per_token": rates[2] if rates else None}
         if rates is None:
             report["why"] = (f"the engine's cost per token rests on {self.fit.calls} engine calls (it needs "
                              f"{self.fit.min_calls} with prompt and completion tokens): engine-seconds saved are "
@@ -507,7 +545,8 @@ class Ledger:
         for name, row in saved.rows.items():
             tenant, scenario = name.split("/", 1)
             self._rows[(tenant, scenario)] = row
-            self._unpriced = self._unpriced or bool(row.unpriced_prompt_tokens or row.unpriced_completion_tokens)
+            self._unpriced = self._unpriced or bool(row.unpriced_prompt_tokens or row.unpriced_completion_tokens
+                                                    or row.unpriced_calls)
         self._minutes = [(minute, rows) for minute, rows in saved.minutes]
         self.history.restore(saved.history)
 
@@ -613,11 +652,16 @@ class _LedgerCollector(Collector):
         rates = ledger.fit.rates()
         if rates is not None:
             per_token = GaugeMetricFamily("edgecache_engine_seconds_per_token", "The engine's measured cost of a "
-                                          "token on this box, by phase (prefill, decode): busy time over the tokens "
-                                          "computed in it.", labels=["phase"])
-            per_token.add_metric(["prefill"], rates[0])
-            per_token.add_metric(["decode"], rates[1])
+                                          "token on this box, by phase (prefill: one more prompt token computed; "
+                                          "decode: one more completion token), fitted on busy time.",
+                                          labels=["phase"])
+            per_token.add_metric(["prefill"], rates[1])
+            per_token.add_metric(["decode"], rates[2])
             yield per_token
+            per_call = GaugeMetricFamily("edgecache_engine_seconds_per_call", "What an engine call costs whatever "
+                                         "its prompt (setting up, its first token), fitted on busy time.")
+            per_call.add_metric([], rates[0])
+            yield per_call
         calls = GaugeMetricFamily("edgecache_engine_cost_fit_calls", "Engine calls the cost per token rests on.")
         calls.add_metric([], ledger.fit.calls)
         yield calls

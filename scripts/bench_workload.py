@@ -551,8 +551,8 @@ def ledger_report(phases: dict) -> dict:
     widths = [max(len(str(r[i])) for r in [cols] + rows) for i in range(len(cols))]
     print()
     fit = figures["fit"]
-    print(f"ledger: cost per token fitted on {fit['calls']} engine calls: prefill "
-          f"{fit['prefill_s_per_token']} s, decode {fit['decode_s_per_token']} s")
+    print(f"ledger: the engine's cost fitted on {fit['calls']} engine calls: {fit['call_s']:.4f} s a call, "
+          f"{fit['prefill_s_per_token']:.6f} s a prompt token, {fit['decode_s_per_token']:.5f} s a completion token")
     print(fmt_row(cols, widths))
     print(" | ".join("-" * w for w in widths))
     for r in rows:

@@ -121,15 +121,21 @@ def test_an_engine_that_runs_one_call_at_a_time_charges_only_the_running_call() 
 
 def test_the_fit_has_no_rates_below_its_minimum_and_follows_a_slower_engine() -> None:
     fit = CostFit(min_calls=5, half_life_calls=20)
-    for _ in range(4):
-        fit.observe(0.001 * 100, 100, 0.01 * 10, 10)
-    assert fit.rates() is None
-    fit.observe(0.001 * 100, 100, 0.01 * 10, 10)
-    assert fit.rates() == pytest.approx((0.001, 0.01))
-    for _ in range(200):  # the engine got twice as slow
-        fit.observe(0.002 * 100, 100, 0.02 * 10, 10)
-    prefill, decode = fit.rates()  # type: ignore[misc]
-    assert prefill == pytest.approx(0.002, rel=0.01) and decode == pytest.approx(0.02, rel=0.01)
+
+    def call(per_call: float, per_prompt_token: float, per_decode_token: float, prompt: int) -> None:
+        fit.observe(per_call + per_prompt_token * prompt, prompt, per_decode_token * 8, 9)
+
+    for prompt in (10, 50, 100, 200):
+        call(0.02, 0.001, 0.01, prompt)
+    assert fit.rates() is None and fit.cost(1, 10, 9) is None
+    call(0.02, 0.001, 0.01, 400)
+    assert fit.rates() == pytest.approx((0.02, 0.001, 0.01))
+    # A hit saves a call, its prompt and its completion; a token the prefix cache held, one prompt token.
+    assert fit.cost(1, 100, 9) == pytest.approx(0.02 + 0.1 + 0.08)
+    assert fit.cost(0, 100, 0) == pytest.approx(0.1)
+    for i in range(200):  # the engine got twice as slow
+        call(0.04, 0.002, 0.02, (10, 50, 100, 200, 400)[i % 5])
+    assert fit.rates() == pytest.approx((0.04, 0.002, 0.02), rel=0.01)
 
 
 def test_the_key_history_tells_expired_evicted_flushed_and_first_seen_apart() -> None:
@@ -230,11 +236,15 @@ async def test_engine_seconds_saved_wait_for_a_fit_with_a_basis_then_price_what_
             await ask(c, f"question number {i}")
         await ask(c, "the first question")  # a hit once the fit rests on 4 calls: both hits are priced
         report = ledger_of(c).report()
-        prefill, decode = report["fit"]["prefill_s_per_token"], report["fit"]["decode_s_per_token"]
-        assert report["fit"]["ready"] and prefill > 0 and decode > 0
+        fit = report["fit"]
+        per_call, prefill, decode = fit["call_s"], fit["prefill_s_per_token"], fit["decode_s_per_token"]
+        assert fit["ready"] and decode > 0 and per_call + prefill > 0
         exact = report["total"]["saved"]["exact"]
         assert "unpriced_tokens" not in report["total"]
-        assert exact["engine_s"] == pytest.approx(prefill * exact["prompt_tokens"] + decode * exact["completion_tokens"])
+        hits = report["total"]["requests"]["exact"]
+        assert hits == 2
+        assert exact["engine_s"] == pytest.approx(per_call * hits + prefill * exact["prompt_tokens"]
+                                                  + decode * (exact["completion_tokens"] - hits))
         # What was spent is the engine's busy time, shared out: the ledger's spent adds up to it.
         assert report["total"]["spent_engine_s"] == pytest.approx(report["engine_busy_s"])
         assert report["total"]["effective_capacity"] > 1.0
