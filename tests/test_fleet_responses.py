@@ -86,19 +86,20 @@ async def test_another_tenants_id_is_a_404_on_every_node(make_settings: Any, tmp
         # In Redis the tenant is in every key of the record and its bookkeeping.
         client = redis.asyncio.Redis.from_url(redis_url)
         try:
-            keys = sorted(k.decode() for k in await client.keys("ec:resp:*"))
+            keys = sorted(k.decode() for k in await client.keys("ec:{*}:resp:*"))
         finally:
             await client.aclose()
-        assert keys == ["ec:resp:t01:age", "ec:resp:t01:bytes", f"ec:resp:t01:r:{made['id']}", "ec:resp:t01:sizes"]
+        assert keys == ["ec:{t01}:resp:age", "ec:{t01}:resp:bytes", f"ec:{{t01}}:resp:r:{made['id']}",
+                        "ec:{t01}:resp:sizes"]
 
 
 async def bookkeeping(redis_url: str, tenant: str) -> tuple[int, int, int]:
     """(records in the age order, the byte counter, the bytes the records really hold) of one tenant."""
     client = redis.asyncio.Redis.from_url(redis_url)
     try:
-        members = await client.zrange(f"ec:resp:{tenant}:age", 0, -1)
+        members = await client.zrange(f"ec:{{{tenant}}}:resp:age", 0, -1)
         held = sum([await client.strlen(m) for m in members])
-        counter = int(await client.get(f"ec:resp:{tenant}:bytes") or 0)
+        counter = int(await client.get(f"ec:{{{tenant}}}:resp:bytes") or 0)
     finally:
         await client.aclose()
     return len(members), counter, held
@@ -134,12 +135,12 @@ async def test_each_record_has_the_ttl_and_an_expired_ones_bytes_are_given_back(
         second = await create(a, "Kept five minutes too.")
         client = redis.asyncio.Redis.from_url(redis_url)
         try:
-            for key in (f"ec:resp:default:r:{first['id']}", "ec:resp:default:age", "ec:resp:default:sizes",
-                        "ec:resp:default:bytes"):
+            for key in (f"ec:{{default}}:resp:r:{first['id']}", "ec:{default}:resp:age", "ec:{default}:resp:sizes",
+                        "ec:{default}:resp:bytes"):
                 assert 0 < await client.pttl(key) <= ttl_s * 1000, key
-            size = await client.strlen(f"ec:resp:default:r:{first['id']}")
+            size = await client.strlen(f"ec:{{default}}:resp:r:{first['id']}")
             # What Redis does when the TTL runs out (the record's key goes, its bookkeeping stays), done now.
-            await client.delete(f"ec:resp:default:r:{first['id']}")
+            await client.delete(f"ec:{{default}}:resp:r:{first['id']}")
         finally:
             await client.aclose()
         assert (await a.get(f"/v1/responses/{first['id']}")).status_code == 404
