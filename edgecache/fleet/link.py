@@ -61,9 +61,15 @@ class LinkScript:
         target = client if client is not None else self._link.client
         if client is not None and self._link.cluster:
             # A cluster pipeline cannot load a script a primary lacks (a replica promoted since has none): send
-            # the text, which Redis compiles once and caches.
-            return target.eval(self._script.script, len(keys), *keys, *args)
+            # the text, which Redis compiles once and caches. (Awaiting redis-py's cluster pipeline would empty
+            # its queue: the awaitable returned is not the pipeline's.)
+            target.eval(self._script.script, len(keys), *keys, *args)
+            return _queued(target)
         return self._script(keys=keys, args=args, client=target)
+
+
+async def _queued(pipeline: Any) -> Any:
+    return pipeline
 
 
 class RedisLink:
@@ -241,13 +247,46 @@ class RedisLink:
     async def _check_cluster(self) -> None:
         """Up while every primary answers. While down, the slot map is read again from any node each time, so a
         failover (a replica promoted in place of a lost primary) brings the link back up."""
-        client: Any = self.client
         if not self.up:
-            await client.aclose()  # the next command reads the cluster's nodes and slots afresh
-        await client.initialize()
-        primaries = client.get_primaries()
+            await self._fresh_cluster_client()
+        client: Any = self.client
+        primaries = self._primaries()
         await asyncio.gather(*(client.execute_command("PING", target_nodes=node) for node in primaries))
         self.primaries = len(primaries)
+
+    async def _fresh_cluster_client(self) -> None:
+        """A new cluster client, its nodes and slots read from any node this one knew (the URL's may be the one
+        lost). The old client is closed first, so the commands still pending on it fail while the link is down."""
+        import redis.asyncio.cluster
+
+        old: Any = self.client
+        known = [redis.asyncio.cluster.ClusterNode(node.host, node.port)
+                 for node in old.nodes_manager.startup_nodes.values()]
+        await _close_cluster_client(old)
+        fresh = redis.asyncio.cluster.RedisCluster.from_url(self.url, startup_nodes=known, **self._options)
+        self.client = fresh
+        await fresh.initialize()
+
+    def _primaries(self) -> list[Any]:
+        """The cluster's primaries, as its slot map names them (redis-py's own list of primaries keeps a replica
+        promoted by a failover as a replica)."""
+        slots = self.client.nodes_manager.slots_cache.values()  # type: ignore[union-attr]
+        return list({nodes[0].name: nodes[0] for nodes in slots}.values())
+
+    async def scan(self, match: str) -> list[str]:
+        """Every key matching ``match``: on a cluster, a SCAN on each primary. Raises :class:`LinkDown`."""
+        found: list[str] = []
+        try:
+            if self.cluster:
+                for node in self._primaries():
+                    found += [k async for k in self.client.scan_iter(match=match, count=500, target_nodes=node)]
+            else:
+                found = [k async for k in self.client.scan_iter(match=match, count=500)]
+        except self.errors as exc:
+            _reraise_cancellation(exc)
+            self.failed(exc)
+            raise LinkDown(self.error or "redis unreachable") from exc
+        return [k.decode() if isinstance(k, bytes) else str(k) for k in found]
 
     async def _watch(self) -> None:
         while not self._closing:
@@ -265,7 +304,18 @@ class RedisLink:
             self._monitor.cancel()
             await asyncio.wait([self._monitor])
             self._monitor = None
-        await self.client.aclose()
+        if self.cluster:
+            await _close_cluster_client(self.client)
+        else:
+            await self.client.aclose()
+
+
+async def _close_cluster_client(client: Any) -> None:
+    """Close a cluster client's connections, those of the nodes its slot map holds included (after a failover
+    redis-py's map holds node objects of its own, which its ``aclose`` leaves open)."""
+    nodes = {id(node): node for nodes in client.nodes_manager.slots_cache.values() for node in nodes}
+    await client.aclose()
+    await asyncio.gather(*(node.disconnect() for node in nodes.values()))
 
 
 def _reraise_cancellation(exc: BaseException) -> None:

@@ -316,11 +316,10 @@ class RedisTenantStores:
             return self.existing_tenants()
         found = set(self._stores)
         try:
-            async for raw in self._link.client.scan_iter(match=BYTE_COUNTERS, count=500):
-                name = raw.decode() if isinstance(raw, bytes) else str(raw)
-                found.add(unquote(name[name.index("{") + 1:name.index("}")]))
-        except self._link.errors as exc:
-            self._link.failed(exc)
+            names = await self._link.scan(BYTE_COUNTERS)
+        except LinkDown:
+            names = []
+        found.update(unquote(name[name.index("{") + 1:name.index("}")]) for name in names)
         return sorted(found)
 
     def close(self) -> None:
