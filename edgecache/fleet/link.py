@@ -25,12 +25,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote
-
-if TYPE_CHECKING:
-    from redis.asyncio import Redis
-    from redis.asyncio.cluster import RedisCluster
 
 log = logging.getLogger("edgecache.fleet")
 
@@ -89,9 +85,9 @@ class RedisLink:
         # is back, so a request never waits out several connection attempts.
         self._options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
                                          "retry": Retry(NoBackoff(), 0)}
-        # One Redis until first contact says it is a cluster node (then a RedisCluster: see _detect).
-        self.client: Redis | RedisCluster = redis.asyncio.Redis.from_url(url, retry_on_timeout=False,
-                                                                        **self._options)
+        # A Redis until first contact says it is a cluster node, then a RedisCluster (see _detect); the backends
+        # call what both have.
+        self.client: Any = redis.asyncio.Redis.from_url(url, retry_on_timeout=False, **self._options)
         self.cluster = False
         self.primaries = 1
         self._detected = False
