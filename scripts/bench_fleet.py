@@ -5,12 +5,13 @@ against real ``edgecache serve`` processes (llama.cpp CPU engine, the real embed
 
 1. one node;
 2. three nodes with their own caches (``store.backend = disk``) behind a round-robin balancer;
-3. three nodes sharing one redis-server (``--redis``) behind the same balancer.
+3. three nodes sharing one redis-server (``--redis``) behind the same balancer; with ``--cluster``, a local Redis
+   Cluster of three primaries instead (the nodes are given one node's URL, as in production).
 
 For each: hit rate, engine calls (summed over nodes), QPS and TTFT p50/p99. Then the exact-hit throughput of one
 node with the Redis store against one with the local store (the same hot request, back to back).
 
-    python scripts/bench_fleet.py [--requests 300] [--concurrency 8] [--hot 2000]
+    python scripts/bench_fleet.py [--requests 300] [--concurrency 8] [--hot 2000] [--cluster]
 """
 
 from __future__ import annotations
@@ -146,6 +147,8 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=10.0, help="offered requests/s")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--hot", type=int, default=2000, help="exact hits for the hot-hit comparison (0: skip)")
+    parser.add_argument("--cluster", action="store_true",
+                        help="share a local Redis Cluster (3 primaries) instead of one redis-server")
     args = parser.parse_args()
     binary = shutil.which("redis-server")
     if binary is None:
@@ -154,23 +157,36 @@ def main() -> None:
     hot = reqs[0]
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
         work = Path(tmp)
-        redis_port = free_port()
-        redis = subprocess.Popen([binary, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-                                  "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL)
-        try:
+        if args.cluster:
+            # The fleet tests' cluster: three redis-servers in cluster mode, joined by redis-cli --cluster create.
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+            from tests.redis_server import RedisCluster
+
+            cluster = RedisCluster(work / "redis-cluster").start()
+            redis_url, stop_redis = cluster.url, cluster.kill
+        else:
+            redis_port = free_port()
+            redis = subprocess.Popen([binary, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL)
             time.sleep(0.5)
             redis_url = f"redis://127.0.0.1:{redis_port}/0"
+
+            def stop_redis() -> None:
+                redis.kill()
+                redis.wait()
+        try:
             one = run_config(work, "one", 1, None, reqs, args)
             local = run_config(work, "local", 3, None, reqs, args)
             shared = run_config(work, "redis", 3, redis_url, reqs, args)
             local_hot, redis_hot = hot_side_by_side(work, redis_url, hot, args) if args.hot else (0.0, 0.0)
         finally:
-            redis.kill()
-            redis.wait()
+            stop_redis()
     print(f"bench_fleet: {args.requests} requests (seed {args.seed}, {args.rate}/s offered, concurrency "
-          f"{args.concurrency}), round-robin over the nodes")
+          f"{args.concurrency}), round-robin over the nodes; the shared store: "
+          f"{'a Redis Cluster of 3 primaries' if args.cluster else 'one redis-server'}")
     print(f"{'':24}{'hit rate':>10}{'engine calls':>14}{'errors':>8}{'QPS':>8}{'TTFT p50':>10}{'TTFT p99':>10}")
-    for label, row in (("1 node", one), ("3 nodes, own caches", local), ("3 nodes, shared Redis", shared)):
+    shared_label = "3 nodes, Redis Cluster" if args.cluster else "3 nodes, shared Redis"
+    for label, row in (("1 node", one), ("3 nodes, own caches", local), (shared_label, shared)):
         print(f"{label:24}{row['hit_rate']:>10.3f}{row['engine_calls']:>14}{row['errors']:>8}{row['qps']:>8.1f}"
               f"{row['ttft_p50_ms']:>8.1f}ms{row['ttft_p99_ms']:>8.1f}ms")
     print(f"hit rate, shared Redis vs one node: {100 * (shared['hit_rate'] - one['hit_rate']):+.1f} points; "

@@ -82,7 +82,7 @@ async def measure(args: argparse.Namespace, url: str) -> dict[str, float]:
         encode = __import__("msgspec").msgpack.Encoder().encode
         pipe = link.client.pipeline(transaction=False)
         for i in range(args.n):
-            pipe.xadd("ec:v:measure:tenant-a", {"r": encode(VectorRecord(
+            pipe.xadd("ec:{tenant-a}:v:measure", {"r": encode(VectorRecord(
                 origin="node", tenant="tenant-a", index="default~0123456789abcdef", store_key=f"{i:064x}",
                 text="How do I reset my password on the mobile app?", vector=vector))})
         await pipe.execute()

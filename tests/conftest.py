@@ -17,7 +17,7 @@ from edgecache.http.app import create_app
 from edgecache.settings import Settings, resolve_settings
 from tests.fakes import FakeEngine
 from tests.real_server import Server
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisCluster, RedisServer
 
 
 @pytest.fixture
@@ -76,6 +76,25 @@ def redis_url(redis_server: RedisServer) -> str:
         redis_server.start()
     redis_server.flushall()
     return redis_server.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    """One real Redis Cluster (three primaries) for the session."""
+    cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster")).start()
+    yield cluster
+    cluster.kill()
+
+
+@pytest.fixture(params=["single", "cluster"])
+def fleet_redis_url(request: pytest.FixtureRequest) -> str:
+    """For a test that must hold on one Redis and on a Redis Cluster alike: it runs on each, emptied for it (the
+    URL of the session's Redis, or of one node of the session's cluster)."""
+    if request.param == "single":
+        return str(request.getfixturevalue("redis_url"))
+    cluster: RedisCluster = request.getfixturevalue("redis_cluster")
+    cluster.flushall()
+    return cluster.url
 
 
 @pytest.fixture(scope="module")

@@ -58,9 +58,10 @@ def text(resp: httpx.Response) -> str:
     return str(resp.json()["choices"][0]["message"]["content"])
 
 
-async def test_a_miss_on_one_node_is_exact_on_the_others(make_settings: Any, tmp_path: Path, redis_url: str) -> None:
+async def test_a_miss_on_one_node_is_exact_on_the_others(
+        make_settings: Any, tmp_path: Path, fleet_redis_url: str) -> None:
     engines = [FakeEngine(), FakeEngine(), FakeEngine()]
-    async with fleet(make_settings, tmp_path, redis_url, engines) as (a, b, c):
+    async with fleet(make_settings, tmp_path, fleet_redis_url, engines) as (a, b, c):
         first = await ask(a, "What is the capital of France?")
         assert served(first) == "miss"
         for node in (b, c):
@@ -71,9 +72,10 @@ async def test_a_miss_on_one_node_is_exact_on_the_others(make_settings: Any, tmp
         assert health["redis"]["up"] is True
 
 
-async def test_a_flush_on_one_node_is_seen_by_the_others(make_settings: Any, tmp_path: Path, redis_url: str) -> None:
+async def test_a_flush_on_one_node_is_seen_by_the_others(
+        make_settings: Any, tmp_path: Path, fleet_redis_url: str) -> None:
     engines = [FakeEngine(), FakeEngine(), FakeEngine()]
-    async with fleet(make_settings, tmp_path, redis_url, engines) as (a, b, c):
+    async with fleet(make_settings, tmp_path, fleet_redis_url, engines) as (a, b, c):
         await ask(a, "Hello there")
         await ask(a, "Goodbye")
         assert served(await ask(c, "Hello there")) == "exact"  # now also in C's memory tier
@@ -89,10 +91,10 @@ async def test_a_flush_on_one_node_is_seen_by_the_others(make_settings: Any, tmp
         assert sum(e.calls for e in engines) == 4
 
 
-async def test_tenants_stay_apart_across_nodes(make_settings: Any, tmp_path: Path, redis_url: str) -> None:
+async def test_tenants_stay_apart_across_nodes(make_settings: Any, tmp_path: Path, fleet_redis_url: str) -> None:
     tenants = write_tenants_file(tmp_path / "tenants.toml")
     engines = [TenantMarkingEngine(), TenantMarkingEngine(), TenantMarkingEngine()]
-    async with fleet(make_settings, tmp_path, redis_url, engines, tenants_file=str(tenants)) as (a, b, c):
+    async with fleet(make_settings, tmp_path, fleet_redis_url, engines, tenants_file=str(tenants)) as (a, b, c):
         first = await ask(a, "Same question", headers=auth("t01"))
         other = await ask(b, "Same question", headers=auth("t02"))
         assert served(other) == "miss" and "<t02>" in text(other)
@@ -149,12 +151,12 @@ def listeners(node: httpx.AsyncClient) -> int:
 
 
 async def test_concurrent_identical_requests_across_nodes_make_one_engine_call(
-        make_settings: Any, tmp_path: Path, redis_url: str) -> None:
+        make_settings: Any, tmp_path: Path, fleet_redis_url: str) -> None:
     engines = [FakeEngine(pieces=6), FakeEngine(pieces=6), FakeEngine(pieces=6)]
     gate = asyncio.Event()
     for engine in engines:
         engine.gate = gate
-    async with fleet(make_settings, tmp_path, redis_url, engines) as nodes:
+    async with fleet(make_settings, tmp_path, fleet_redis_url, engines) as nodes:
         async def one(i: int) -> tuple[str, str]:
             stream = i % 2 == 1
             resp = await nodes[i % 3].post("/v1/chat/completions",
@@ -175,12 +177,12 @@ async def test_concurrent_identical_requests_across_nodes_make_one_engine_call(
 
 
 async def test_a_leader_failing_mid_stream_fails_every_follower_and_stores_nothing(
-        make_settings: Any, tmp_path: Path, redis_url: str) -> None:
+        make_settings: Any, tmp_path: Path, fleet_redis_url: str) -> None:
     engines = [FakeEngine(pieces=6, fail_after=2) for _ in range(3)]
     gate = asyncio.Event()
     for engine in engines:
         engine.gate = gate
-    async with fleet(make_settings, tmp_path, redis_url, engines) as nodes:
+    async with fleet(make_settings, tmp_path, fleet_redis_url, engines) as nodes:
         async def one(i: int) -> tuple[int, str]:
             stream = i % 2 == 1
             resp = await nodes[i % 3].post("/v1/chat/completions", json=chat_body("Fail please", stream=stream))
@@ -205,10 +207,10 @@ async def test_a_leader_failing_mid_stream_fails_every_follower_and_stores_nothi
 
 
 async def test_a_paraphrase_stored_on_one_node_is_a_semantic_hit_on_another(
-        make_settings: Any, tmp_path: Path, redis_url: str) -> None:
+        make_settings: Any, tmp_path: Path, fleet_redis_url: str) -> None:
     engines = [FakeEngine(), FakeEngine()]
     # The threshold rule (opt-in) serves a paraphrase at first sight: this test is about the shared vectors.
-    async with fleet(make_settings, tmp_path, redis_url, engines, semantic__enabled=True,
+    async with fleet(make_settings, tmp_path, fleet_redis_url, engines, semantic__enabled=True,
                      semantic__decision="threshold") as (a, b):
         first = await ask(a, "How do I reset my password?")
         assert served(first) == "miss"
@@ -219,7 +221,7 @@ async def test_a_paraphrase_stored_on_one_node_is_a_semantic_hit_on_another(
         assert text(para) == text(first)
         assert sum(e.calls for e in engines) == 1
         # A restarted node replays the stream from where it stopped: a third node starting now catches up too.
-        async with fleet(make_settings, tmp_path / "late", redis_url, [FakeEngine()],
+        async with fleet(make_settings, tmp_path / "late", fleet_redis_url, [FakeEngine()],
                          semantic__enabled=True, semantic__decision="threshold") as (c,):
             late_feed = c.app.state.runtime.fleet.vectors  # type: ignore[attr-defined]
             await until(lambda: late_feed.applied >= 1)
@@ -227,11 +229,11 @@ async def test_a_paraphrase_stored_on_one_node_is_a_semantic_hit_on_another(
 
 
 async def test_a_warmup_on_one_node_makes_a_paraphrase_a_semantic_hit_on_another(
-        make_settings: Any, tmp_path: Path, redis_url: str) -> None:
+        make_settings: Any, tmp_path: Path, fleet_redis_url: str) -> None:
     # A warmup indexes its vectors in batches (SemanticIndex.add_many): those must reach the fleet like a miss's
     # single addition does. They once stayed on the warming node: SharedIndex shared only ``add``.
     engines = [FakeEngine(), FakeEngine()]
-    async with fleet(make_settings, tmp_path, redis_url, engines, semantic__enabled=True,
+    async with fleet(make_settings, tmp_path, fleet_redis_url, engines, semantic__enabled=True,
                      semantic__decision="threshold") as (a, b):
         lines = [{"line": 1, "request": {"messages": [{"role": "user", "content": "How do I reset my password?"}],
                                          "max_tokens": 16, "answer": "Use the 'Forgot password' link."}},
@@ -249,11 +251,11 @@ async def test_a_warmup_on_one_node_makes_a_paraphrase_a_semantic_hit_on_another
 
 
 async def test_the_fleets_vectors_are_written_on_the_index_thread(
-        make_settings: Any, tmp_path: Path, redis_url: str) -> None:
+        make_settings: Any, tmp_path: Path, fleet_redis_url: str) -> None:
     # Every index call runs on the semantic cache's one index thread (adds in order with the searches after
     # them); the fleet's vectors once went through the loop's default executor instead.
     engines = [FakeEngine(), FakeEngine()]
-    async with fleet(make_settings, tmp_path, redis_url, engines, semantic__enabled=True) as (a, b):
+    async with fleet(make_settings, tmp_path, fleet_redis_url, engines, semantic__enabled=True) as (a, b):
         local = b.app.state.runtime.semantic.index.local  # type: ignore[attr-defined]
         threads: list[str] = []
         add = local.add
@@ -269,7 +271,7 @@ async def test_the_fleets_vectors_are_written_on_the_index_thread(
         assert threads and all(name.startswith("semantic-index") for name in threads), threads
 
 
-async def test_a_label_on_one_node_teaches_the_others(make_settings: Any, tmp_path: Path, redis_url: str) -> None:
+async def test_a_label_on_one_node_teaches_the_others(make_settings: Any, tmp_path: Path, fleet_redis_url: str) -> None:
     # Node A explores a paraphrase of a shared answer and finds it wrong; node B, which never saw that label, stops
     # serving the answer too. Without the shared labels B would go on serving it: its own learner is confident.
     from tests.test_decision_log import settled
@@ -277,7 +279,7 @@ async def test_a_label_on_one_node_teaches_the_others(make_settings: Any, tmp_pa
 
     engines = [ScriptedEngine(["Open Settings, then Security, then Reset password.",
                                "Bananas are yellow fruit, rich in potassium."]), FakeEngine()]
-    async with fleet(make_settings, tmp_path, redis_url, engines, semantic__enabled=True,
+    async with fleet(make_settings, tmp_path, fleet_redis_url, engines, semantic__enabled=True,
                      semantic__decision="learner") as (a, b):
         ra, rb = (n.app.state.runtime for n in (a, b))  # type: ignore[attr-defined]
         for rt in (ra, rb):
@@ -304,7 +306,7 @@ async def test_a_label_on_one_node_teaches_the_others(make_settings: Any, tmp_pa
         assert (await a.get("/health")).json()["redis"]["labels"]["published"] >= 1
 
 
-async def test_a_label_that_cannot_be_taught_does_not_stop_the_label_follower(redis_url: str) -> None:
+async def test_a_label_that_cannot_be_taught_does_not_stop_the_label_follower(fleet_redis_url: str) -> None:
     from edgecache.fleet.labels import LabelFeed, SharedLabel
     from edgecache.fleet.link import RedisLink
 
@@ -315,7 +317,7 @@ async def test_a_label_that_cannot_be_taught_does_not_stop_the_label_follower(re
             raise RuntimeError("cannot teach this one")
         taught.append(label.store_key)
 
-    link = RedisLink(redis_url, timeout_s=5.0)
+    link = RedisLink(fleet_redis_url, timeout_s=5.0)
     await link.start()
     sender, receiver = LabelFeed(link, "node-a", lambda label: None), LabelFeed(link, "node-b", on_label)
     try:

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import redis.asyncio
 
 from edgecache.fleet.link import RedisLink
 from edgecache.fleet.responses import RedisResponseStore
@@ -24,6 +25,17 @@ from tests.test_fleet import fleet
 from tests.test_tenants import auth, write_tenants_file
 
 MODEL = "fake-model"
+
+
+@asynccontextmanager
+async def redis_link(url: str) -> AsyncIterator[RedisLink]:
+    """A link to look into the fleet's Redis with: one Redis, or a cluster (the link's own detection)."""
+    link = RedisLink(url, timeout_s=5.0)
+    await link.start()
+    try:
+        yield link
+    finally:
+        await link.close()
 
 
 def store_of(node: httpx.AsyncClient) -> ResponseStore:
@@ -41,9 +53,9 @@ async def create(node: httpx.AsyncClient, text: str, headers: dict[str, str] | N
 
 
 async def test_a_response_created_on_one_node_is_read_continued_and_deleted_on_another(
-        make_settings: Any, tmp_path: Path, redis_url: str) -> None:
+        make_settings: Any, tmp_path: Path, fleet_redis_url: str) -> None:
     engines = [FakeEngine(), FakeEngine()]
-    async with fleet(make_settings, tmp_path, redis_url, engines) as (a, b):
+    async with fleet(make_settings, tmp_path, fleet_redis_url, engines) as (a, b):
         assert isinstance(store_of(a), RedisResponseStore) and isinstance(store_of(b), RedisResponseStore)
         made = await create(a, "My name is Ada.", instructions="Be kind.")
         got = await b.get(f"/v1/responses/{made['id']}")
@@ -69,9 +81,10 @@ async def test_a_response_created_on_one_node_is_read_continued_and_deleted_on_a
         assert not (tmp_path / "node0" / "responses").exists()
 
 
-async def test_another_tenants_id_is_a_404_on_every_node(make_settings: Any, tmp_path: Path, redis_url: str) -> None:
+async def test_another_tenants_id_is_a_404_on_every_node(make_settings: Any, tmp_path: Path,
+                                                         fleet_redis_url: str) -> None:
     tenants = write_tenants_file(tmp_path / "tenants.toml")
-    async with fleet(make_settings, tmp_path, redis_url, [FakeEngine(), FakeEngine()],
+    async with fleet(make_settings, tmp_path, fleet_redis_url, [FakeEngine(), FakeEngine()],
                      tenants_file=str(tenants)) as (a, b):
         made = await create(a, "Mine alone.", headers=auth("t01"))
         path = f"/v1/responses/{made['id']}"
@@ -84,29 +97,25 @@ async def test_another_tenants_id_is_a_404_on_every_node(make_settings: Any, tmp
             assert (await node.delete(path, headers=auth("t02"))).status_code == 404
         assert (await b.get(path, headers=auth("t01"))).json() == made  # the other tenant's delete left it
         # In Redis the tenant is in every key of the record and its bookkeeping.
-        client = redis.asyncio.Redis.from_url(redis_url)
-        try:
-            keys = sorted(k.decode() for k in await client.keys("ec:resp:*"))
-        finally:
-            await client.aclose()
-        assert keys == ["ec:resp:t01:age", "ec:resp:t01:bytes", f"ec:resp:t01:r:{made['id']}", "ec:resp:t01:sizes"]
+        async with redis_link(fleet_redis_url) as link:
+            keys = sorted(await link.scan("ec:{*}:resp:*"))
+        assert keys == ["ec:{t01}:resp:age", "ec:{t01}:resp:bytes", f"ec:{{t01}}:resp:r:{made['id']}",
+                        "ec:{t01}:resp:sizes"]
 
 
 async def bookkeeping(redis_url: str, tenant: str) -> tuple[int, int, int]:
     """(records in the age order, the byte counter, the bytes the records really hold) of one tenant."""
-    client = redis.asyncio.Redis.from_url(redis_url)
-    try:
-        members = await client.zrange(f"ec:resp:{tenant}:age", 0, -1)
+    async with redis_link(redis_url) as link:
+        client = link.client
+        members = await client.zrange(f"ec:{{{tenant}}}:resp:age", 0, -1)
         held = sum([await client.strlen(m) for m in members])
-        counter = int(await client.get(f"ec:resp:{tenant}:bytes") or 0)
-    finally:
-        await client.aclose()
+        counter = int(await client.get(f"ec:{{{tenant}}}:resp:bytes") or 0)
     return len(members), counter, held
 
 
-async def test_the_byte_bound_holds_across_nodes(make_settings: Any, tmp_path: Path, redis_url: str) -> None:
+async def test_the_byte_bound_holds_across_nodes(make_settings: Any, tmp_path: Path, fleet_redis_url: str) -> None:
     bound = 16_384
-    async with fleet(make_settings, tmp_path, redis_url, [FakeEngine(), FakeEngine()],
+    async with fleet(make_settings, tmp_path, fleet_redis_url, [FakeEngine(), FakeEngine()],
                      store__responses_bytes=bound) as (a, b):
         ids = []
         for i in range(30):  # both nodes write at once, each pair concurrently
@@ -119,7 +128,7 @@ async def test_the_byte_bound_holds_across_nodes(make_settings: Any, tmp_path: P
         assert (rows, used) == await store_of(b).tenant_usage("default")
         assert 0 < used <= bound and 0 < rows < 60
         # The counter is what the records hold: every eviction took its bytes off, whichever node evicted.
-        assert await bookkeeping(redis_url, "default") == (rows, used, used)
+        assert await bookkeeping(fleet_redis_url, "default") == (rows, used, used)
         for node in (a, b):
             assert (await node.get(f"/v1/responses/{ids[0]}")).status_code == 404  # the oldest went first
         for response_id in ids[-rows:]:
@@ -127,26 +136,24 @@ async def test_the_byte_bound_holds_across_nodes(make_settings: Any, tmp_path: P
 
 
 async def test_each_record_has_the_ttl_and_an_expired_ones_bytes_are_given_back(
-        make_settings: Any, tmp_path: Path, redis_url: str) -> None:
+        make_settings: Any, tmp_path: Path, fleet_redis_url: str) -> None:
     ttl_s = 300.0
-    async with fleet(make_settings, tmp_path, redis_url, [FakeEngine()], store__responses_ttl_s=ttl_s) as (a,):
+    async with fleet(make_settings, tmp_path, fleet_redis_url, [FakeEngine()], store__responses_ttl_s=ttl_s) as (a,):
         first = await create(a, "Kept five minutes.")
         second = await create(a, "Kept five minutes too.")
-        client = redis.asyncio.Redis.from_url(redis_url)
-        try:
-            for key in (f"ec:resp:default:r:{first['id']}", "ec:resp:default:age", "ec:resp:default:sizes",
-                        "ec:resp:default:bytes"):
+        async with redis_link(fleet_redis_url) as link:
+            client = link.client
+            for key in (f"ec:{{default}}:resp:r:{first['id']}", "ec:{default}:resp:age", "ec:{default}:resp:sizes",
+                        "ec:{default}:resp:bytes"):
                 assert 0 < await client.pttl(key) <= ttl_s * 1000, key
-            size = await client.strlen(f"ec:resp:default:r:{first['id']}")
+            size = await client.strlen(f"ec:{{default}}:resp:r:{first['id']}")
             # What Redis does when the TTL runs out (the record's key goes, its bookkeeping stays), done now.
-            await client.delete(f"ec:resp:default:r:{first['id']}")
-        finally:
-            await client.aclose()
+            await client.delete(f"ec:{{default}}:resp:r:{first['id']}")
         assert (await a.get(f"/v1/responses/{first['id']}")).status_code == 404
-        before = await bookkeeping(redis_url, "default")
+        before = await bookkeeping(fleet_redis_url, "default")
         assert before[0] == 2 and before[1] == before[2] + size  # counted, no longer held
         await create(a, "A third one.")  # a write drops the expired record's bookkeeping at the oldest end
-        rows, counter, held = await bookkeeping(redis_url, "default")
+        rows, counter, held = await bookkeeping(fleet_redis_url, "default")
         assert rows == 2 and counter == held
         assert (await a.get(f"/v1/responses/{second['id']}")).status_code == 200
 
@@ -180,9 +187,9 @@ async def test_with_redis_away_a_read_is_a_503_and_a_create_still_answers(
 
 
 @pytest.fixture
-async def two_stores(redis_url: str) -> Any:
+async def two_stores(fleet_redis_url: str) -> Any:
     """Two stores on two links to one Redis, as two nodes hold them, with a small bound."""
-    links = [RedisLink(redis_url, timeout_s=5.0) for _ in range(2)]
+    links = [RedisLink(fleet_redis_url, timeout_s=5.0) for _ in range(2)]
     for link in links:
         await link.start()
     try:
@@ -193,7 +200,7 @@ async def two_stores(redis_url: str) -> Any:
 
 
 async def test_concurrent_writers_keep_the_bound_and_the_counter_exact(two_stores: list[RedisResponseStore],
-                                                                      redis_url: str) -> None:
+                                                                      fleet_redis_url: str) -> None:
     now = time.time()
     for i in range(200):
         store = two_stores[i % 2]
@@ -201,7 +208,7 @@ async def test_concurrent_writers_keep_the_bound_and_the_counter_exact(two_store
         if i % 7 == 0:
             await asyncio.sleep(0)  # let the writers send part of it while more is put
     await asyncio.gather(*(store.flushed() for store in two_stores))
-    rows, counter, held = await bookkeeping(redis_url, "default")
+    rows, counter, held = await bookkeeping(fleet_redis_url, "default")
     assert counter == held and 0 < held <= 4_000
     assert await two_stores[0].tenant_usage("default") == (rows, held)
     assert await two_stores[1].get("default", "resp_0199") == bytes([65 + 199 % 26]) * (50 + 199 % 150)

@@ -106,8 +106,8 @@ async def test_the_leaders_error_reaches_every_follower(links: list[RedisLink]) 
 async def test_a_dead_leaders_followers_get_an_error_and_the_next_request_computes(links: list[RedisLink]) -> None:
     a, b, _ = tables(links, lease_s=0.3)
     # A "leader" that took the lease and wrote one chunk, then died: nobody renews the lease.
-    await links[0].client.set("ec:f:0:k", "dead-node:1", px=300)
-    await links[0].client.xadd("ec:f:0:k:dead-node:1", {"c": msgspec.msgpack.encode(Chunk(text="The "))})
+    await links[0].client.set("ec:f:0:{k}", "dead-node:1", px=300)
+    await links[0].client.xadd("ec:f:0:{k}:dead-node:1", {"c": msgspec.msgpack.encode(Chunk(text="The "))})
     producer = Producer()
     with pytest.raises(EngineError, match="stopped before finishing"):
         await collect(b.lead("k", producer))

@@ -6,6 +6,15 @@ a timeout per request: a node keeps serving from its memory tier and its engine.
 flips the link back up when it answers, then runs the callbacks registered with :meth:`on_reconnect` (for example
 the event follower re-reads what it missed).
 
+The URL may name one Redis or any node of a Redis Cluster: at first contact the link asks (``INFO cluster``) and,
+for a cluster, swaps its client for a cluster client that routes each command to the primary holding its key's
+slot. The backends do not tell the two apart, because every command they send touches one slot: each key of a
+tenant starts with the tenant's hash tag (:func:`tenant_prefix`), so its scripts and bookkeeping share a slot; the
+other keys are read and written one at a time; and the streams are read through :meth:`RedisLink.xread` and
+:meth:`RedisLink.read_after`, which never put two slots in one command. On a cluster the link is up while every
+primary answers: a primary lost makes the node serve on its own, as a single Redis lost does, until the cluster
+has failed over.
+
 ``redis`` is imported here and only here (and in the backends that need this link), lazily: a single box with
 ``store.backend = "disk"`` never imports it.
 """
@@ -16,19 +25,47 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote
-
-if TYPE_CHECKING:
-    from redis.asyncio import Redis
 
 log = logging.getLogger("edgecache.fleet")
 
 
 def tenant_part(tenant: str) -> str:
-    """A tenant's name as one Redis key segment: ``:`` and other separators quoted, so no name reaches another's
-    keys. Every backend that names keys by tenant (the store, the vector streams) uses this one spelling."""
+    """A tenant's name as one Redis key segment: ``:``, braces and other separators quoted, so no name reaches
+    another's keys or hash tag."""
     return quote(tenant, safe="-_.")
+
+
+def tenant_prefix(tenant: str) -> str:
+    """The start of every key of a tenant (results, their bookkeeping, stored responses, vector stream):
+    ``ec:{<tenant>}:``. The braces are the tenant's hash tag: on a cluster all its keys hash to one slot, so the
+    scripts that touch several of them run there."""
+    return f"ec:{{{tenant_part(tenant)}}}:"
+
+
+class LinkScript:
+    """A Lua script run through the link's client, whichever it is (one Redis, or a cluster: there the primary
+    holding its first key's slot). Called like redis-py's scripts: ``await script(keys=[...], args=[...])``, or
+    with ``client=`` a pipeline to queue it there."""
+
+    def __init__(self, link: RedisLink, text: str) -> None:
+        self._link = link
+        self._script = link.client.register_script(text)  # its SHA, and its loading when Redis lacks it
+
+    def __call__(self, keys: list[str], args: list[Any] | tuple[Any, ...] = (), client: Any = None) -> Any:
+        target = client if client is not None else self._link.client
+        if client is not None and self._link.cluster:
+            # A cluster pipeline cannot load a script a primary lacks (a replica promoted since has none): send
+            # the text, which Redis compiles once and caches. (Awaiting redis-py's cluster pipeline would empty
+            # its queue: the awaitable returned is not the pipeline's.)
+            target.eval(self._script.script, len(keys), *keys, *args)
+            return _queued(target)
+        return self._script(keys=keys, args=args, client=target)
+
+
+async def _queued(pipeline: Any) -> Any:
+    return pipeline
 
 
 class RedisLink:
@@ -39,17 +76,25 @@ class RedisLink:
         import redis.asyncio
         from redis.asyncio.retry import Retry
         from redis.backoff import NoBackoff
-        from redis.exceptions import RedisError
+        from redis.exceptions import RedisClusterException, RedisError
 
         self.url = url
         self.timeout_s = timeout_s
         self.check_interval_s = check_interval_s
         # No client-side retries: a failed command marks the link down at once and the monitor decides when it
         # is back, so a request never waits out several connection attempts.
-        self.client: Redis = redis.asyncio.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
-            retry_on_timeout=False)
-        self.errors: tuple[type[BaseException], ...] = (RedisError, OSError, asyncio.TimeoutError)
+        self._options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
+                                         "retry": Retry(NoBackoff(), 0)}
+        # A Redis until first contact says it is a cluster node, then a RedisCluster (see _detect); the backends
+        # call what both have.
+        self.client: Any = redis.asyncio.Redis.from_url(url, retry_on_timeout=False, **self._options)
+        self.cluster = False
+        self.primaries = 1
+        self._detected = False
+        # A cluster with no reachable node, or a slot no primary covers, is a RedisClusterException (not a
+        # RedisError): Redis away all the same.
+        self.errors: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError,
+                                                        asyncio.TimeoutError)
         self.up = False
         self.error: str | None = "not connected yet"
         self.down_since: float | None = time.time()
@@ -94,24 +139,65 @@ class RedisLink:
             self.failed(exc)
             raise LinkDown(self.error or "redis unreachable") from exc
 
+    def script(self, text: str) -> LinkScript:
+        return LinkScript(self, text)
+
+    def slot(self, key: str) -> int:
+        """The cluster hash slot of ``key`` (its hash tag's, when it has one)."""
+        from redis.crc import key_slot
+
+        return int(key_slot(key.encode()))
+
+    async def xread(self, cursors: dict[str, bytes | str], *, count: int,
+                    block_ms: int | None = None) -> list[tuple[str, Any, dict[bytes, bytes]]]:
+        """XREAD of streams in one slot (one stream, or a tenant's): entries after each cursor, as ``(stream, id,
+        fields)``. On a cluster it goes straight to the primary holding the slot. Raises :class:`LinkDown`."""
+        if self.cluster:
+            pieces: list[Any] = ["XREAD", "COUNT", count]
+            if block_ms is not None:
+                pieces += ["BLOCK", block_ms]
+            pieces += ["STREAMS", *cursors, *cursors.values()]
+            client: Any = self.client
+            node = client.get_node_from_key(next(iter(cursors)))
+            batch = await self.run(client.execute_command(*pieces, target_nodes=node))
+        else:
+            batch = await self.run(self.client.xread(cursors, count=count, block=block_ms))
+        return [(stream.decode() if isinstance(stream, bytes) else stream, entry_id, fields)
+                for stream, entries in batch or () for entry_id, fields in entries]
+
     async def read_after(self, cursors: dict[str, bytes | str],
                          count: int) -> list[tuple[str, Any, dict[bytes, bytes]]]:
         """The followers' one read: entries of each stream after its cursor (the last id read), as ``(stream, id,
         fields)``, waiting up to :attr:`block_ms` for the first. While Redis is away: a short pause, then nothing
-        (the caller's loop comes back, and reads on once the link is up)."""
+        (the caller's loop comes back, and reads on once the link is up).
+
+        One Redis reads every stream in one blocking XREAD. A cluster allows one slot per command: streams in
+        one slot are read that way too, and streams over several slots with one XREAD per slot, sent together
+        and not blocking, then a pause of :attr:`block_ms` when none had anything (a poll)."""
         if not self.up:
             await asyncio.sleep(0.2)
             return []
+        by_slot: dict[int, dict[str, bytes | str]] = {}
+        for stream, cursor in cursors.items():
+            by_slot.setdefault(self.slot(stream) if self.cluster else 0, {})[stream] = cursor
         try:
-            batch = await self.run(self.client.xread(cursors, count=count, block=self.block_ms))
+            if len(by_slot) <= 1:
+                return await self.xread(cursors, count=count, block_ms=self.block_ms)
+            batches = await asyncio.gather(*(self.xread(group, count=count) for group in by_slot.values()))
         except LinkDown:
             return []
-        return [(stream.decode() if isinstance(stream, bytes) else stream, entry_id, fields)
-                for stream, entries in batch or () for entry_id, fields in entries]
+        entries = [entry for batch in batches for entry in batch]
+        if not entries:
+            await asyncio.sleep(self.block_ms / 1000)
+        return entries
 
     def state(self) -> dict[str, Any]:
-        """For /health: up or down, since when, and why."""
+        """For /health: up or down, since when, and why; one Redis or a cluster (with its primaries)."""
         out: dict[str, Any] = {"up": self.up, "url": redact(self.url), "disconnects": self.disconnects}
+        if self._detected:
+            out["mode"] = "cluster" if self.cluster else "single"
+            if self.cluster:
+                out["primaries"] = self.primaries
         if not self.up:
             out["error"] = self.error
             if self.down_since is not None:
@@ -120,7 +206,12 @@ class RedisLink:
 
     async def _check(self) -> None:
         try:
-            await self.client.ping()
+            if not self._detected:
+                await self._detect()
+            if self.cluster:
+                await self._check_cluster()
+            else:
+                await self.client.ping()
         except self.errors as exc:
             _reraise_cancellation(exc)
             self.failed(exc)
@@ -136,6 +227,62 @@ class RedisLink:
                 except self.errors as exc:
                     self.failed(exc)
                     return
+
+    async def _detect(self) -> None:
+        """First contact: one Redis, or a node of a cluster (then the cluster client takes over from here)."""
+        import redis.asyncio.cluster
+
+        info = await self.client.info("cluster")
+        if int(info.get("cluster_enabled", 0)) == 1:
+            plain = self.client
+            self.client = redis.asyncio.cluster.RedisCluster.from_url(self.url, **self._options)
+            self.cluster = True
+            await plain.aclose()
+        self._detected = True
+
+    async def _check_cluster(self) -> None:
+        """Up while every primary answers. While down, the slot map is read again from any node each time, so a
+        failover (a replica promoted in place of a lost primary) brings the link back up."""
+        if not self.up:
+            await self._fresh_cluster_client()
+        client: Any = self.client
+        primaries = self._primaries()
+        await asyncio.gather(*(client.execute_command("PING", target_nodes=node) for node in primaries))
+        self.primaries = len(primaries)
+
+    async def _fresh_cluster_client(self) -> None:
+        """A new cluster client, its nodes and slots read from any node this one knew (the URL's may be the one
+        lost). The old client is closed first, so the commands still pending on it fail while the link is down."""
+        import redis.asyncio.cluster
+
+        old: Any = self.client
+        known = [redis.asyncio.cluster.ClusterNode(node.host, node.port)
+                 for node in old.nodes_manager.startup_nodes.values()]
+        await _close_cluster_client(old)
+        fresh = redis.asyncio.cluster.RedisCluster.from_url(self.url, startup_nodes=known, **self._options)
+        self.client = fresh
+        await fresh.initialize()
+
+    def _primaries(self) -> list[Any]:
+        """The cluster's primaries, as its slot map names them (redis-py's own list of primaries keeps a replica
+        promoted by a failover as a replica)."""
+        slots = self.client.nodes_manager.slots_cache.values()  # type: ignore[union-attr]
+        return list({nodes[0].name: nodes[0] for nodes in slots}.values())
+
+    async def scan(self, match: str) -> list[str]:
+        """Every key matching ``match``: on a cluster, a SCAN on each primary. Raises :class:`LinkDown`."""
+        found: list[str] = []
+        try:
+            if self.cluster:
+                for node in self._primaries():
+                    found += [k async for k in self.client.scan_iter(match=match, count=500, target_nodes=node)]
+            else:
+                found = [k async for k in self.client.scan_iter(match=match, count=500)]
+        except self.errors as exc:
+            _reraise_cancellation(exc)
+            self.failed(exc)
+            raise LinkDown(self.error or "redis unreachable") from exc
+        return [k.decode() if isinstance(k, bytes) else str(k) for k in found]
 
     async def _watch(self) -> None:
         while not self._closing:
@@ -153,7 +300,18 @@ class RedisLink:
             self._monitor.cancel()
             await asyncio.wait([self._monitor])
             self._monitor = None
-        await self.client.aclose()
+        if self.cluster:
+            await _close_cluster_client(self.client)
+        else:
+            await self.client.aclose()
+
+
+async def _close_cluster_client(client: Any) -> None:
+    """Close a cluster client's connections, those of the nodes its slot map holds included (after a failover
+    redis-py's map holds node objects of its own, which its ``aclose`` leaves open)."""
+    nodes = {id(node): node for nodes in client.nodes_manager.slots_cache.values() for node in nodes}
+    await client.aclose()
+    await asyncio.gather(*(node.disconnect() for node in nodes.values()))
 
 
 def _reraise_cancellation(exc: BaseException) -> None:

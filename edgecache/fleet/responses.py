@@ -1,10 +1,11 @@
 """The Responses API's stored responses in the fleet's Redis: a response created on one node is read, listed,
 continued (``previous_response_id``) and deleted on any node.
 
-One key per (tenant, response id), ``ec:resp:<tenant>:r:<id>``, holding the encoded record with a TTL of
-``store.responses_ttl_s``: Redis drops an expired response by itself. The tenant is in every key (quoted by
-:func:`~edgecache.fleet.link.tenant_part`), and every read, write and delete names the tenant, so one tenant's id
-never finds another's response. Each tenant's byte bound (``store.responses_bytes``) is ours, not Redis'
+One key per (tenant, response id), ``ec:{<tenant>}:resp:r:<id>``, holding the encoded record with a TTL of
+``store.responses_ttl_s``: Redis drops an expired response by itself. The tenant is in every key, as its
+hash tag (:func:`~edgecache.fleet.link.tenant_prefix`: on a cluster a tenant's records and their bookkeeping share
+one slot, where the scripts below run), and every read, write and delete names the tenant, so one tenant's id never
+finds another's response. Each tenant's byte bound (``store.responses_bytes``) is ours, not Redis'
 ``maxmemory`` (one pool for everybody): a sorted set of the tenant's records by creation time, a hash of their sizes
 and a byte counter, kept by Lua scripts, so a write and the eviction of the tenant's oldest records past the bound
 are one atomic step whichever node writes. A record Redis expired leaves its bookkeeping behind; each write drops
@@ -28,11 +29,10 @@ from collections.abc import Coroutine
 from typing import Any
 
 from edgecache.errors import StorageUnavailable
-from edgecache.fleet.link import LinkDown, RedisLink, tenant_part
+from edgecache.fleet.link import LinkDown, RedisLink, tenant_prefix
 
 log = logging.getLogger("edgecache.fleet")
 
-PREFIX = "ec:resp:"
 # Bookkeeping of expired records dropped per write at most (they gather at the oldest end).
 PRUNE_PER_WRITE = 32
 
@@ -100,9 +100,9 @@ class RedisResponseStore:
         self._link = link
         self.tenant_bytes = tenant_bytes
         self.ttl_s = ttl_s
-        self._put = link.client.register_script(_FORGET + _PUT)
-        self._delete = link.client.register_script(_FORGET + _DELETE)
-        self._usage = link.client.register_script(_FORGET + _USAGE)
+        self._put = link.script(_FORGET + _PUT)
+        self._delete = link.script(_FORGET + _DELETE)
+        self._usage = link.script(_FORGET + _USAGE)
         # Records not yet sent, and the batch being sent: both readable here until Redis has them.
         self._queued: dict[tuple[str, str], tuple[bytes, float, float]] = {}
         self._sending: dict[tuple[str, str], tuple[bytes, float, float]] = {}
@@ -114,7 +114,7 @@ class RedisResponseStore:
 
     def keys(self, tenant: str, response_id: str) -> list[str]:
         """The record's key and its tenant's bookkeeping: age order, sizes, byte counter."""
-        base = f"{PREFIX}{tenant_part(tenant)}:"
+        base = tenant_prefix(tenant) + "resp:"
         return [f"{base}r:{response_id}", base + "age", base + "sizes", base + "bytes"]
 
     # ---- writes ----

@@ -1,9 +1,12 @@
 """The semantic layer across a fleet: every node keeps its own usearch index, fed by the others' additions.
 
 A vector added on one node (its answer was just stored in the shared store) is appended to a Redis stream of its
-tenant, ``ec:v:<embedder version>:<tenant>``, with the prompt's text and the vector itself (float16). Every node
+tenant, ``ec:{<tenant>}:v:<embedder version>`` (in the tenant's hash slot on a cluster), with the prompt's text and
+the vector itself (float16); a set, ``ec:v:<embedder version>:streams``, names every tenant's stream. Every node
 follows every tenant's stream and adds what others added to its own index, so a paraphrase first answered on node A
-is a semantic hit on node B a moment later. Each node keeps its read position per stream in a file beside its
+is a semantic hit on node B a moment later. On one Redis a node reads every stream in one blocking XREAD; on a
+cluster, where one command reads one slot, one XREAD per tenant's slot, sent together, polled while they are quiet
+(:meth:`~edgecache.fleet.link.RedisLink.read_after`). Each node keeps its read position per stream in a file beside its
 indexes and, after a restart, replays the streams from there; applying a record twice is harmless (a vector for a
 store key replaces the one before).
 
@@ -27,7 +30,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from edgecache.fleet.link import LinkDown, RedisLink, tenant_part
+from edgecache.fleet.link import LinkDown, RedisLink, tenant_prefix
 
 log = logging.getLogger("edgecache.fleet")
 
@@ -88,8 +91,8 @@ class VectorFeed:
                  index_thread: Callable[[Callable[[], None]], Awaitable[object]]) -> None:
         self._link = link
         self.node_id = node_id
-        self._prefix = f"ec:v:{embedder_version}:"
-        self._registry = self._prefix + "tenants"
+        self._embedder_version = embedder_version
+        self._registry = f"ec:v:{embedder_version}:streams"
         self._index = local_index
         self._cap_for = cap_for
         # The semantic cache's own index thread: every index call runs there, in order with lookups and adds.
@@ -132,13 +135,17 @@ class VectorFeed:
                 continue
             pipe = self._link.client.pipeline(transaction=False)
             for record in part:
-                pipe.xadd(self._prefix + tenant_part(record.tenant), {"r": self._encoder.encode(record)},
+                pipe.xadd(self.stream(record.tenant), {"r": self._encoder.encode(record)},
                           maxlen=STREAM_KEPT, approximate=True)
-            pipe.sadd(self._registry, *{self._prefix + tenant_part(record.tenant) for record in part})
+            pipe.sadd(self._registry, *{self.stream(record.tenant) for record in part})
             try:
                 await self._link.run(pipe.execute())
             except LinkDown:
                 self.dropped += len(part)
+
+    def stream(self, tenant: str) -> str:
+        """The tenant's stream of vectors from this embedder."""
+        return f"{tenant_prefix(tenant)}v:{self._embedder_version}"
 
     def _enqueue(self, record: VectorRecord) -> None:
         try:
@@ -152,7 +159,7 @@ class VectorFeed:
             if not self._link.up:
                 self.dropped += 1
                 continue
-            stream = self._prefix + tenant_part(record.tenant)
+            stream = self.stream(record.tenant)
             pipe = self._link.client.pipeline(transaction=False)
             pipe.xadd(stream, {"r": self._encoder.encode(record)}, maxlen=STREAM_KEPT, approximate=True)
             pipe.sadd(self._registry, stream)
@@ -162,13 +169,12 @@ class VectorFeed:
                 self.dropped += 1
 
     async def _follow(self) -> None:
-        client = self._link.client
         while not self._closing:
             if not self._link.up:
                 await asyncio.sleep(0.2)
                 continue
-            try:
-                streams = sorted(s.decode() for s in await self._link.run(client.smembers(self._registry)))
+            try:  # the link's client as it is now (a cluster's, once first contact found one)
+                streams = sorted(s.decode() for s in await self._link.run(self._link.client.smembers(self._registry)))
             except LinkDown:
                 continue
             if not streams:

@@ -15,6 +15,10 @@ How a flight ends, as the followers see it:
 - the leading node dies: its lease is no longer renewed and expires; a follower that finds the lease gone (or
   taken by another) raises an error, within ``store.redis_lease_s``; the next request takes the lease and computes.
 
+The lease is ``ec:f:<epoch>:{<key>}`` and the leader's stream is the lease's name followed by its token: the key in
+braces is their hash tag, so on a Redis Cluster a flight's lease and stream share one slot, and flights spread over
+every primary.
+
 A flight led here runs to its end even when its own clients leave, because followers on other nodes may still be
 reading it (knowing they are not would cost a round trip per listener). While Redis is away a node leads every
 flight itself, as a single box does.
@@ -61,7 +65,7 @@ class RedisFlightTable:
         self._lease_ms = max(100, int(lease_s * 1000))
         self._window_ms = int((finished_window_s if finished_window_s is not None else lease_s) * 1000)
         self._local = InflightTable()
-        self._renew = link.client.register_script(_RENEW)
+        self._renew = link.script(_RENEW)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Chunk)
         self.led = 0       # flights this node computed while sharing them
@@ -82,7 +86,7 @@ class RedisFlightTable:
     # ---- one flight ----
 
     async def _lead_or_follow(self, key: str, flight: Flight, produce: Producer) -> None:
-        lease = f"ec:f:{self._epoch()}:{key}"
+        lease = f"ec:f:{self._epoch()}:{{{key}}}"
         token = f"{self._node_id}:{uuid.uuid4().hex[:8]}"
         for _ in range(self.LEAD_ATTEMPTS):
             if not self._link.up:
@@ -177,17 +181,16 @@ class RedisFlightTable:
     async def _follow(self, flight: Flight, lease: str, leader: bytes) -> None:
         stream = f"{lease}:{leader.decode()}"
         last: bytes | str = "0-0"
-        client = self._link.client
         while True:
             try:
-                batch = await self._link.run(client.xread({stream: last}, count=256, block=self._link.block_ms))
+                batch = await self._link.xread({stream: last}, count=256, block_ms=self._link.block_ms)
                 if not batch:
-                    if await self._link.run(client.get(lease)) != leader:
+                    if await self._link.run(self._link.client.get(lease)) != leader:
                         raise EngineError("the node computing this answer stopped before finishing it; retry")
                     continue
             except LinkDown as exc:
                 raise EngineError("lost the fleet's Redis while following another node's answer; retry") from exc
-            for entry_id, fields in batch[0][1]:
+            for _, entry_id, fields in batch:
                 last = entry_id
                 raw = fields.get(b"c")
                 if raw is not None:

@@ -1,7 +1,9 @@
 """The exact result store in Redis, shared by every node of a fleet.
 
-Keys carry the tenant and the model version (``ec:r:<tenant>:<model version>:<request key>``; a tenant's
-bookkeeping lives under ``ec:t:<tenant>:``) and each has a TTL, so Redis drops an expired answer by itself. Redis' own ``maxmemory`` eviction is one pool for everybody, so the
+Keys carry the tenant and the model version (``ec:{<tenant>}:r:<model version>:<request key>``; a tenant's
+bookkeeping lives under ``ec:{<tenant>}:t:``, the braces its hash tag, so on a Redis Cluster an entry and its
+tenant's bookkeeping share one slot and the scripts below run there) and each has a TTL, so Redis drops an expired
+answer by itself. Redis' own ``maxmemory`` eviction is one pool for everybody, so the
 per-tenant byte quota is ours: each tenant has a sorted set of its entries by last access, a hash of their sizes
 and a byte counter, and a Lua script evicts the tenant's least recently used entries when a write takes it over its
 quota (atomically, whichever node writes). A scenario tag is kept per entry so a scenario flush finds its entries.
@@ -24,11 +26,12 @@ from urllib.parse import unquote
 import msgspec
 
 from edgecache.errors import NotReady
-from edgecache.fleet.link import LinkDown, RedisLink, tenant_part
+from edgecache.fleet.link import LinkDown, RedisLink, tenant_prefix
 from edgecache.stores import CachedAnswer
 from edgecache.stores.memory import MemoryTier
 
-PREFIX = "ec:"
+# Every tenant's byte counter, for a SCAN (on every primary of a cluster) of the tenants with entries.
+BYTE_COUNTERS = "ec:{*}:t:bytes"
 
 # One entry's bookkeeping dropped (its size off the tenant's byte counter, its tag, its LRU place): the same steps for
 # an eviction, a flush and a prune, so it is written once and put in front of each script that needs it.
@@ -124,11 +127,11 @@ class RedisScripts:
     """The store's Lua scripts, registered once per link (Redis caches them by SHA)."""
 
     def __init__(self, link: RedisLink) -> None:
-        self.put = link.client.register_script(_FORGET + _PUT)
-        self.get = link.client.register_script(_GET)
-        self.clear = link.client.register_script(_FORGET + _CLEAR)
-        self.delete = link.client.register_script(_FORGET + _DELETE)
-        self.prune = link.client.register_script(_FORGET + _PRUNE)
+        self.put = link.script(_FORGET + _PUT)
+        self.get = link.script(_GET)
+        self.clear = link.script(_FORGET + _CLEAR)
+        self.delete = link.script(_FORGET + _DELETE)
+        self.prune = link.script(_FORGET + _PRUNE)
 
 
 class RedisResultStore:
@@ -146,9 +149,9 @@ class RedisResultStore:
         self._memory = MemoryTier(memory_bytes, self._replay_reads)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CachedAnswer)
-        name = tenant_part(tenant)
-        base = f"{PREFIX}t:{name}:"
-        self._entry_prefix = f"{PREFIX}r:{name}:"
+        prefix = tenant_prefix(tenant)
+        base = prefix + "t:"
+        self._entry_prefix = prefix + "r:"
         self._lru, self._sizes, self._tags, self._bytes = base + "lru", base + "sizes", base + "tags", base + "bytes"
         self._tag_prefix = base + "tag:"
         self._replays: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak references to tasks
@@ -307,16 +310,16 @@ class RedisTenantStores:
         return sorted(self._stores)
 
     async def known_tenants(self) -> list[str]:
-        """Every tenant with entries in Redis (a SCAN over the byte counters; for a fleet-wide flush)."""
+        """Every tenant with entries in Redis (a SCAN over the byte counters, on every primary of a cluster; for a
+        fleet-wide flush)."""
         if not self._link.up:
             return self.existing_tenants()
         found = set(self._stores)
         try:
-            async for raw in self._link.client.scan_iter(match=f"{PREFIX}t:*:bytes", count=500):
-                name = raw.decode() if isinstance(raw, bytes) else str(raw)
-                found.add(unquote(name[len(PREFIX) + 2:-len(":bytes")]))
-        except self._link.errors as exc:
-            self._link.failed(exc)
+            names = await self._link.scan(BYTE_COUNTERS)
+        except LinkDown:
+            names = []
+        found.update(unquote(name[name.index("{") + 1:name.index("}")]) for name in names)
         return sorted(found)
 
     def close(self) -> None:
