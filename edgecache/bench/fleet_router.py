@@ -433,6 +433,11 @@ def table(result: dict[str, Any]) -> str:
         rows.append(f"{arm:14}{a['nodes']:>6}{100 * a['hit_ratio']:>11.1f}%{tokens:>24}"
                     f"{a['ttft_p50_s']:>9.2f}s{a['ttft_p99_s']:>9.2f}s{a['refused']:>9}{a['failed']:>8}"
                     f"{'ok' if all(a['checks'].values()) else 'FAIL':>8}")
+    one = result["arms"][ARMS[0]]["answers"]
+    for arm in ARMS[1:]:
+        answers = result["arms"][arm]["answers"]
+        same = sum(answers.get(i) == text for i, text in one.items())
+        rows.append(f"{arm}: the same answer as on one node for {same} of {len(one)} requests (greedy decoding)")
     for arm in ARMS[1:]:
         spread = "; ".join(f"node{i}: " + ", ".join(f"{t} {n}" for t, n in sorted(p["by_tenant"].items()))
                            for i, p in enumerate(result["arms"][arm]["per_node"]))
