@@ -106,6 +106,19 @@ async def test_tenants_stay_apart_across_nodes(make_settings: Any, tmp_path: Pat
         assert served(again) == "exact" and "<t01>" in text(again)
 
 
+async def test_the_admin_stats_of_a_node_with_a_tenants_file(make_settings: Any, tmp_path: Path,
+                                                              redis_url: str) -> None:
+    """A plan's byte quota (a ByteSize from the tenants file) is read back as a plain count: /stats answers once a
+    tenant's Redis store is open, and names its budget."""
+    tenants = write_tenants_file(tmp_path / "tenants.toml")
+    async with fleet(make_settings, tmp_path, redis_url, [FakeEngine()], tenants_file=str(tenants)) as (node,):
+        await ask(node, "Count me", headers=auth("t01"))
+        resp = await node.get("/stats", headers=ADMIN)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["stores"]["t01"]["budget_bytes"] == 2 * 10**9
+        assert resp.json()["by_tenant"]["t01"]
+
+
 async def test_redis_killed_and_restarted_mid_run(make_settings: Any, tmp_path: Path, redis_server: RedisServer,
                                                   redis_url: str) -> None:
     engines = [FakeEngine(), FakeEngine()]

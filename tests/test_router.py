@@ -11,17 +11,13 @@ both (docs/api.md, "SGLang's fields"). It refuses some bodies itself, before any
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from edgecache.bench.harness import free_port
+from edgecache.bench.fleet_router import Router
 from tests.real_server import MODEL, Server
 from tests.redis_server import RedisServer
 from tests.test_app import sse_events, sse_text
@@ -33,45 +29,6 @@ pytestmark = pytest.mark.e2e
 
 KEY = auth("t01")
 POLICIES = ("cache_aware", "round_robin")
-
-
-class Router:
-    """``python -m sglang_router.launch_router`` over ``workers`` on free ports (its Prometheus exporter too: its
-    default port would clash between two routers); its log beside the nodes' logs."""
-
-    def __init__(self, directory: Path, workers: list[str], policy: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = directory / f"router-{policy}-{self.port}.log"
-        self.command = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                        "--port", str(self.port), "--worker-urls", *workers, "--policy", policy,
-                        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                        "--log-level", "info"]
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, model: str) -> Router:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
-        # ready once it has registered the nodes under the model their /server_info names
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the router exited at start (rc {self.proc.returncode}); see {self.log_path}")
-            try:
-                if model in httpx.get(self.url + "/v1/models", timeout=2).text:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"the router never listed the nodes' model {model!r}; see {self.log_path}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(timeout=30)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
 
 @pytest.fixture(scope="module")

@@ -144,7 +144,7 @@ class RedisResultStore:
         self._link = link
         self._scripts = scripts
         self.tenant = tenant
-        self.quota_bytes = quota_bytes
+        self.quota_bytes = int(quota_bytes)  # a plan's ByteSize: /stats encodes plain ints
         self._model_version = model_version
         self._memory = MemoryTier(memory_bytes, self._replay_reads)
         self._encoder = msgspec.msgpack.Encoder()
