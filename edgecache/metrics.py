@@ -113,6 +113,11 @@ class Metrics:
         self.engine_kv_usage = Gauge("edgecache_engine_kv_usage_ratio",
                                      "Share of the engine's KV / prefix-cache budget in use, where it reports it.",
                                      registry=self.registry)
+        self.upstream_prefix_cache_hit_ratio = Gauge(
+            "edgecache_upstream_prefix_cache_hit_ratio",
+            "The upstream server's own prefix-cache hit ratio, read from its /metrics (serve --upstream; vLLM: hits "
+            "over queries since it started, SGLang: its cache_hit_rate gauge); absent while unknown.", ["server"],
+            registry=self.registry)
         self.ttft_p99_target_seconds = Gauge(
             "edgecache_ttft_p99_target_seconds", "The profile's p99 TTFT target (slo.ttft_p99_s), for alert rules.",
             registry=self.registry)

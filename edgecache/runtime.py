@@ -340,10 +340,22 @@ class Runtime:
                 await self.semantic.save()
             elif self.semantic_layer is not None:
                 await self.semantic_layer.retry()  # its indexes failed to open (a full disk?): try again
+            await self.scrape_engine()
             await self.refresh_gauges()
             self.ledger.tick()
             if self.ledger.dirty and time.monotonic() - self._ledger_saved_at >= LEDGER_SAVE_INTERVAL_S:
                 await self.save_ledger()
+
+    async def scrape_engine(self) -> None:
+        """Let an engine that reads figures from elsewhere (the upstream's /metrics: ``scrape``) read them now, off
+        the request path. A fault there is logged, never raised: it must not stop the housekeeping."""
+        scrape = getattr(self.engine, "scrape", None)
+        if scrape is None or not self.ready:
+            return
+        try:
+            await scrape()
+        except Exception as exc:  # noqa: BLE001 (an engine's own fault; the loop goes on)
+            log.warning("reading the engine's figures failed: %s: %s", type(exc).__name__, exc)
 
     async def save_ledger(self) -> None:
         """Write the ledger to the data dir: encoded on the loop (a consistent snapshot), written off it. A failed
@@ -379,10 +391,24 @@ class Runtime:
                     self.metrics.semantic_learner_false_hit_upper.labels(tenant, scenario).set(
                         figures["false_hit_upper"])
         if self.ready:
-            usage = (await self.engine.stats()).get("kv_usage_ratio")
+            engine = await self.engine.stats()
+            usage = engine.get("kv_usage_ratio")
             if isinstance(usage, (int, float)):
                 self.metrics.engine_kv_usage.set(usage)
+            self._upstream_gauge(engine)
         return stores
+
+    def _upstream_gauge(self, engine: dict[str, float | int | str]) -> None:
+        """edgecache_upstream_prefix_cache_hit_ratio{server} from the engine's stats: one series while the upstream
+        reports the figure, none while it does not (no stale value on a dashboard)."""
+        gauge = self.metrics.upstream_prefix_cache_hit_ratio
+        ratio, server = engine.get("upstream_prefix_cache_hit_ratio"), engine.get("upstream_metrics")
+        known = {str(server)} if isinstance(ratio, (int, float)) else set()
+        for (old,) in list(gauge._metrics):  # prometheus_client has no public list of label sets
+            if old not in known:
+                gauge.remove(old)
+        if known:
+            gauge.labels(str(server)).set(float(ratio))  # type: ignore[arg-type]
 
     async def close(self) -> None:
         # 1. let in-flight answers finish (they may still be stored), 2. close the engine, 3. save the indexes,

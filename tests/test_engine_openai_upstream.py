@@ -368,6 +368,25 @@ async def test_an_error_event_mid_stream_and_an_unservable_finish_are_errors() -
         await engine.close()
 
 
+async def test_an_error_event_with_a_400_is_a_refusal() -> None:
+    """vLLM checks some fields only once its stream has begun (logit_bias' token ids), and refuses in an error event
+    carrying a 400: the caller's to fix, a BadRequest naming the upstream; a 5xx error event stays an engine error."""
+    refusal = {"error": {"message": "token_id(s) [999999] in logit_bias contain out-of-vocab token ids. Vocabulary "
+                                    "size: 49152 (parameter=logit_bias, value=[999999])",
+                         "type": "BadRequestError", "param": "logit_bias", "code": 400}}
+    failure = {"error": {"message": "EngineCore died", "type": "InternalServerError", "param": None, "code": 500}}
+    for event, raised in ((refusal, BadRequest), (failure, EngineError)):
+        transport = httpx.MockTransport(lambda _, e=event: httpx.Response(200, content=_sse(e)))
+        engine = OpenAIUpstreamEngine("http://vllm:8000/v1", model="m", transport=transport)
+        await engine.start()
+        with pytest.raises(raised) as caught:
+            await collect(engine, CHAT)
+        assert type(caught.value) is raised and "http://vllm:8000/v1" in caught.value.message
+        assert ("refused the request: token_id(s) [999999] in logit_bias" in caught.value.message) == \
+            (raised is BadRequest)
+        await engine.close()
+
+
 async def test_no_salt_field_for_upstreams_that_reject_unknown_fields() -> None:
     bodies: list[dict[str, object]] = []
 

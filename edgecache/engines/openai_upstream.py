@@ -17,6 +17,10 @@ calls (``type: custom`` with a text ``input``), which the answers here have no s
 for unstreamed and kept with every choice. Every failure (connection, timeout, an HTTP
 error status, an ``error`` event in the stream, a malformed body) becomes one :class:`EngineError` whose message
 names the upstream and the reason, never a traceback.
+
+The upstream's own prefix-cache hit ratio (vLLM's and SGLang's ``/metrics``, see ``upstream_metrics``) is read by
+:meth:`OpenAIUpstreamEngine.scrape`, which the server's housekeeping loop calls every few seconds, never a request:
+an upstream whose ``/metrics`` is missing or unreachable only leaves the figure out of :meth:`stats`.
 """
 
 from __future__ import annotations
@@ -44,12 +48,15 @@ from edgecache.engines.base import (
     matched_stop,
 )
 from edgecache.engines.http_transport import BatchingTransport
+from edgecache.engines.upstream_metrics import PrefixCacheFigures, metrics_url, read_prefix_cache
 from edgecache.errors import BadRequest, EngineError, NotReady
 
 _DONE = b"[DONE]"
 # Upstream error messages sometimes embed a Python traceback (llama-cpp-python's do); keep what precedes it.
 _TRACEBACK = re.compile(r"\n\s*(File \"|Traceback \(most recent call last\))")
 _MAX_MESSAGE = 500
+# A scrape of the upstream's /metrics waits this long at most (it runs in the housekeeping loop, not a request).
+SCRAPE_TIMEOUT_S = 2.0
 
 
 class OpenAIUpstreamEngine:
@@ -101,6 +108,9 @@ class OpenAIUpstreamEngine:
         self._prompt_tokens = 0
         self._cached_tokens = 0
         self._completion_tokens = 0
+        self._metrics_url = metrics_url(self.base_url)
+        self._upstream_cache: PrefixCacheFigures | None = None
+        self._metrics_state = "not read yet"
 
     async def start(self) -> None:
         """Open the connection pool and learn the model from ``/models`` when none was given."""
@@ -384,10 +394,21 @@ class OpenAIUpstreamEngine:
         if not isinstance(event, Mapping):
             raise EngineError(f"upstream {self.base_url} sent an event that is not an object")
         if "error" in event:
-            raise EngineError(f"upstream {self.base_url} failed mid-stream: {_error_message(event)}")
+            raise self._event_error(event)
         text, reason, stop = _choice(event)
         usage = event.get("usage")
         return text, reason, usage if isinstance(usage, Mapping) else None, stop
+
+    def _event_error(self, event: Mapping[str, Any]) -> EngineError | BadRequest:
+        """An ``error`` event. vLLM checks some fields (logit_bias' token ids, ...) only once a stream has begun, and
+        says so in an error event with the code of a 400: that is a refusal of the request, a 400 naming the
+        upstream as a refused request's status would be; any other error event is the upstream failing."""
+        error = event.get("error")
+        code = error.get("code") if isinstance(error, Mapping) else event.get("code")
+        kind = error.get("type") if isinstance(error, Mapping) else None
+        if str(code) in ("400", "422") or kind in ("BadRequestError", "invalid_request_error"):
+            return BadRequest(f"the upstream {self.base_url} refused the request: {_error_message(event)}")
+        return EngineError(f"upstream {self.base_url} failed mid-stream: {_error_message(event)}")
 
     def _whole_answer(self, body: Any, *, whole: bool = False, chat: bool = True,
                       stops: tuple[str, ...] = ()) -> Chunk:
@@ -493,7 +514,43 @@ class OpenAIUpstreamEngine:
         """Nothing to do: the OpenAI API has no cache flush, and an upstream's prefix cache is exact (it can make
         answers faster, never different)."""
 
+    async def scrape(self) -> None:
+        """Read the upstream's prefix-cache figures from its ``/metrics`` (called off the request path, by the
+        server's housekeeping). Never raises: a failure is kept as the reason :meth:`stats` gives, and the last
+        figures are dropped rather than shown stale."""
+        client = self._client
+        if client is None:
+            return
+        try:
+            response = await client.get(self._metrics_url, timeout=SCRAPE_TIMEOUT_S)
+            if response.status_code >= 400:
+                raise _NoFigures(f"{self._metrics_url} answered HTTP {response.status_code}")
+            figures = read_prefix_cache(response.text)
+            if figures is None:
+                raise _NoFigures(f"{self._metrics_url} has no prefix-cache figures")
+        except _NoFigures as exc:
+            self._upstream_cache, self._metrics_state = None, str(exc)
+        except httpx.HTTPError as exc:
+            self._upstream_cache = None
+            self._metrics_state = f"{self._metrics_url} unreachable: {type(exc).__name__} {_clean(str(exc))}".rstrip()
+        except ValueError as exc:  # not Prometheus text
+            self._upstream_cache = None
+            self._metrics_state = f"{self._metrics_url} is not Prometheus text: {_clean(str(exc))[:80]}"
+        else:
+            self._upstream_cache, self._metrics_state = figures, figures.server
+
+    def upstream_prefix_cache_hit_ratio(self) -> float | None:
+        """The upstream's own prefix-cache hit ratio as last read from its ``/metrics``; None when unknown."""
+        return self._upstream_cache.hit_ratio if self._upstream_cache is not None else None
+
     async def stats(self) -> dict[str, float | int | str]:
+        upstream: dict[str, float | int | str] = {"upstream_metrics": self._metrics_state}
+        figures = self._upstream_cache
+        if figures is not None:
+            upstream["upstream_prefix_cache_hit_ratio"] = figures.hit_ratio
+            if figures.hits is not None and figures.queries is not None:
+                upstream["upstream_prefix_cache_hits"] = figures.hits
+                upstream["upstream_prefix_cache_queries"] = figures.queries
         return {
             "engine": "openai",
             "upstream": self.base_url,
@@ -504,6 +561,7 @@ class OpenAIUpstreamEngine:
             "cached_tokens": self._cached_tokens,
             "completion_tokens": self._completion_tokens,
             "prefix_hit_ratio": self._cached_tokens / self._prompt_tokens if self._prompt_tokens else 0.0,
+            **upstream,
         }
 
     async def close(self) -> None:
@@ -522,6 +580,10 @@ def _default_transport(base_url: str) -> httpx.AsyncBaseTransport | None:
     if (proxies.get(url.scheme) or proxies.get("all")) and not urllib.request.proxy_bypass(url.host):
         return None
     return BatchingTransport(batch_s=STREAM_BATCH_S)
+
+
+class _NoFigures(Exception):
+    """The upstream answered its /metrics scrape without figures to show (the message says why)."""
 
 
 class _EventDelta(msgspec.Struct):
