@@ -8,7 +8,7 @@ builds the call (:func:`edgecache.http.calls.parsed_from`), so the same generati
 has one key and one engine call. :class:`ResponsesWriter` renders the answer as a Response object or as the
 Responses event stream, and hands each complete answer to the :class:`~edgecache.http.response_store.ResponseStore`.
 
-Each field is one of three kinds (README's table lists them):
+Each field is one of three kinds (docs/api.md lists them):
 
 - **in the key**: ``input``, ``instructions``, ``previous_response_id`` (the conversation it brings), function
   ``tools`` (also inside ``namespace`` tools, whose own name and description the model is not shown), ``tool_choice`` (incl. ``allowed_tools``), ``parallel_tool_calls`` (with tools), ``text.format``,

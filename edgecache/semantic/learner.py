@@ -1,6 +1,6 @@
 """Learn from the box's own traffic when a semantic candidate may be served, under a target false-hit rate.
 
-A fixed cut, however well fitted offline, meets traffic it has never seen (issue 9 measured the cut that keeps 1 %
+A fixed cut, however well fitted offline, meets traffic it has never seen (the cut that keeps 1 %
 false hits move from cosine 0.85 to 0.99 between workloads). vCache (vcache-project/vCache, ICLR 2026) learns the
 decision online per cached entry: every entry keeps the (similarity, was the cached answer right?) labels of the
 lookups that had it as their nearest candidate, fits a sigmoid per entry, and explores (computes fresh and labels)
@@ -37,7 +37,7 @@ is the load-shedding switch: no exploration, and an unsure candidate is decided 
 saves engine time instead of turning would-be hits into misses. An entry labelled wrong ``demote_after`` times at
 similarities where its pool would serve is demoted: never served until forgotten.
 
-Issue 24 added three things, each measured with ``scripts/eval_semantic.py --stream`` (README, "The online
+Three refinements, each measured with ``scripts/eval_semantic.py --stream`` (docs/semantic.md, "The online
 learner"): the margin the cut and the ledger keep back can be ``z`` standard deviations of the expected false hits
 (``served error + z * sqrt(served variance) <= target * lookups``) instead of a fixed share ``margin`` of the target,
 so it shrinks relative to the target as lookups accumulate; a class with ``slope_after`` labels of both outcomes
