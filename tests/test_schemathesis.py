@@ -9,6 +9,7 @@ instead, so the test keeps running.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -250,3 +251,12 @@ def test_an_integral_float_is_an_integer_for_embeddings_too(server_url: str) -> 
     assert httpx.post(server_url + "/v1/embeddings", json=same, timeout=60).status_code == 200
     huge = httpx.post(server_url + "/v1/embeddings", json={**same, "dimensions": 2348117.0}, timeout=60)
     assert huge.status_code == 400 and f"dimensions must be {width}" in huge.json()["error"]["message"]
+
+
+def test_options_allows_what_the_document_lists(server_url: str) -> None:
+    """``OPTIONS`` on each path names in ``Allow`` exactly the methods the document lists there (and OPTIONS)."""
+    document = httpx.get(server_url + "/openapi.json").json()
+    for path, methods in document["paths"].items():
+        resp = httpx.options(server_url + re.sub(r"\{[^}]+\}", "some-id", path))
+        allowed = {m.strip() for m in resp.headers["allow"].split(",")}
+        assert allowed == {m.upper() for m in methods} | {"OPTIONS"}, (path, resp.headers["allow"])
