@@ -228,6 +228,19 @@ REFUSED_WHEN_SET: dict[str, str] = {
 }
 
 
+#: What decoding the input items into chat messages checks, for the OpenAPI document (as
+#: :data:`~edgecache.http.request_surface.SCHEMA_RULES`; a ``properties`` entry is merged into that field's schema).
+SCHEMA_RULES: dict[str, dict[str, Any]] = {
+    "FunctionCallOutputItem": {"properties": {"call_id": {"minLength": 1}}},
+    # Text parts only (the model is text-only), each with its text (a refusal with its refusal).
+    "InputPart": {
+        "properties": {"type": {"enum": ["input_text", "output_text", "refusal"]}},
+        "if": {"properties": {"type": {"const": "refusal"}}},
+        "then": {"required": ["refusal"], "properties": {"refusal": {"type": "string"}}},
+        "else": {"required": ["text"], "properties": {"text": {"type": "string"}}}},
+}
+
+
 def _refused(name: str, off: object = None) -> Meta:
     """The schema of a :data:`REFUSED_WHEN_SET` field: only its off value or null, and why."""
     return Meta(extra_json_schema={"enum": [off, None]} if off is not None else {"type": "null"},
