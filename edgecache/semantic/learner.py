@@ -414,8 +414,9 @@ class SemanticLearner:
         in the pool as the pool's own labels come (:meth:`_Pool.taught_weight`); they are no lookups and no
         decisions of this pool's, so they say nothing of its calibration and strike no entry. Each stands for a
         lookup of the tenant's questions, though: it counts among the lookups the target is a share of, and its
-        estimate after the teaching among the decisions the cut is drawn from (at the same weight). Returns the
-        labels taught."""
+        estimate after the teaching among the decisions the cut is drawn from (at the same weight). The target's
+        share of them, less what the cut spends on them, is a head start that pays for unsure serves at their upper
+        bound (:meth:`_head_start`). Returns the labels taught."""
         pool = self._pool(tenant, scenario, signal)
         for keys in classes:
             for key in keys[1:]:
