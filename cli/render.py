@@ -150,7 +150,9 @@ def _duration(seconds: float | None) -> str:
 
 
 def _money(amount: float | None, currency: str) -> str:
-    return "-" if amount is None else f"{amount:,.2f} {currency}"
+    if amount is None:
+        return "-"
+    return f"{amount:,.2f} {currency}" if abs(amount) >= 1 else f"{amount:.4f} {currency}"
 
 
 def _tokens(figures: dict[str, Any]) -> int:

@@ -55,7 +55,7 @@ POLICIES: dict[PolicyName, CachePolicy] = {
 assert tuple(POLICIES) == get_args(PolicyName), "every named policy is defined, in the same order"
 
 #: The ``Cache-Control`` request directives (RFC 9111) and the named policy each amounts to. HTTP's request
-#: ``no-store`` lets a cache answer from what it holds; here it touches nothing, as issue 23 asks (``bypass``):
+#: ``no-store`` lets a cache answer from what it holds; here it touches nothing (``bypass``):
 #: a caller who says no-store about its prompt means its answer too. ``max-age`` is not a policy but a bound on
 #: an answer's age (:attr:`Call.max_age_s`); other directives (``max-stale``, ``min-fresh``, ``no-transform``,
 #: ``stale-if-error``) are ignored, as HTTP tells a cache to ignore what it does not implement.

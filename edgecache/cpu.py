@@ -2,7 +2,7 @@
 
 llama.cpp chooses kernels and weight layouts by these flags. One choice matters for not crashing: on CPUs with
 AMX (Intel Sapphire Rapids and later: AWS m7i/c7i/r7i, GCP C3/C4, Azure v6) llama.cpp repacks the weights into its
-AMX extra buffer type, and llama.cpp 0.3.x's AMX matmul faults on the first decode (llama.cpp issue 20824). So the
+AMX extra buffer type, and llama.cpp 0.3.x's AMX matmul faults on the first decode (reported on llama.cpp's tracker as #20824). So the
 ``engine.extra_buffer_types`` setting defaults to ``auto``: off where the CPU has AMX, on elsewhere.
 """
 

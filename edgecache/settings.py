@@ -7,7 +7,7 @@ frozen :class:`Settings` that the app factory and the CLI both take. No other mo
 Overrides are dotted paths into the settings tree (``server.port``, ``store.disk_bytes``). An environment variable
 names the same path with ``__`` between levels: ``EDGECACHE_SERVER__PORT=9000``, ``EDGECACHE_DATA_DIR=/srv/ec``.
 
-Every field below carries its help text; ``tests/test_settings.py`` fails when a field is missing from README.md.
+Every field below carries its help text; ``tests/test_settings.py`` fails when a field is missing from docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -222,8 +222,8 @@ class SemanticSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         "threshold, and this box's labels move it; explores where unsure), verifier (a calibrated score over the "
         "nearest candidates meets the target; fitted for use-multilingual only; measured over its target on "
         "unseen sets) or threshold (an explicit opt-in: the cosine reaches the scenario's threshold, else the "
-        "value calibrated for the embedder, and the guard finds no difference; it holds no target: README's "
-        "'Semantic reuse' has the false hits it served on unseen traffic).")] = "learner"
+        "value calibrated for the embedder, and the guard finds no difference; it holds no target: docs/semantic.md "
+        "has the false hits it served on unseen traffic).")] = "learner"
     candidates: Annotated[int, Meta(ge=1, le=16), _help(
         "Nearest stored prompts the verifier scores per lookup; the best-scored one over the cut serves.")] = 3
     verifier_params: Annotated[str | None, _help(
@@ -305,7 +305,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     data_dir: Annotated[str, _help(
         "Where the result stores and the semantic indexes live; survives restarts.")] = ""
     tenants_file: Annotated[str | None, _help(
-        "TOML file of plans, tenants and their API keys (see README); unset means one open `default` tenant, "
+        "TOML file of plans, tenants and their API keys (docs/configuration.md); unset means one open `default` tenant, "
         "and serve refuses a non-loopback host unless told --insecure.")] = None
     hardware: HardwareSettings = HardwareSettings()
     server: ServerSettings = ServerSettings()
@@ -492,7 +492,7 @@ def settings_to_dict(settings: Settings) -> dict[str, Any]:
 
 
 def iter_fields(struct_type: type = Settings, prefix: str = "") -> list[tuple[str, str]]:
-    """Every leaf setting as (dotted path, help text), for docs and the test that keeps README complete."""
+    """Every leaf setting as (dotted path, help text), for docs/configuration.md and the tests that keep it complete."""
     out = []
     hints = msgspec.inspect.type_info(struct_type)
     for field in hints.fields:
@@ -509,3 +509,41 @@ def _description(field_type: Any) -> str:
     # Meta(description=...) lands in msgspec.inspect.Metadata.extra_json_schema.
     schema = getattr(field_type, "extra_json_schema", None) or {}
     return str(schema.get("description", ""))
+
+
+CONFIGURATION_BEGIN = "<!-- the settings table: written by `python scripts/gen_configuration.py`; do not edit by hand -->"
+CONFIGURATION_END = "<!-- end of the settings table -->"
+
+
+def configuration_table() -> str:
+    """docs/configuration.md's table: every leaf setting with its help text and its value in each shipped profile,
+    generated from the structs (``tests/test_docs.py`` fails when the page's table differs from this)."""
+    names = sorted(profile_names(), key=lambda name: (name != "cpu", name))  # the CPU box first
+    values = {name: _flatten(settings_to_dict(resolve_settings(name, {"data_dir": "DATA_DIR"}, environ={})))
+              for name in names}
+    rows = ["| setting | " + " | ".join(names) + " | what it does |", "|---|" + "---|" * len(names) + "---|"]
+    for path, help_text in iter_fields():
+        cells = [_cell(values[name].get(path)) if path not in ("scenarios", "tenant_thresholds") else ""
+                 for name in names]
+        rows.append(f"| `{path}` | " + " | ".join(cells) + " | " + help_text.replace("|", "\\|") + " |")
+    for path, help_text in iter_fields(ScenarioSettings, "scenarios.NAME."):
+        rows.append(f"| `{path}` | " + " | ".join("" for _ in names) + " | " + help_text.replace("|", "\\|") + " |")
+    return "\n".join(rows)
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and key not in ("scenarios", "tenant_thresholds"):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _cell(value: Any) -> str:
+    if value is None or value == "":
+        return ""
+    if isinstance(value, bool):
+        return "`true`" if value else "`false`"
+    return f"`{value}`"

@@ -1,4 +1,4 @@
-"""TTL tiers: how long a cached answer may be served, picked per request (issue 4, "TTL tiers").
+"""TTL tiers: how long a cached answer may be served, picked per request.
 
 Three tiers, with lengths from the profile:
 

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
@@ -61,9 +63,29 @@ async def until(condition: Callable[[], bool], what: str = "the condition", *, p
         await asyncio.sleep(0.01)
 
 
+#: Set by .ci/run: there a service the tests need and cannot find is a failure. Elsewhere (a fresh box after the
+#: README's install) such tests skip, saying what to install.
+SERVICES_REQUIRED = os.environ.get("TESTS_REQUIRE_SERVICES") == "1"
+
+
+def require_binary(name: str, install: str) -> str:
+    """The path of ``name``; or the test skips (fails under TESTS_REQUIRE_SERVICES=1), saying how to install it."""
+    path = shutil.which(name)
+    if path is None:
+        message = f"{name} is not installed here ({install})"
+        if SERVICES_REQUIRED:
+            pytest.fail(message + "; TESTS_REQUIRE_SERVICES=1 makes that a failure")
+        pytest.skip(message)
+    return path
+
+
+REDIS_INSTALL = "Debian/Ubuntu: apt-get install redis-server redis-tools"
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """One real redis-server for the session (tests that restart it put it back on the same port)."""
+    require_binary("redis-server", REDIS_INSTALL)
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
     server.kill()
@@ -81,6 +103,8 @@ def redis_url(redis_server: RedisServer) -> str:
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
     """One real Redis Cluster (three primaries) for the session."""
+    require_binary("redis-server", REDIS_INSTALL)
+    require_binary("redis-cli", REDIS_INSTALL)
     cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster")).start()
     yield cluster
     cluster.kill()

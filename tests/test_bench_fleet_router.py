@@ -4,7 +4,6 @@ real router (2 nodes, 2 tenants, 10 requests per arm, short system prompts). No 
 
 from __future__ import annotations
 
-import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import pytest
 
 from edgecache.bench import fleet_router
 from edgecache.bench.fleet_router import ARMS, FleetConfig
+from tests.conftest import REDIS_INSTALL, require_binary
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_the_checks_pass_on_a_clean_arm_and_fail_on_a_crossed_one() -> None:
 @pytest.mark.e2e
 def test_a_tiny_run_through_the_real_router(tmp_path: Path, count: Any) -> None:
     pytest.importorskip("sglang_router", reason="sglang-router is not installed (the dev extra installs it)")
-    assert shutil.which("redis-server"), "redis-server is not installed (.ci/run installs it)"
+    require_binary("redis-server", REDIS_INSTALL)
     cfg = FleetConfig(nodes=2, tenants=2, requests=10, concurrency=2, system_tokens=200, max_tokens=4)
     result = fleet_router.run(cfg, tmp_path, count)
     assert list(result["arms"]) == list(ARMS)

@@ -34,7 +34,7 @@ RULES_TEST = ROOT / "deploy" / "prometheus" / "alerts_test.yml"
 
 DATASOURCE_UID = "${datasource}"
 SEVERITIES = {"critical", "warning", "info"}
-# What issue 6 asks the dashboard to show; each family must appear in at least one panel.
+# What the dashboard must show; each family must appear in at least one panel.
 DASHBOARD_MUST_SHOW = (
     "edgecache_requests_total", "edgecache_ttft_seconds_bucket", "edgecache_engine_cached_tokens_total",
     "edgecache_engine_prompt_tokens_total", "edgecache_engine_kv_usage_ratio", "edgecache_semantic_index_vectors",

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from edgecache.fleet.link import RedisLink
-from tests.conftest import chat_body, until
+from tests.conftest import REDIS_INSTALL, chat_body, require_binary, until
 from tests.redis_server import RedisCluster
 from tests.test_fleet import ask, fleet, served, sse_text, text
 from tests.test_tenants import ADMIN, TenantMarkingEngine, auth, write_tenants_file
@@ -57,6 +57,8 @@ async def test_the_nodes_see_a_cluster_and_a_flush_reaches_every_primary(
 @pytest.fixture
 def cluster_with_replicas(tmp_path: Path) -> Iterator[RedisCluster]:
     """Three primaries, a replica each: a primary can be killed and a replica take over."""
+    require_binary("redis-server", REDIS_INSTALL)
+    require_binary("redis-cli", REDIS_INSTALL)
     cluster = RedisCluster(tmp_path / "cluster", replicas=1).start()
     yield cluster
     cluster.kill()

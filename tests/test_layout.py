@@ -1,5 +1,6 @@
-"""The layout explains itself: no import circles, no arrow from a layer back up to one that imports it, a README
-module table that names exactly the modules there are, and no reference to files outside the repository."""
+"""The layout explains itself: no import circles, no arrow from a layer back up to one that imports it, a module
+table (docs/architecture.md) that names exactly the modules there are, and no reference to files outside the
+repository."""
 
 from __future__ import annotations
 
@@ -146,10 +147,10 @@ def test_the_measurement_package_is_a_top_floor() -> None:
     assert "edgecache.bench.semantic_eval" in import_graph()["edgecache.bench.verifier_fit"]
 
 
-def readme_module_table() -> list[str]:
-    """The module paths README's "How it works" table names (relative to edgecache/)."""
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## How it works", 1)[1].split("\n## ", 1)[0]
+def architecture_module_table() -> list[str]:
+    """The module paths docs/architecture.md's "Modules, by floor" table names (relative to edgecache/)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("## Modules, by floor", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"^\| `([\w/]+\.py)` \|", section, flags=re.MULTILINE)
 
 
@@ -159,13 +160,13 @@ def defines_something(path: Path) -> bool:
     return any(not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)) for node in body)
 
 
-def test_the_readme_module_table_names_every_module_and_no_other() -> None:
-    named = readme_module_table()
+def test_the_architecture_module_table_names_every_module_and_no_other() -> None:
+    named = architecture_module_table()
     assert len(named) == len(set(named)), "a module is named twice"
     there = {str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
              if path.name != "__init__.py" or defines_something(path)}
-    assert sorted(there - set(named)) == [], "modules missing from README's table"
-    assert sorted(set(named) - there) == [], "README's table names modules that do not exist"
+    assert sorted(there - set(named)) == [], "modules missing from docs/architecture.md's table"
+    assert sorted(set(named) - there) == [], "docs/architecture.md's table names modules that do not exist"
 
 
 def test_nothing_points_outside_the_repository() -> None:

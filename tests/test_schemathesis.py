@@ -9,8 +9,13 @@ instead, so the test keeps running.
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -168,6 +173,9 @@ def test_the_responses_routes_are_fuzzed_on_a_stored_response(server_url: str) -
 # (400), and their schema-invalid neighbours: each must be valid to both, or invalid to both.
 
 CHAT_BODY = {"model": "fake-model", "messages": [{"role": "user", "content": "agree"}], "temperature": 0}
+MESSAGES_BODY: dict[str, Any] = {"model": "fake-model", "messages": [{"role": "user", "content": "agree"}],
+                                 "max_tokens": 8, "temperature": 0}
+RESPONSES_BODY = {"model": "fake-model", "temperature": 0}
 AGREED: list[tuple[str, dict[str, Any], bool]] = [
     ("/v1/completions", {"model": "fake-model", "prompt": "x", "max_tokens": 4.0, "temperature": 0}, True),
     ("/v1/completions", {"model": "fake-model", "prompt": ""}, False),
@@ -216,6 +224,33 @@ AGREED: list[tuple[str, dict[str, Any], bool]] = [
     ("/admin/warmup", {"lines": [{"line": 1, "request": {"scenario": "default"}}]}, False),
     ("/admin/warmup", {"lines": [{"line": 1, "request": {"prompt": "a", "messages": [
         {"role": "user", "content": "b"}]}}]}, False),
+    ("/admin/warmup", {"lines": [{"line": 1, "request": {"messages": None, "prompt": None}}]}, False),
+    ("/admin/warmup", {"lines": [{"line": 1, "request": {"messages": [{"role": "assistant"}], "scenario": "nope"}}]},
+     False),
+    ("/v1/completions", {"model": "fake-model", "prompt": "x", "best_of": 1, "temperature": 0}, True),
+    ("/v1/completions", {"model": "fake-model", "prompt": "x", "n": 1, "best_of": 1.0, "temperature": 0}, True),
+    ("/v1/completions", {"model": "fake-model", "prompt": "x", "best_of": 7}, False),
+    ("/v1/completions", {"model": "fake-model", "prompt": "x", "n": 2, "best_of": 3}, False),
+    ("/v1/completions", {"model": "fake-model", "prompt": "x", "logit_bias": {"²": 1}}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "modalities": ["text"]}, True),
+    ("/v1/chat/completions", {**CHAT_BODY, "modalities": ["audio"]}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "modalities": ["text", "audio"]}, False),
+    ("/v1/chat/completions", {**CHAT_BODY, "top_logprobs": 2}, False),
+    ("/v1/messages", {**MESSAGES_BODY, "max_tokens": 1}, True),
+    ("/v1/messages", {**MESSAGES_BODY, "max_tokens": 0}, False),
+    ("/v1/messages", {**MESSAGES_BODY, "mcp_servers": []}, True),
+    ("/v1/messages", {**MESSAGES_BODY, "mcp_servers": [{}]}, False),
+    ("/v1/messages", {**MESSAGES_BODY, "container": "c"}, False),
+    ("/v1/messages/count_tokens", {"model": "fake-model", "messages": MESSAGES_BODY["messages"], "mcp_servers": None},
+     True),
+    ("/v1/messages/count_tokens", {"model": "fake-model", "messages": MESSAGES_BODY["messages"], "mcp_servers": [{}]},
+     False),
+    ("/v1/responses", {**RESPONSES_BODY, "input": ""}, True),
+    ("/v1/responses", {**RESPONSES_BODY, "input": [{"role": "user", "content": "hi"}], "max_output_tokens": 4.0},
+     True),
+    ("/v1/responses", {**RESPONSES_BODY, "input": None}, False),
+    ("/v1/responses", {**RESPONSES_BODY, "input": []}, False),
+    ("/v1/responses", {**RESPONSES_BODY, "input": [{"type": "reasoning", "summary": []}]}, False),
 ]
 
 
@@ -250,3 +285,38 @@ def test_an_integral_float_is_an_integer_for_embeddings_too(server_url: str) -> 
     assert httpx.post(server_url + "/v1/embeddings", json=same, timeout=60).status_code == 200
     huge = httpx.post(server_url + "/v1/embeddings", json={**same, "dimensions": 2348117.0}, timeout=60)
     assert huge.status_code == 400 and f"dimensions must be {width}" in huge.json()["error"]["message"]
+
+
+def test_options_allows_what_the_document_lists(server_url: str) -> None:
+    """``OPTIONS`` on each path names in ``Allow`` exactly the methods the document lists there (and OPTIONS)."""
+    document = httpx.get(server_url + "/openapi.json").json()
+    for path, methods in document["paths"].items():
+        resp = httpx.options(server_url + re.sub(r"\{[^}]+\}", "some-id", path))
+        allowed = {m.strip() for m in resp.headers["allow"].split(",")}
+        assert allowed == {m.upper() for m in methods} | {"OPTIONS"}, (path, resp.headers["allow"])
+
+
+# --- schemathesis's own run, every check ---------------------------------------------------------------------------
+# `st run /openapi.json --checks all` against this server: a schema-valid request must be accepted, a schema-invalid
+# one refused, each status and header documented. A fixed seed and a bounded number of examples make the run the
+# same on every call. tests/schemathesis_hooks.py leaves out the bodies that break the one rule JSON Schema cannot
+# state (tool names).
+ST_SEED = 1
+ST_EXAMPLES = 20
+#: Routes whose documents still allow requests the handlers refuse for a reason JSON Schema does not state (a
+#: value bounded by a setting, such as edgecache.ttl and min_tokens against the default max_tokens; where an
+#: Anthropic content block may appear); the cases they were fixed for are in AGREED.
+ST_NOT_YET = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens")
+
+
+def test_schemathesis_finds_no_disagreement(server_url: str, tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.schemathesis_hooks",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "schemathesis.cli", "run", server_url + "/openapi.json", "--checks", "all",
+               "--seed", str(ST_SEED), "--max-examples", str(ST_EXAMPLES), "--workers", "1",
+               "--generation-database", "none", "--no-color",
+               *(arg for path in ST_NOT_YET for arg in ("--exclude-path", path))]
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert "Tested: " in run.stdout

@@ -24,8 +24,8 @@ def ask(content: str, *, system: str | None = None, **extra: Any) -> dict[str, A
 
 @pytest.fixture
 def semantic_settings(make_settings: Any) -> Any:
-    # These tests are about the index, the guard and the namespaces under the plain threshold (an explicit opt-in
-    # since issue 24; the learner, the default, is tested in test_learner_serving.py).
+    # These tests are about the index, the guard and the namespaces under the plain threshold (an explicit opt-in;
+    # the learner, the default, is tested in test_learner_serving.py).
     return lambda **kw: make_settings(semantic__enabled=True, semantic__decision="threshold", **kw)
 
 

@@ -269,7 +269,7 @@ def test_one_right_label_does_not_lower_a_class_error_but_several_do() -> None:
         "t", "s", "stranger", 0.85, TARGET).error
 
 
-# ---- issue 24: the calibrated prior, the shrinking margin, the per-class slope ----
+# ---- the calibrated prior, the shrinking margin, the per-class slope ----
 
 
 def test_untaught_the_calibrated_prior_serves_where_it_is_confident_within_the_target() -> None:

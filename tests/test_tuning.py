@@ -133,7 +133,7 @@ async def ask_pair(settings: Any, keys: tuple[str, ...] = ("",)) -> list[tuple[s
 
 
 async def test_the_overlay_tune_writes_turns_a_miss_into_a_hit(tmp_path: Path) -> None:
-    # Tune's overlay sets cosine thresholds: the threshold rule's cut (an explicit opt-in since issue 24).
+    # Tune's overlay sets cosine thresholds: the threshold rule's cut (an explicit opt-in).
     rule = {"semantic.enabled": True, "semantic.decision": "threshold"}
     before = resolve_settings("cpu", {"data_dir": str(tmp_path / "before"), **rule}, environ={})
     [(served, decision)] = await ask_pair(before)

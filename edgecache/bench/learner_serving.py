@@ -34,7 +34,12 @@ label of the hit's decision (the learner is taught by it, and demotes after its 
 sent, and every one must come back ``demoted`` (wrong) or ``labelled`` (right).
 
 Modes. ``threshold`` (the cosine rule), ``learner``, and ``shipped``: the profile's own ``semantic.decision``,
-whatever it is (the shipped default).
+whatever it is (the shipped default). ``--teach FILE`` (intents, the ``--intents`` format, e.g. a split's taught
+part) is a tenant's grouped questions: every mode's server is warmed with them first (``POST /admin/warmup``, each
+line with its class's answer), and the stream's lookups are the ``--intents`` texts only. Mode ``taught`` is the
+learner warmed with the lines in groups (the taught tenant); ``learner`` the same lines warmed plain (the untaught
+tenant holding the same cache). With ``--teach`` the modes default to ``learner,taught`` and the JSON line gains
+``<mode>_day_one_hit_rate`` and ``_false_hit_rate`` (the first 1,000 lookups), ``_warmed`` and ``_taught``.
 
 Beside the modes, ``--simulate`` (default on) runs ``eval_semantic.py --stream`` on the same set, limit, seed
 and target, so the server's learner can be read against the simulation's figures in the same table.
@@ -83,7 +88,11 @@ from edgecache.http.app import create_app
 from edgecache.semantic.decision_log import DecisionRecord, LabelRecord, read_records
 from edgecache.settings import resolve_settings
 
-MODES = ("threshold", "learner", "shipped")
+MODES = ("threshold", "learner", "shipped", "taught")
+#: Day one: the first lookups (``day_one_*`` in the JSON line).
+DAY_ONE = 1000
+#: Lines of one warmup send (``POST /admin/warmup``), as ``edgecache warmup`` sends answered lines: a group whole.
+WARMUP_SEND = 2048
 
 
 def answer_of(stream: Stream, i: int) -> str:
@@ -160,6 +169,10 @@ class ModeResult(msgspec.Struct):
     unlogged: int = 0
     marked_wrong: int = 0  # feedback marks sent (--feedback)
     marked_right: int = 0
+    warmed: int = 0  # taught texts written by the warmup (--teach)
+    taught: int = 0  # labels the warmup's groups taught the learner
+    day_one_hits: int = 0  # hits and wrong hits over the first DAY_ONE lookups
+    day_one_false_hits: int = 0
     seconds: float = 0.0
     oddities: list[str] = msgspec.field(default_factory=list)  # the first few of the above, to look at
 
@@ -191,12 +204,38 @@ def _sum_metric(text: str, name: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
 
 
+async def warm_taught(client: Any, stream: Stream, scenario: str, *, grouped: bool) -> int:
+    """The stream's taught texts (``--teach``) through ``POST /admin/warmup``, each with its class's answer, as the
+    requests the stream sends would key them; with ``grouped``, each line names its class as its ``group`` (the
+    taught tenant), without, the same lines plain (the untaught tenant holds the same cache). A group's lines go in
+    one send, as ``edgecache warmup`` sends them. Returns the lines written."""
+    by_group: dict[int, list[int]] = {}
+    for j in range(stream.lookups, len(stream.texts)):
+        by_group.setdefault(stream.group[j], []).append(j)
+    sends: list[list[int]] = [[]]
+    for members in by_group.values():
+        if sends[-1] and len(sends[-1]) + len(members) > WARMUP_SEND:
+            sends.append([])
+        sends[-1].extend(members)
+    written = 0
+    for send in sends:
+        lines = [{"line": n + 1, "request": {
+            "messages": [{"role": "user", "content": stream.texts[j]}], "scenario": scenario, "temperature": 0,
+            "max_tokens": 16, "answer": answer_of(stream, j), **({"group": str(stream.group[j])} if grouped else {})}}
+            for n, j in enumerate(send)]
+        resp = await client.post("/admin/warmup", json={"lines": lines})
+        if resp.status_code != 200:
+            raise RuntimeError(f"warmup: {resp.status_code} {resp.text[:300]}")
+        written += sum(r["outcome"] == "written" for r in resp.json()["results"])
+    return written
+
+
 async def run_mode(stream: Stream, decision: str, args: argparse.Namespace, data_dir: Path,
                    target: float | None) -> ModeResult:
     """The stream through a fresh server deciding by ``decision``; every response scored."""
-    settings = settings_for(args, decision, data_dir, target)
+    settings = settings_for(args, "learner" if decision == "taught" else decision, data_dir, target)
     engine = ClassAnswers(stream)
-    out = ModeResult(lookups=len(stream.texts))
+    out = ModeResult(lookups=stream.lookups)
     served: list[str] = []
     answers: list[str] = []
     started = time.perf_counter()
@@ -206,7 +245,10 @@ async def run_mode(stream: Stream, decision: str, args: argparse.Namespace, data
         if runtime.semantic is None:
             why = runtime.semantic_layer.error if runtime.semantic_layer is not None else "off"
             raise RuntimeError(f"the semantic layer did not open: {why}")
-        for n, text in enumerate(stream.texts):
+        if stream.taught:
+            out.warmed = await warm_taught(client, stream, args.scenario, grouped=decision == "taught")
+            engine.calls = 0
+        for n, text in enumerate(stream.texts[:stream.lookups]):
             body = {"model": engine.model_id, "messages": [{"role": "user", "content": text}], "temperature": 0,
                     "max_tokens": 16}
             resp = await client.post("/v1/chat/completions", json=body,
@@ -228,12 +270,13 @@ async def run_mode(stream: Stream, decision: str, args: argparse.Namespace, data
                     out.marked_right += right
                     out.marked_wrong += not right
             if args.progress and (n + 1) % args.progress == 0:
-                print(f"  {decision}: {n + 1}/{len(stream.texts)} ({time.perf_counter() - started:.0f} s)",
+                print(f"  {decision}: {n + 1}/{stream.lookups} ({time.perf_counter() - started:.0f} s)",
                       file=sys.stderr)
         metrics = (await client.get("/metrics")).text
         learned = (await client.get("/stats")).json().get("semantic", {}).get("learner") or {}
         out.metric_explorations = _sum_metric(metrics, "edgecache_semantic_explorations_total")
         out.demoted = int(learned.get("demoted", 0))
+        out.taught = sum(int(pool.get("taught", 0)) for pool in (learned.get("pools") or {}).values())
         position = {runtime.decisions.query_hash(text): i for i, text in enumerate(stream.texts)}
         runtime.decisions.flush()
         # Which text each store key was cached for: the index's mapping (read beside the open index: WAL).
@@ -250,7 +293,7 @@ async def run_mode(stream: Stream, decision: str, args: argparse.Namespace, data
         elif isinstance(record, LabelRecord):
             label_of[record.id] = record.good
 
-    for i in range(len(stream.texts)):
+    for i in range(stream.lookups):
         record = decided.get(i)
         j = at.get(text_of_key.get(record.store_key, "")) if record is not None and record.store_key else None
         if served[i] == "semantic":
@@ -263,6 +306,9 @@ async def run_mode(stream: Stream, decision: str, args: argparse.Namespace, data
                 right = right_answer(stream, i, j)
             out.hits += right
             out.false_hits += not right
+            if i < DAY_ONE:
+                out.day_one_hits += right
+                out.day_one_false_hits += not right
             continue
         if record is None:
             out.unlogged += 1
@@ -300,6 +346,8 @@ def simulate(args: argparse.Namespace, target: float | None) -> dict[str, Any]:
         argv += ["--sample-per-intent", str(args.sample_per_intent), "--sample-seed", str(args.sample_seed)]
     if target is not None:
         argv += ["--target", str(target)]
+    if args.teach is not None:
+        argv += ["--teach", str(args.teach)]
     with contextlib.redirect_stdout(io.StringIO()):
         return semantic_eval.main(argv)
 
@@ -324,8 +372,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "simulation), or 'profile' (the TTL tier classifier: 30 s for realtime-looking texts)")
     p.add_argument("--labels", choices=("exact", "shipped"), default="exact",
                    help="exact: a different answer is labelled wrong (bar = floor = 1.0); shipped: the profile's")
-    p.add_argument("--modes", default="threshold,learner",
-                   help="comma-separated: threshold, learner, shipped (the profile's own semantic.decision)")
+    p.add_argument("--teach", type=Path, metavar="FILE",
+                   help="intents (the --intents format): a tenant's grouped questions, warmed with their class's "
+                        "answer before the stream; mode taught warms them in groups, the other modes without")
+    p.add_argument("--modes", default=None,
+                   help="comma-separated: threshold, learner, shipped (the profile's own semantic.decision), taught "
+                        "(the learner, taught by --teach's groups); default threshold,learner (learner,taught with "
+                        "--teach)")
     p.add_argument("--feedback", choices=("wrong", "all", "none"), default="wrong",
                    help="the client marks wrong semantic hits wrong (and with 'all', right ones right)")
     p.add_argument("--simulate", action=argparse.BooleanOptionalAction, default=True,
@@ -333,15 +386,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--progress", type=int, default=500, help="a progress line every N requests (0: none)")
     args = p.parse_args(argv)
     target = None if args.target == "profile" else float(args.target)
-    modes = [m for m in args.modes.split(",") if m]
+    modes = [m for m in (args.modes or ("learner,taught" if args.teach else "threshold,learner")).split(",") if m]
     for mode in modes:
         if mode not in MODES:
             p.error(f"unknown mode {mode!r}")
+    if "taught" in modes and (args.teach is None or args.intents is None):
+        p.error("mode taught takes --intents and --teach")
 
     kind, path = ("pairs", args.pairs) if args.pairs is not None else ("intents", args.intents)
     stream = stream_of(kind, path, seed=args.seed, limit=args.limit,
                        splits=set(args.splits.split(",")) if args.splits else None,
-                       intent_sample=args.sample_per_intent, sample_seed=args.sample_seed)
+                       intent_sample=args.sample_per_intent, sample_seed=args.sample_seed,
+                       teach=semantic_eval.read_intents(args.teach) if args.teach is not None else None)
     results: dict[str, ModeResult] = {}
     for mode in modes:
         with tempfile.TemporaryDirectory(prefix=f"bench-learner-{mode}-") as tmp:
@@ -350,7 +406,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     shown_target = target if target is not None else \
         resolve_settings(args.profile, {}, environ={}).scenarios[args.scenario].target_false_hit_rate
 
-    print(f"stream {stream.name}: {len(stream.texts)} first-turn chat requests in seeded order (seed {args.seed}), "
+    print(f"stream {stream.name}: {stream.lookups} first-turn chat requests in seeded order (seed {args.seed}), "
           f"scenario {args.scenario}, target {shown_target:.2%}, labels {args.labels}, feedback {args.feedback}; "
           f"through the server in process (real embedder and index, class-answer engine)")
     print(f"{'':26}{'hit rate':>9}{'false':>8}{'explored':>9}{'labels':>7}{'bad':>5}{'none':>5}{'errors':>7}"
@@ -366,6 +422,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"explorations in /metrics {r.metric_explorations:.0f}")
         for oddity in r.oddities[:5]:
             print(f"  ! {oddity}")
+    for mode, r in results.items():
+        if r.warmed:
+            n = max(min(DAY_ONE, r.lookups), 1)
+            print(f"  {mode}: {r.warmed} taught texts warmed ({r.taught} labels taught); first {n} lookups: hit rate "
+                  f"{r.day_one_hits / n:.4f}, false {r.day_one_false_hits / n:.4f}")
     ratio_hit = ratio_false = None
     if "threshold" in results and "learner" in results:
         th, le = results["threshold"], results["learner"]
@@ -378,7 +439,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{sim['explorations']:9d}{sim['labels']:7d}{'':5}{'':5}{'':7}{sim['demoted']:8d}")
         print(f"{'simulation: static':26}{sim['static_hit_rate']:9.4f}{sim['static_false_hit_rate']:8.4f}"
               f"   (oracle at the learner's false hits {sim['oracle_hit_rate']:.4f})")
-    result: dict[str, Any] = {"set": stream.name, "n": len(stream.texts), "scenario": args.scenario,
+    result: dict[str, Any] = {"set": stream.name, "n": stream.lookups, "taught_texts": stream.taught,
+                              "scenario": args.scenario,
                               "seed": args.seed, "target": shown_target, "labels": args.labels,
                               "feedback": args.feedback, "shipped_decision": shipped}
     for mode, r in results.items():
@@ -389,7 +451,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{mode}_label_errors": r.label_errors, f"{mode}_unlabelled_wrong": r.unlabelled_wrong,
             f"{mode}_demoted": r.demoted, f"{mode}_vetoed": r.vetoed, f"{mode}_inconsistent": r.inconsistent,
             f"{mode}_unlogged": r.unlogged, f"{mode}_marked_wrong": r.marked_wrong,
-            f"{mode}_marked_right": r.marked_right,
+            f"{mode}_marked_right": r.marked_right, f"{mode}_warmed": r.warmed, f"{mode}_taught": r.taught,
+            f"{mode}_day_one_hit_rate": round(r.day_one_hits / max(min(DAY_ONE, r.lookups), 1), 4),
+            f"{mode}_day_one_false_hit_rate": round(r.day_one_false_hits / max(min(DAY_ONE, r.lookups), 1), 4),
             f"{mode}_seconds": round(r.seconds, 1)})
     result["ratio_hit_rate"] = None if ratio_hit is None else round(ratio_hit, 3)
     result["ratio_false_hit_rate"] = None if ratio_false is None else round(ratio_false, 3)

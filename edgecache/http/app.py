@@ -31,7 +31,7 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
 
 import msgspec
-from litestar import Litestar, Request, Response, delete, get, post
+from litestar import HttpMethod, Litestar, Request, Response, get, post, route
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 from litestar.handlers import HTTPRouteHandler
@@ -140,21 +140,17 @@ async def create_response(request: Request[Any, Any, Any]) -> ASGIApp:
     return await respond(rt, request, parsed.call, parsed.stream, writer, started)
 
 
-@get("/v1/responses/{response_id:str}")
-async def retrieve_response(request: Request[Any, Any, Any],
-                            response_id: Annotated[str, PathParameter()]) -> ASGIApp:
+# One handler for both methods: litestar answers OPTIONS on a path from the methods of the handler registered there
+# first, so a second handler on the same path would be left out of its Allow header.
+@route("/v1/responses/{response_id:str}", http_method=[HttpMethod.GET, HttpMethod.DELETE], status_code=200)
+async def stored_response(request: Request[Any, Any, Any], response_id: Annotated[str, PathParameter()]) -> ASGIApp:
+    """``GET`` a stored response (another tenant's is a 404) or ``DELETE`` it."""
     rt = _runtime(request.app.state)
     tenant = rt.tenants.authenticate(*_credentials(request))
-    stored = await _front(request.app.state).responses.stored(tenant.id, response_id)   # another tenant's: 404
-    return RawAnswer(stored.body, [])
-
-
-@delete("/v1/responses/{response_id:str}", status_code=200)
-async def delete_response(request: Request[Any, Any, Any],
-                          response_id: Annotated[str, PathParameter()]) -> ASGIApp:
-    rt = _runtime(request.app.state)
-    tenant = rt.tenants.authenticate(*_credentials(request))
-    return RawAnswer(await _front(request.app.state).responses.delete(tenant.id, response_id), [])
+    responses = _front(request.app.state).responses
+    if request.method == HttpMethod.DELETE:
+        return RawAnswer(await responses.delete(tenant.id, response_id), [])
+    return RawAnswer((await responses.stored(tenant.id, response_id)).body, [])
 
 
 @get("/v1/responses/{response_id:str}/input_items")
@@ -471,7 +467,7 @@ def create_app(settings: Settings, engine: Engine | None = None,
             lock.release()
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, create_response, retrieve_response, delete_response,
+        route_handlers=[chat_completions, completions, create_response, stored_response,
                         response_input_items, messages, count_tokens, feedback, embeddings, list_models,
                         retrieve_model, model_info, server_info, openapi_json, health, metrics, stats, admin_flush,
                         admin_warmup],

@@ -13,7 +13,15 @@ from typing import Any
 import msgspec
 
 from edgecache.errors import ErrorBody
-from edgecache.http.anthropic_api import AnthropicError, CountTokensRequest, MessageOut, MessagesRequest, TokenCount
+from edgecache.http import anthropic_api, responses_api
+from edgecache.http.anthropic_api import (
+    AnthropicError,
+    ClientTool,
+    CountTokensRequest,
+    MessageOut,
+    MessagesRequest,
+    TokenCount,
+)
 from edgecache.http.embeddings import EmbeddingList, EmbeddingRequest
 from edgecache.http.feedback import FeedbackReply, FeedbackRequest
 from edgecache.http.openai_api import (
@@ -35,9 +43,10 @@ from edgecache.http.responses_api import (
     InputItemList,
     NamespaceTool,
     ResponseCreateRequest,
+    ReasoningItem,
     ResponseObject,
 )
-from edgecache.http.warmup_lines import WarmupBatch
+from edgecache.http.warmup_lines import ONE_OF_MESSAGES_OR_PROMPT, WarmupBatch, WarmupLine
 
 _REF = "#/components/schemas/{name}"
 
@@ -83,6 +92,14 @@ def _responses_items(components: dict[str, Any]) -> None:
     for choice in properties["tools"]["anyOf"]:
         if choice.get("type") == "array":
             choice["items"] = {"anyOf": [_ref(FunctionTool), _ref(NamespaceTool)]}
+    # What the handler checks in code: a conversation to answer, from input (a string, or at least one item that is
+    # not reasoning: reasoning adds nothing this model reads) or from the stored response previous_response_id names.
+    components[ResponseCreateRequest.__name__]["anyOf"] = [
+        {"required": ["previous_response_id"], "properties": {"previous_response_id": {"type": "string"}}},
+        {"required": ["input"], "properties": {"input": {"anyOf": [
+            {"type": "string"},
+            {"type": "array", "contains": {"anyOf": [_ref(item) for item in INPUT_ITEMS if item is not ReasoningItem]}},
+        ]}}}]
     properties["tool_choice"]["anyOf"] = [
         alternative for choice in properties["tool_choice"]["anyOf"]
         for alternative in ([_ref(FunctionToolChoice), _ref(AllowedToolChoice)] if choice.get("type") == "object"
@@ -94,19 +111,27 @@ def _response_id(summary: str, answer: type, *, query: list[dict[str, Any]] | No
             "parameters": [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}},
                            *(query or [])],
             "responses": {"200": {"description": "OK", "content": {"application/json": {"schema": _ref(answer)}}},
-                          **_errors(401, 404)}}
+                          **_errors(*((400,) if query else ()), 401, 404,
+                                    e400="A query parameter is not one the route takes")}}
 
 
 def openapi_document(version: str) -> dict[str, Any]:
     structs = (ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ChatCompletion, ChatCompletionChunk,
                TextCompletion, EmbeddingList, ModelList, ModelCard, ModelInfo, ServerInfo, ErrorBody, WarmupBatch,
-               MessagesRequest, CountTokensRequest, MessageOut, TokenCount, AnthropicError, ResponseCreateRequest, *INPUT_ITEMS,
+               MessagesRequest, CountTokensRequest, ClientTool, MessageOut, TokenCount, AnthropicError, ResponseCreateRequest, *INPUT_ITEMS,
                FunctionTool, NamespaceTool, FunctionToolChoice, AllowedToolChoice, ResponseObject, DeletedResponse, InputItemList,
                FeedbackRequest, FeedbackReply)
     _, components = msgspec.json.schema_components(structs, ref_template=_REF)
     _responses_items(components)
-    for name, rules in SCHEMA_RULES.items():
-        components[name].update(rules)
+    for name, rules in (*SCHEMA_RULES.items(), *anthropic_api.SCHEMA_RULES.items(), *responses_api.SCHEMA_RULES.items(),
+                        (WarmupLine.__name__, ONE_OF_MESSAGES_OR_PROMPT)):
+        component = components[name]
+        for key, value in rules.items():
+            if key == "properties":
+                for field, schema in value.items():
+                    component["properties"][field].update(schema)
+            else:
+                component[key] = value
     plain_json = {"200": {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}}
     return {
         "openapi": "3.1.0",

@@ -106,6 +106,10 @@ def refused_when_set(name: str, off: bool | None = None) -> Meta:
     return Meta(extra_json_schema={**allowed, "description": f"Refused when set: {REFUSED_WHEN_SET[name]}."})
 
 
+#: Why ``modalities`` is text only in the schema (:data:`SCHEMA_RULES` says so).
+_TEXT_ONLY = Meta(description=f"Only \"text\": {REFUSED_WHEN_SET['audio']}.")
+
+
 def _refuse_if_set(request: msgspec.Struct, names: tuple[str, ...], at: str = "") -> None:
     for name in names:
         value = getattr(request, name)
@@ -210,8 +214,19 @@ class ChatMessageIn(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=Tr
 _NOT_NULL = {"not": {"type": "null"}}
 _HOLDS = {"required": ["content"], "properties": {"content": _NOT_NULL}}
 
-#: What :meth:`ChatMessageIn.to_message` and its content parts check in code, stated in JSON Schema for the OpenAPI
-#: document (by struct name), so that a body the schema allows is one the server takes.
+#: What :meth:`_CommonRequest.sampling` checks: no empty stop string, logit_bias keyed by token ids.
+_SAMPLING_RULES: dict[str, Any] = {
+    "stop": {"anyOf": [{"type": "string", "minLength": 1},
+                       {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOPS},
+                       {"type": "null"}]},
+    "logit_bias": {"anyOf": [{"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                              "additionalProperties": {"type": "number", "minimum": -100.0, "maximum": 100.0}},
+                             {"type": "null"}]},
+}
+
+#: What :meth:`ChatMessageIn.to_message`, its content parts and the requests' ``generation`` check in code, stated in
+#: JSON Schema for the OpenAPI document (by struct name; a ``properties`` entry is merged into that field's schema),
+#: so that a body the schema allows is one the server takes.
 SCHEMA_RULES: dict[str, dict[str, Any]] = {
     "ChatMessageIn": {"allOf": [
         {"if": {"properties": {"role": {"const": "tool"}}},
@@ -234,6 +249,24 @@ SCHEMA_RULES: dict[str, dict[str, Any]] = {
         {"if": {"properties": {"type": {"const": "refusal"}}},
          "then": {"required": ["refusal"], "properties": {"refusal": {"type": "string"}}}},
     ]},
+    "ResponseFormatIn": {"if": {"properties": {"type": {"const": "json_schema"}}},
+                         "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}}},
+    "ChatCompletionRequest": {
+        "properties": {
+            **_SAMPLING_RULES,
+            # "audio" is decoded so that its refusal can say why; the schema allows only "text".
+            "modalities": {"anyOf": [{"type": "array", "items": {"const": "text"}}, {"type": "null"}]}},
+        # top_logprobs needs logprobs: true.
+        "anyOf": [{"properties": {"top_logprobs": {"type": "null"}}},
+                  {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}]},
+    "CompletionRequest": {
+        "properties": _SAMPLING_RULES,
+        # best_of is taken only when it equals n (or n's default, 1): one pair for each value n can take.
+        "anyOf": [
+            {"properties": {"best_of": {"type": "null"}}},
+            {"properties": {"best_of": {"const": 1}, "n": {"const": 1}}},
+            *({"required": ["n"], "properties": {"best_of": {"const": k}, "n": {"const": k}}}
+              for k in range(2, MAX_CHOICES + 1))]},
 }
 
 
@@ -392,7 +425,7 @@ class _CommonRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                              "starts", param="stop")
         bias = []
         for token, value in (self.logit_bias or {}).items():
-            if not token.isdigit():
+            if not (token.isascii() and token.isdigit()):  # int() takes no other digits ("²")
                 raise BadRequest(f"logit_bias keys are token ids; {token!r} is not one", param="logit_bias")
             if value != 0.0:
                 bias.append((int(token), float(value)))
@@ -450,7 +483,7 @@ class ChatCompletionRequest(_CommonRequest, kw_only=True, forbid_unknown_fields=
     # OpenAI's reference spells it "in-memory", its Python SDK "in_memory".
     prompt_cache_retention: Literal["in-memory", "in_memory", "24h"] | None = None
     safety_identifier: str | None = None
-    modalities: list[Literal["text", "audio"]] | None = None
+    modalities: Annotated[list[Literal["text", "audio"]] | None, _TEXT_ONLY] = None
     # Output controls, handed to the chat template as variables (an upstream gets them as sent): in the key.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
@@ -612,7 +645,8 @@ def _decode_integral_floats(body: bytes, request_type: type[T], first: msgspec.V
             break
         holder[steps[-1]] = int(at)
         try:
-            return msgspec.convert(value, type=request_type)
+            # Decoded from JSON again, not converted: a msgspec.Raw field (the Responses input items) takes only JSON.
+            return msgspec.json.decode(msgspec.json.encode(value), type=request_type)
         except msgspec.ValidationError as again:
             error = again
     raise BadRequest(f"invalid request: {error}", param=_param_of(str(error))) from first

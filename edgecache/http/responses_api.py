@@ -8,7 +8,7 @@ builds the call (:func:`edgecache.http.calls.parsed_from`), so the same generati
 has one key and one engine call. :class:`ResponsesWriter` renders the answer as a Response object or as the
 Responses event stream, and hands each complete answer to the :class:`~edgecache.http.response_store.ResponseStore`.
 
-Each field is one of three kinds (README's table lists them):
+Each field is one of three kinds (docs/api.md lists them):
 
 - **in the key**: ``input``, ``instructions``, ``previous_response_id`` (the conversation it brings), function
   ``tools`` (also inside ``namespace`` tools, whose own name and description the model is not shown), ``tool_choice`` (incl. ``allowed_tools``), ``parallel_tool_calls`` (with tools), ``text.format``,
@@ -225,6 +225,19 @@ REFUSED_WHEN_SET: dict[str, str] = {
     "conversation": "this server keeps no conversations; send previous_response_id",
     "prompt": "this server keeps no reusable prompts; send input and instructions",
     "top_logprobs": "logprobs are served on /v1/chat/completions here",
+}
+
+
+#: What decoding the input items into chat messages checks, for the OpenAPI document (as
+#: :data:`~edgecache.http.request_surface.SCHEMA_RULES`; a ``properties`` entry is merged into that field's schema).
+SCHEMA_RULES: dict[str, dict[str, Any]] = {
+    "FunctionCallOutputItem": {"properties": {"call_id": {"minLength": 1}}},
+    # Text parts only (the model is text-only), each with its text (a refusal with its refusal).
+    "InputPart": {
+        "properties": {"type": {"enum": ["input_text", "output_text", "refusal"]}},
+        "if": {"properties": {"type": {"const": "refusal"}}},
+        "then": {"required": ["refusal"], "properties": {"refusal": {"type": "string"}}},
+        "else": {"required": ["text"], "properties": {"text": {"type": "string"}}}},
 }
 
 

@@ -39,7 +39,8 @@ class WarmupLine(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ValueError("give exactly one of `messages` and `prompt`")
 
 
-#: :meth:`WarmupLine.__post_init__`'s rule in the OpenAPI document: exactly one of ``messages`` and ``prompt``.
+#: :meth:`WarmupLine.__post_init__`'s rule in the OpenAPI document (on WarmupLine's own schema, not beside a
+#: reference to it, where a client's generator may not look): exactly one of ``messages`` and ``prompt``.
 ONE_OF_MESSAGES_OR_PROMPT = {"oneOf": [
     {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
     {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}}]}
@@ -47,7 +48,7 @@ ONE_OF_MESSAGES_OR_PROMPT = {"oneOf": [
 
 class NumberedLine(msgspec.Struct, kw_only=True):
     line: int
-    request: Annotated[WarmupLine, Meta(extra_json_schema=ONE_OF_MESSAGES_OR_PROMPT)]
+    request: WarmupLine
 
 
 class WarmupBatch(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -88,8 +89,12 @@ def check_line_groups(lines: list[NumberedLine], tenant: str | None = None) -> N
 async def warm_lines(pipeline: RequestPipeline, lines: list[NumberedLine], *, tenants: TenantDirectory,
                      settings: Settings, tenant: str | None = None,
                      prefilled: Prefilled | None = None) -> list[LineResult]:
-    """Check each line's tenant (the line's own, else ``tenant``, else ``default``) and scenario, then :func:`warm`
-    the good ones. One result per line, in line order."""
+    """Check every line's messages (one that a chat request could not send refuses the batch), then each line's
+    tenant (the line's own, else ``tenant``, else ``default``) and scenario, then :func:`warm` the good ones. One
+    result per line, in line order."""
+    for numbered in lines:  # a malformed line refuses the batch (a 400), whichever tenant and scenario it names
+        for i, message in enumerate(numbered.request.messages or ()):
+            message.to_message(i)
     calls, results, groups = [], [], {}
     for numbered in lines:
         line = numbered.request

@@ -1,6 +1,6 @@
 """Learn from the box's own traffic when a semantic candidate may be served, under a target false-hit rate.
 
-A fixed cut, however well fitted offline, meets traffic it has never seen (issue 9 measured the cut that keeps 1 %
+A fixed cut, however well fitted offline, meets traffic it has never seen (the cut that keeps 1 %
 false hits move from cosine 0.85 to 0.99 between workloads). vCache (vcache-project/vCache, ICLR 2026) learns the
 decision online per cached entry: every entry keeps the (similarity, was the cached answer right?) labels of the
 lookups that had it as their nearest candidate, fits a sigmoid per entry, and explores (computes fresh and labels)
@@ -37,7 +37,7 @@ is the load-shedding switch: no exploration, and an unsure candidate is decided 
 saves engine time instead of turning would-be hits into misses. An entry labelled wrong ``demote_after`` times at
 similarities where its pool would serve is demoted: never served until forgotten.
 
-Issue 24 added three things, each measured with ``scripts/eval_semantic.py --stream`` (README, "The online
+Three refinements, each measured with ``scripts/eval_semantic.py --stream`` (docs/semantic.md, "The online
 learner"): the margin the cut and the ledger keep back can be ``z`` standard deviations of the expected false hits
 (``served error + z * sqrt(served variance) <= target * lookups``) instead of a fixed share ``margin`` of the target,
 so it shrinks relative to the target as lookups accumulate; a class with ``slope_after`` labels of both outcomes
@@ -77,7 +77,8 @@ Action = Literal["serve", "explore", "miss"]
 Signal = Literal["cosine", "probability"]
 #: Why a candidate was served, explored or missed (``Decision.reason``). The decision log keeps them (an exploration
 #: under its reason, a miss as :func:`edgecache.semantic.refusals.by_learner` of it) and ``edgecache tune`` weighs labels by them (``SERVABLE``).
-Reason = Literal["confident", "point_estimate", "audit", "unsure", "above_cut", "budget", "demoted"]
+Reason = Literal["confident", "point_estimate", "taught_bound", "audit", "unsure", "above_cut", "budget",
+                 "demoted"]
 #: An audit is a confident serve explored at random; a budget miss was refused for when it came (the ledger was
 #: spent), not for itself. Their labels stand for the learner's hits.
 AUDIT: Reason = "audit"
@@ -148,6 +149,10 @@ class _Pool:
     taught_p_count: np.ndarray = field(default_factory=lambda: np.zeros(len(_P_EDGES)))
     taught_p_sum: np.ndarray = field(default_factory=lambda: np.zeros(len(_P_EDGES)))
     taught_p_var: np.ndarray = field(default_factory=lambda: np.zeros(len(_P_EDGES)))
+    #: What unsure serves took of the teaching's head start (:meth:`SemanticLearner._head_start`): their upper
+    #: bounds, and the variance of their outcomes at those bounds.
+    head_start_spent: float = 0.0
+    head_start_var: float = 0.0
 
     def allowed_lookups(self) -> float:
         """The lookups the false-hit target is a share of: the pool's own, and the taught lookups (a variant
@@ -326,6 +331,14 @@ class SemanticLearner:
             # The cut is the policy for traffic like the past; the ledger is what was actually spent: expected false
             # hits of everything served so far, never over the pool's share.
             return Decision("miss", error, bound, cut, BUDGET)
+        if bound > cut and self._head_start(pool, taught_error, bound, target_error):
+            # A taught pool serves an unsure candidate from the teaching's head start, charged at its upper bound:
+            # the ledger's line holds even where the estimate is as far off as its bound allows, and the tenant's
+            # first paraphrases of its taught questions are answered rather than explored. Once the head start is
+            # spent, unsure candidates are explored as in any pool, which is how the pool's own labels come.
+            pool.head_start_spent += bound
+            pool.head_start_var += bound * (1.0 - bound)
+            return self._serve(pool, similarity, error, bound, cut, bound, "taught_bound")
         budget = may_explore and pool.explorations + 1 <= self.explore_share * pool.lookups + self.explore_allowance
         if budget and (bound > cut or self._random.random() < self.audit_share):
             pool.explorations += 1
@@ -333,8 +346,14 @@ class SemanticLearner:
         if bound > cut and may_explore:
             # Unsure and the exploration budget is spent: compute fresh (the label still comes, for free).
             return Decision("miss", error, bound, cut, "unsure")
-        pool.served_error += error
-        pool.served_var += error * (1.0 - error)
+        return self._serve(pool, similarity, error, bound, cut, error,
+                           "confident" if bound <= cut else "point_estimate")
+
+    def _serve(self, pool: _Pool, similarity: float, error: float, bound: float, cut: float, charge: float,
+               reason: Reason) -> Decision:
+        """Serve: the ledger is charged ``charge`` (the estimate, or for an unsure serve its bound)."""
+        pool.served_error += charge
+        pool.served_var += charge * (1.0 - charge)
         if self.impute:
             # A served lookup is never labelled; leaving it out would leave the pooled curve to the lookups the
             # learner refused at this similarity (the bad classes), biasing it up where it serves. It counts at
@@ -343,7 +362,7 @@ class SemanticLearner:
             pool.right[b] += 1.0 - error
             pool.wrong[b] += error
             pool.curve = None
-        return Decision("serve", error, bound, cut, "confident" if bound <= cut else "point_estimate")
+        return Decision("serve", error, bound, cut, reason)
 
     def record(self, tenant: str, scenario: str, entry_key: str, similarity: float, correct: bool, *,
                prior_cut: float | None = None, decision: Decision | None = None,
@@ -395,8 +414,9 @@ class SemanticLearner:
         in the pool as the pool's own labels come (:meth:`_Pool.taught_weight`); they are no lookups and no
         decisions of this pool's, so they say nothing of its calibration and strike no entry. Each stands for a
         lookup of the tenant's questions, though: it counts among the lookups the target is a share of, and its
-        estimate after the teaching among the decisions the cut is drawn from (at the same weight). Returns the
-        labels taught."""
+        estimate after the teaching among the decisions the cut is drawn from (at the same weight). The target's
+        share of them, less what the cut spends on them, is a head start that pays for unsure serves at their upper
+        bound (:meth:`_head_start`). Returns the labels taught."""
         pool = self._pool(tenant, scenario, signal)
         for keys in classes:
             for key in keys[1:]:
@@ -593,6 +613,16 @@ class SemanticLearner:
         last = int(np.searchsorted(_P_EDGES, cut, side="right"))
         weight = pool.taught_lookup_weight()
         return weight * float(pool.taught_p_sum[:last].sum()), weight * float(pool.taught_p_var[:last].sum())
+
+    def _head_start(self, pool: _Pool, taught_error: float, bound: float, target_error: float) -> bool:
+        """Whether the teaching's head start (the target's share of the taught lookups, less what the policy spends
+        on them) still pays for one more unsure serve at its upper bound ``bound``, beside those it already paid for.
+        Only these serves' own outcomes are chance here: the taught lookups are no served lookups."""
+        if not pool.taught_lookups:
+            return False
+        return self._within(taught_error + pool.head_start_spent + bound,
+                            pool.head_start_var + bound * (1.0 - bound),
+                            target_error * pool.taught_lookup_weight() * pool.taught_lookups)
 
     def _note(self, pool: _Pool, bound: float, error: float) -> None:
         """File a decision under its bound (what decides whether it is served) at its expected cost (its error)."""

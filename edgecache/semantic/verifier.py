@@ -1,6 +1,6 @@
 """May a cached answer serve this query? A calibrated score over the nearest candidates of a semantic lookup.
 
-One cosine threshold per scenario did not transfer between workloads (issue 9): a cut strict enough for Chinese
+One cosine threshold per scenario did not transfer between workloads: a cut strict enough for Chinese
 word-swap pairs served almost nothing on short customer-service questions, and one loose enough to hit there served
 wrong answers on English question pairs. The verifier instead estimates P(the cached answer serves the query) from
 several cheap signals of one (query, candidate) pair:
