@@ -138,7 +138,9 @@ def test_exact_and_shared_hits_never_reach_vllm(upstream: VLLMServer, front: Ser
                           timeout=300)
     thread.join(timeout=300)
     assert follower.status_code == 200, follower.text
-    assert (lines[0], follower.headers["x-edgecache"]) == ("x-edgecache: miss", "shared")
+    # Shared while the first still generates (about 8 s here); a box fast enough to finish first makes it exact.
+    # Either way vLLM is not asked again (the count below).
+    assert lines[0] == "x-edgecache: miss" and follower.headers["x-edgecache"] in ("shared", "exact")
     streamed = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
                        for line in lines[1:] if line != "data: [DONE]" and json.loads(line[6:])["choices"])
     assert follower.json()["choices"][0]["message"]["content"] == streamed
