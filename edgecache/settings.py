@@ -518,9 +518,9 @@ CONFIGURATION_END = "<!-- end of the settings table -->"
 def configuration_table() -> str:
     """docs/configuration.md's table: every leaf setting with its help text and its value in each shipped profile,
     generated from the structs (``tests/test_docs.py`` fails when the page's table differs from this)."""
-    names = sorted(profile_names(), key=lambda name: (name != "cpu", name))  # the CPU box first
     values = {name: _flatten(settings_to_dict(resolve_settings(name, {"data_dir": "DATA_DIR"}, environ={})))
-              for name in names}
+              for name in profile_names()}
+    names = sorted(values, key=lambda name: (values[name]["hardware.gpu_memory_gb"], name))  # smallest box first
     rows = ["| setting | " + " | ".join(names) + " | what it does |", "|---|" + "---|" * len(names) + "---|"]
     for path, help_text in iter_fields():
         cells = [_cell(values[name].get(path)) if path not in ("scenarios", "tenant_thresholds") else ""
