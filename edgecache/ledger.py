@@ -27,7 +27,7 @@ tokens not computed: ``saved + spent`` is what the box would have computed with 
 spent)`` the share of that work the cache did, and ``(saved + spent) / spent`` the effective capacity.
 
 The ledger survives a restart (``<data dir>/ledger/ledger.json``, written by the runtime's housekeeping and at
-shutdown). Nothing on the hit path waits for it: a hit adds a few numbers to a row.
+shutdown). Nothing on the hit path waits for it: a request adds three numbers, booked at the next read.
 """
 
 from __future__ import annotations
@@ -61,6 +61,9 @@ POLICY = "policy"                # the caller's policy read no cache (bypass, no
 ENGINE_ERROR = "engine_error"    # the engine was asked and failed
 MISS_REASONS = (FIRST_SEEN, EXPIRED, EVICTED, FLUSHED, NOT_CACHEABLE, POLICY, ENGINE_ERROR)
 SEMANTIC_PREFIX = "semantic:"
+
+
+_HIT_LAYERS = frozenset({"exact", "shared", "semantic"})
 
 
 def semantic_reason(refusal: str) -> str:
@@ -327,6 +330,8 @@ class Ledger:
         self.history = KeyHistory()
         self.started_at = clock()
         self._rows: dict[tuple[str, str], Row] = {}
+        # Requests not yet booked: (tenant, scenario, outcome) -> [requests, prompt tokens, completion tokens].
+        self._counts: dict[tuple[str, str, str], list[int]] = {}
         self._unpriced = False
         self._minutes: list[tuple[int, dict[str, Row]]] = []
         self._busy_before = 0.0  # busy seconds of earlier runs (the meter counts this run's)
@@ -352,13 +357,30 @@ class Ledger:
         """One request of the API, once, with its outcome (exact, semantic, shared, miss, error, rejected). A hit
         saved ``prompt_tokens`` and ``completion_tokens``; a miss (or an error the engine raised on a miss:
         ``miss_reason`` ENGINE_ERROR) is counted under ``miss_reason``."""
-        row = self._row(tenant, scenario)
-        row.requests[outcome] = row.requests.get(outcome, 0) + 1
-        self._dirty = True
-        if outcome in ("exact", "shared", "semantic"):
-            self._save(row, outcome, 1, prompt_tokens, completion_tokens)
-        elif miss_reason is not None:
+        # The hit path: one look-up and three additions. Requests, tokens and seconds are booked into the rows when
+        # the ledger is next read (or at the housekeeping tick, every few seconds), at the fit's rates then.
+        counts = self._counts.get((tenant, scenario, outcome))
+        if counts is None:
+            counts = self._counts[(tenant, scenario, outcome)] = [0, 0, 0]
+        counts[0] += 1
+        counts[1] += prompt_tokens
+        counts[2] += completion_tokens
+        if miss_reason is not None:
+            row = self._row(tenant, scenario)
             row.misses[miss_reason] = row.misses.get(miss_reason, 0) + 1
+            self._dirty = True
+
+    def _settle(self) -> None:
+        """Book the requests counted since the last read into their rows (a hit's tokens as saved)."""
+        if not self._counts:
+            return
+        counts, self._counts = self._counts, {}
+        self._dirty = True
+        for (tenant, scenario, outcome), (n, prompt, completion) in counts.items():
+            row = self._row(tenant, scenario)
+            row.requests[outcome] = row.requests.get(outcome, 0) + n
+            if outcome in _HIT_LAYERS:
+                self._save(row, outcome, n, prompt, completion)
 
     def _save(self, row: Row, layer: str, calls: int, prompt_tokens: int, completion_tokens: int) -> None:
         """``calls`` whole requests (0: prompt tokens the prefix cache held) with these tokens were not computed."""
@@ -410,6 +432,7 @@ class Ledger:
     # ---- reading ----
 
     def rows(self, tenant: str | None = None) -> dict[str, Row]:
+        self._settle()
         return {_row_key(t, s): row for (t, s), row in sorted(self._rows.items()) if tenant in (None, t)}
 
     @property
@@ -500,6 +523,7 @@ class Ledger:
     def tick(self, now: float | None = None) -> None:
         """Called every few seconds (the runtime's housekeeping): keeps the rows as they stood at the start of each
         minute of the last hour, so the last hour's figures are now's minus an hour ago's."""
+        self._settle()
         minute = int((self._clock() if now is None else now) // 60)
         if self._minutes and self._minutes[-1][0] == minute:
             return
