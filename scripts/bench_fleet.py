@@ -28,6 +28,7 @@ from pathlib import Path
 
 from edgecache.bench import workload
 from edgecache.bench.harness import free_port, percentile, start_server, wait_ready
+from edgecache.bench.redis_servers import RedisCluster, RedisServer
 from edgecache.bench.workload import send
 
 
@@ -150,37 +151,22 @@ def main() -> None:
     parser.add_argument("--cluster", action="store_true",
                         help="share a local Redis Cluster (3 primaries) instead of one redis-server")
     args = parser.parse_args()
-    binary = shutil.which("redis-server")
-    if binary is None:
-        sys.exit("redis-server is not installed (apt-get install redis-server)")
+    if shutil.which("redis-server") is None:
+        sys.exit("redis-server is not installed (apt-get install redis-server redis-tools)")
     reqs = workload.generate(workload.WorkloadConfig(requests=args.requests, seed=args.seed, rate=args.rate))
     hot = reqs[0]
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
         work = Path(tmp)
-        if args.cluster:
-            # The fleet tests' cluster: three redis-servers in cluster mode, joined by redis-cli --cluster create.
-            sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-            from tests.redis_server import RedisCluster
-
-            cluster = RedisCluster(work / "redis-cluster").start()
-            redis_url, stop_redis = cluster.url, cluster.kill
-        else:
-            redis_port = free_port()
-            redis = subprocess.Popen([binary, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", tmp], stdout=subprocess.DEVNULL)
-            time.sleep(0.5)
-            redis_url = f"redis://127.0.0.1:{redis_port}/0"
-
-            def stop_redis() -> None:
-                redis.kill()
-                redis.wait()
+        # The fleet tests' servers: one redis-server, or three in cluster mode joined by redis-cli --cluster create.
+        redis = (RedisCluster(work / "redis-cluster") if args.cluster else RedisServer(work / "redis")).start()
+        redis_url = redis.url
         try:
             one = run_config(work, "one", 1, None, reqs, args)
             local = run_config(work, "local", 3, None, reqs, args)
             shared = run_config(work, "redis", 3, redis_url, reqs, args)
             local_hot, redis_hot = hot_side_by_side(work, redis_url, hot, args) if args.hot else (0.0, 0.0)
         finally:
-            stop_redis()
+            redis.kill()
     print(f"bench_fleet: {args.requests} requests (seed {args.seed}, {args.rate}/s offered, concurrency "
           f"{args.concurrency}), round-robin over the nodes; the shared store: "
           f"{'a Redis Cluster of 3 primaries' if args.cluster else 'one redis-server'}")

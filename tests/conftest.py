@@ -19,7 +19,7 @@ from edgecache.http.app import create_app
 from edgecache.settings import Settings, resolve_settings
 from tests.fakes import FakeEngine
 from tests.real_server import Server
-from tests.redis_server import RedisCluster, RedisServer
+from edgecache.bench.redis_servers import RedisCluster, RedisServer
 
 
 @pytest.fixture
@@ -94,10 +94,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 @pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
     """The session's Redis, emptied for this test (started again if a previous test left it down)."""
-    if redis_server.proc is None or redis_server.proc.poll() is not None:
-        redis_server.start()
-    redis_server.flushall()
-    return redis_server.url
+    return redis_server.fresh()
 
 
 @pytest.fixture(scope="session")

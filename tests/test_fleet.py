@@ -19,7 +19,7 @@ from edgecache.semantic.decision_log import DecisionRecord, read_records
 from edgecache.settings import Settings
 from tests.conftest import chat_body, serve_in_process, until
 from tests.fakes import FakeEngine
-from tests.redis_server import RedisServer
+from edgecache.bench.redis_servers import RedisServer
 from tests.test_tenants import ADMIN, TenantMarkingEngine, auth, write_tenants_file
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from edgecache.fleet.link import RedisLink
 from tests.conftest import REDIS_INSTALL, chat_body, require_binary, until
-from tests.redis_server import RedisCluster
+from edgecache.bench.redis_servers import RedisCluster
 from tests.test_fleet import ask, fleet, served, sse_text, text
 from tests.test_tenants import ADMIN, TenantMarkingEngine, auth, write_tenants_file
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.redis_server import RedisServer
+from edgecache.bench.redis_servers import RedisServer
 from tests.real_server import MODEL, Server
 
 pytestmark = pytest.mark.e2e
@@ -24,9 +24,7 @@ LEASE_S = 1.0
 
 @pytest.fixture(scope="module")
 def nodes(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
-    if redis_server.proc is None or redis_server.proc.poll() is not None:
-        redis_server.start()
-    redis_server.flushall()
+    redis_server.fresh()
     root = tmp_path_factory.mktemp("fleet-e2e")
     env = {"EDGECACHE_STORE__REDIS_LEASE_S": str(LEASE_S), "EDGECACHE_SEMANTIC__ENABLED": "false"}
     started = [Server(root / f"node{i}" / "data", "--redis", redis_server.url, env=env) for i in range(2)]

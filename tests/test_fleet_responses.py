@@ -20,7 +20,7 @@ from edgecache.fleet.responses import RedisResponseStore
 from edgecache.http.response_store import ResponseStore
 from tests.conftest import until
 from tests.fakes import FakeEngine
-from tests.redis_server import RedisServer
+from edgecache.bench.redis_servers import RedisServer
 from tests.test_fleet import fleet
 from tests.test_tenants import auth, write_tenants_file
 

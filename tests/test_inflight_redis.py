@@ -14,7 +14,7 @@ from edgecache.errors import EdgeCacheError, EngineError
 from edgecache.fleet.link import RedisLink
 from edgecache.inflight.local import Flight
 from edgecache.inflight.redis import RedisFlightTable
-from tests.redis_server import RedisServer
+from edgecache.bench.redis_servers import RedisServer
 
 PIECES = ["The ", "answer ", "is ", "42."]
 

@@ -31,6 +31,7 @@ from edgecache.ledger import (
 from edgecache.settings import Settings
 from tests.conftest import chat_body
 from tests.fakes import FakeEngine
+from tests.test_tenants import settle
 
 ADMIN = {"Authorization": "Bearer sk-admin-ledger-01"}
 
@@ -44,15 +45,6 @@ def tenants_file(path: Path, *, quota: str = "2GB") -> Path:
                     + "".join(f'[[tenants]]\nid = "{t}"\nplan = "basic"\nkeys = ["sk-{t}-ledger-key-01"]\n\n'
                               for t in ("acme", "globex")))
     return path
-
-
-async def settle(c: httpx.AsyncClient) -> None:
-    """Until every flight has finished (its answer stored)."""
-    rt = c.app.state.runtime  # type: ignore[attr-defined]
-    for _ in range(1000):
-        if not len(rt.inflight):
-            return
-        await asyncio.sleep(0.01)
 
 
 async def ask(c: httpx.AsyncClient, content: str, headers: dict[str, str] | None = None, **extra: Any) -> httpx.Response:

@@ -19,7 +19,7 @@ import pytest
 
 from edgecache.bench.fleet_router import Router
 from tests.real_server import MODEL, Server
-from tests.redis_server import RedisServer
+from edgecache.bench.redis_servers import RedisServer
 from tests.test_app import sse_events, sse_text
 from tests.test_tenants import auth, write_tenants_file
 
@@ -33,9 +33,7 @@ POLICIES = ("cache_aware", "round_robin")
 
 @pytest.fixture(scope="module")
 def nodes(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Server]]:
-    if redis_server.proc is None or redis_server.proc.poll() is not None:
-        redis_server.start()
-    redis_server.flushall()
+    redis_server.fresh()
     root = tmp_path_factory.mktemp("router")
     tenants = write_tenants_file(root / "tenants.toml")
     started = [Server(root / f"node{i}" / "data", "--redis", redis_server.url, "--tenants", str(tenants),

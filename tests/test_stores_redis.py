@@ -17,7 +17,7 @@ from edgecache.stores import CachedAnswer, ResultStores
 from edgecache.stores.disk import TenantStores
 from edgecache.stores.redis import RedisTenantStores
 from tests.conftest import until
-from tests.redis_server import RedisServer
+from edgecache.bench.redis_servers import RedisServer
 
 KiB = 1024
 

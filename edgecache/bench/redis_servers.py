@@ -1,6 +1,6 @@
-"""A real ``redis-server`` (Debian's package; ``.ci/run`` installs it) on a free port, for the fleet tests; and a
-real Redis Cluster of them, joined by ``redis-cli --cluster create`` (Debian's redis-tools, which redis-server
-depends on).
+"""A real ``redis-server`` (Debian's package; ``.ci/run`` installs it) on a free port, for the fleet tests and
+``scripts/bench_fleet.py``; and a real Redis Cluster of them, joined by ``redis-cli --cluster create`` (Debian's
+redis-tools, which redis-server depends on).
 
 No persistence, bound to loopback, its own directory. :meth:`RedisServer.kill` and :meth:`RedisServer.start` on the
 same port let a test take Redis away mid-run and bring it back; :meth:`RedisCluster.kill_primary_of` takes one
@@ -73,6 +73,13 @@ class RedisServer:
     def flushall(self) -> None:
         self.command("FLUSHALL")
         self.command("SCRIPT", "FLUSH")
+
+    def fresh(self) -> str:
+        """Running (started again if a test left it down) and empty; its URL."""
+        if self.proc is None or self.proc.poll() is not None:
+            self.start()
+        self.flushall()
+        return self.url
 
     def command(self, *args: str) -> Any:
         """One command, its reply decoded (bytes as str; an error reply raised)."""
