@@ -19,6 +19,10 @@ from typing import Any
 from edgecache.bench.harness import free_port
 
 
+class PortTaken(RuntimeError):
+    """redis-server exited at start: most likely another process took the free port it was given."""
+
+
 class RedisServer:
     """One redis-server; with ``cluster_node_timeout_ms``, a cluster node (not yet in a cluster: see
     :class:`RedisCluster`), its bus on a second free port (the default, port + 10000, may be taken or past 65535)."""
@@ -29,18 +33,34 @@ class RedisServer:
             raise RuntimeError("redis-server is not installed (apt-get install redis-server; .ci/run does this)")
         self.binary = binary
         self.directory = directory
+        self.cluster_node_timeout_ms = cluster_node_timeout_ms
+        self._pick_ports()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started = False  # once started, a restart keeps its port (the tests bring Redis back where it was)
+
+    def _pick_ports(self) -> None:
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.cluster_args: list[str] = []
-        if cluster_node_timeout_ms is not None:
+        if self.cluster_node_timeout_ms is not None:
             self.cluster_args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                                  "--cluster-port", str(free_port()),
-                                 "--cluster-node-timeout", str(cluster_node_timeout_ms),
+                                 "--cluster-node-timeout", str(self.cluster_node_timeout_ms),
                                  # A replica syncs at once (not after 5 s), and may take over however old its data.
                                  "--repl-diskless-sync-delay", "0", "--cluster-replica-validity-factor", "0"]
-        self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> RedisServer:
+        """Start it; a first start whose free ports another process took meanwhile tries new ones."""
+        for _ in range(4):
+            try:
+                return self._start()
+            except PortTaken:
+                if self.started:
+                    raise
+                self._pick_ports()
+        return self._start()
+
+    def _start(self) -> RedisServer:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
@@ -49,11 +69,12 @@ class RedisServer:
         deadline = time.time() + 20
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited at start (port {self.port} taken?)")
+                raise PortTaken(f"redis-server exited at start (port {self.port} taken?)")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as conn:
                     conn.sendall(b"PING\r\n")
                     if conn.recv(16).startswith(b"+PONG"):
+                        self.started = True
                         return self
             except OSError:
                 pass
@@ -120,7 +141,11 @@ class RedisCluster:
         self.nodes = [RedisServer(directory / f"node{i}", cluster_node_timeout_ms=node_timeout_ms)
                       for i in range(primaries * (1 + replicas))]
         self.primaries = primaries
-        self.url = self.nodes[0].url
+
+    @property
+    def url(self) -> str:
+        """The URL of one node (a node's ports are settled once it has started)."""
+        return self.nodes[0].url
 
     def start(self) -> RedisCluster:
         for node in self.nodes:
