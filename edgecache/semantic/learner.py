@@ -54,10 +54,16 @@ The estimate is calibrated where the ledger refuses (on banking77 its refusals w
 of four sets: the hits are lost to spending the budget online (each lookup decided when it comes, a margin kept back,
 and a hit is a lookup neither labelled nor stored), not to the estimate's scale.
 
-Memory is bounded: an entry (or its class) keeps its last ``entry_labels`` labels; at most ``max_entries`` entries
-are tracked (least recently used dropped); a pool is a few fixed-size arrays. Everything here is pure: no I/O, no
-clock, no threads; randomness comes from a seeded ``random.Random`` so a replay makes the same decisions. Measured
-with ``scripts/eval_semantic.py --stream`` (docs/notes/semantic.md has the figures).
+A class the tenant taught (:meth:`SemanticLearner.teach`) keeps every taught label beside its own last labels, so its
+first lookups do not push out what it was taught; and a check of the teaching against the traffic (the labelled
+lookups on taught classes that would have been served: observed over expected wrong answers) raises those classes'
+estimates and weighs the teaching down where the traffic asks what was never taught.
+
+Memory is bounded: an entry (or its class) keeps its last ``entry_labels`` labels (and what the tenant taught about
+it, as large as the tenant's grouped file); at most ``max_entries`` entries are tracked (least recently used
+dropped); a pool is a few fixed-size arrays. Everything here is pure: no I/O, no clock, no threads; randomness comes
+from a seeded ``random.Random`` so a replay makes the same decisions. Measured with ``scripts/eval_semantic.py
+--stream`` (docs/semantic.md has the figures).
 """
 
 from __future__ import annotations
@@ -109,7 +115,11 @@ class Decision:
 
 @dataclass(slots=True)
 class _Entry:
+    #: The last ``entry_labels`` labels of the class's own lookups (shared by the entries of one answer class).
     labels: deque[tuple[float, bool]]
+    #: Every label the tenant taught about the class (shared as ``labels`` is): kept whole, since a class's first
+    #: lookups must not push out the evidence it was taught, and weighed as the pool weighs taught labels.
+    taught: list[tuple[float, bool]] = field(default_factory=list)
     strikes: int = 0
     demoted: bool = False
 
@@ -153,6 +163,12 @@ class _Pool:
     #: bounds, and the variance of their outcomes at those bounds.
     head_start_spent: float = 0.0
     head_start_var: float = 0.0
+    #: The check of the teaching against the traffic: expected and observed wrong answers of the labelled decisions
+    #: on taught classes that were estimated under the cut (explorations, audits, the ledger's refusals), with
+    #: ``check_weight`` expected wrong answers of both as its prior (:meth:`taught_trust`).
+    taught_check_predicted: float = 0.0
+    taught_check_wrong: float = 0.0
+    check_weight: float = 2.0
 
     def allowed_lookups(self) -> float:
         """The lookups the false-hit target is a share of: the pool's own, and the taught lookups (a variant
@@ -169,8 +185,17 @@ class _Pool:
 
     def taught_weight(self) -> float:
         """What one taught label weighs beside one label of the pool's own lookups: 1 before any, half once as many
-        have come as were taught, falling on as they come."""
-        return self.taught / (self.taught + self.labels) if self.taught else 0.0
+        have come as were taught, falling on as they come; and less again as far as the traffic's labels say the
+        teaching is off (:meth:`taught_trust`)."""
+        if not self.taught:
+            return 0.0
+        return self.taught / (self.taught + self.labels) * min(1.0, 1.0 / self.taught_trust())
+
+    def taught_trust(self) -> float:
+        """Observed over expected wrong answers of the labelled lookups on taught classes that the learner would
+        have served: about 1 or under where the traffic is like the teaching, far over where it asks what the tenant
+        never taught (questions of other topics meet taught classes at similarities the teaching says are safe)."""
+        return (self.taught_check_wrong + self.check_weight) / (self.taught_check_predicted + self.check_weight)
 
 
 def _position(similarity: float, signal: Signal) -> float:
@@ -315,6 +340,10 @@ class SemanticLearner:
         error, bound = self._error(pool, entry, similarity, self.prior_cut if prior_cut is None else prior_cut)
         scale = (pool.calibration_wrong + self.calibration_weight) / (pool.calibration_predicted
                                                                      + self.calibration_weight)
+        if entry is not None and entry.taught:
+            # A taught class is estimated from its teaching; where the traffic's labels say that is too low, raise it
+            # by as much (never lower it: the check sees only the few labelled lookups under the cut).
+            scale *= max(1.0, pool.taught_trust())
         error, bound = min(1.0, error * scale), min(1.0, bound * scale)
         self._note(pool, bound, error)
         # A decision's own bound never above max_error, whatever the pool's budget: the first lookups of a pool
@@ -378,6 +407,9 @@ class SemanticLearner:
             pool.calibration_wrong += 0.0 if correct else 1.0
         b = _bin(similarity, pool.signal)
         entry = self._entry((tenant, scenario, entry_key))
+        if decision is not None and entry.taught and decision.error <= decision.cut:
+            pool.taught_check_predicted += decision.error
+            pool.taught_check_wrong += 0.0 if correct else 1.0
         if not correct and not entry.demoted:
             # A strike: a wrong answer at a similarity where the pool alone would serve this entry.
             if self._curve(pool, self.prior_cut if prior_cut is None else prior_cut)[b] <= pool.last_cut:
@@ -402,6 +434,9 @@ class SemanticLearner:
         if entry.labels is not like.labels:
             like.labels.extend(entry.labels)
             entry.labels = like.labels
+        if entry.taught is not like.taught:
+            like.taught.extend(entry.taught)
+            entry.taught = like.taught
 
     def teach(self, tenant: str, scenario: str, classes: Iterable[Sequence[str]],
               labels: Iterable[tuple[str, float, bool, bool]], *, prior_cut: float | None = None,
@@ -410,9 +445,10 @@ class SemanticLearner:
         answer class (its entries are :meth:`link`-ed), and each label says the cached answer of an entry did
         (``True``) or did not serve a query at a similarity, and whether that query stands for a lookup (the pair was
         the query's nearest). Taught labels count as labels in the pooled curve and in
-        their class (which keeps its last ``entry_labels``, so the class's own lookups push them out), weighed down
-        in the pool as the pool's own labels come (:meth:`_Pool.taught_weight`); they are no lookups and no
-        decisions of this pool's, so they say nothing of its calibration and strike no entry. Each stands for a
+        their class (kept whole beside the class's last ``entry_labels`` labels of its own), weighed down as the
+        pool's own labels come and as far as those say the traffic is unlike the teaching
+        (:meth:`_Pool.taught_weight`); they are no lookups and no decisions of this pool's, so they say nothing of its
+        calibration and strike no entry. Each stands for a
         lookup of the tenant's questions, though: it counts among the lookups the target is a share of, and its
         estimate after the teaching among the decisions the cut is drawn from (at the same weight). The target's
         share of them, less what the cut spends on them, is a head start that pays for unsure serves at their upper
@@ -425,7 +461,7 @@ class SemanticLearner:
         for key, similarity, correct, _ in taught:
             b = _bin(similarity, pool.signal)
             (pool.taught_right if correct else pool.taught_wrong)[b] += 1
-            self._entry((tenant, scenario, key)).labels.append((float(similarity), bool(correct)))
+            self._entry((tenant, scenario, key)).taught.append((float(similarity), bool(correct)))
         pool.taught += len(taught)
         pool.curve = None
         cut = self.prior_cut if prior_cut is None else prior_cut
@@ -511,7 +547,7 @@ class SemanticLearner:
             self.drop(tenant, scenario)
             pool = None
         if pool is None:
-            pool = self._pools[(tenant, scenario)] = _Pool(signal=signal)
+            pool = self._pools[(tenant, scenario)] = _Pool(signal=signal, check_weight=self.calibration_weight)
         return pool
 
     def _curve(self, pool: _Pool, prior_cut: float) -> np.ndarray:
@@ -555,18 +591,23 @@ class SemanticLearner:
         # Only the class's labels near this similarity, against a curve kept off 0 and 1: a right answer far down
         # where the pool is sure of wrong ones would otherwise swing the shift without bound.
         near = [] if entry is None else [(s, ok) for s, ok in entry.labels if abs(s - similarity) <= self.window]
+        own = len(near)
+        if entry is not None and entry.taught:
+            near += [(s, ok) for s, ok in entry.taught if abs(s - similarity) <= self.window]
         if near:
             sims = np.fromiter((s for s, _ in near), float, len(near))
             wrong = np.fromiter((not ok for _, ok in near), float, len(near))
+            weights = np.ones(len(near))
+            weights[own:] = pool.taught_weight()
             positions = np.fromiter((_position(s, pool.signal) for s in sims), float, len(near))
             rates = np.clip(curve[np.minimum((positions * _BINS).astype(int), _BINS - 1).clip(0)], 0.01, 0.99)
             offsets = np.log(rates / (1.0 - rates))
             right = wrong.size - wrong.sum()
             if self.slope_after is not None and min(right, wrong.sum()) >= self.slope_after:
                 shift, shift_var = self._class_slope(offsets, wrong, (positions - _position(similarity, pool.signal))
-                                                     * 10.0)
+                                                     * 10.0, weights)
             else:
-                shift, shift_var = self._class_shift(offsets, wrong)
+                shift, shift_var = self._class_shift(offsets, wrong, weights)
             var += shift_var
             if right < self.trust_after:
                 # One right answer is no pattern (a rewrite asked once): it may not lower the class's error yet.
@@ -577,32 +618,22 @@ class SemanticLearner:
         bound = 1.0 / (1.0 + math.exp(-(base + shift + self.confidence * math.sqrt(var))))
         return error, bound
 
-    def _class_shift(self, offsets: np.ndarray, wrong: np.ndarray) -> tuple[float, float]:
-        """The class's shift of the pooled curve on the logit scale (prior N(0, spread^2)) and its variance."""
-        precision = 1.0 / self.spread**2
-        shift, hessian = 0.0, precision
-        for _ in range(4):
-            p = 1.0 / (1.0 + np.exp(-(offsets + shift)))
-            gradient = float((wrong - p).sum()) - shift * precision
-            hessian = float((p * (1.0 - p)).sum()) + precision
-            shift += gradient / hessian
-        return shift, 1.0 / hessian
+    def _class_shift(self, offsets: np.ndarray, wrong: np.ndarray, weights: np.ndarray) -> tuple[float, float]:
+        """The class's shift of the pooled curve on the logit scale (prior N(0, spread^2)) and its variance, each
+        label counted at its weight."""
+        theta, variance = _fit_logistic(offsets, wrong, weights, np.ones((len(offsets), 1)),
+                                        np.array([[1.0 / self.spread**2]]))
+        return float(theta[0]), float(variance[0, 0])
 
-    def _class_slope(self, offsets: np.ndarray, wrong: np.ndarray, x: np.ndarray) -> tuple[float, float]:
+    def _class_slope(self, offsets: np.ndarray, wrong: np.ndarray, x: np.ndarray,
+                     weights: np.ndarray) -> tuple[float, float]:
         """A class with enough labels of both outcomes: a shift and a slope (per tenth of the signal's axis, prior
         N(0, slope_spread^2)) on top of the pooled curve, ``x`` centred on the lookup's own position; the shift
         there and its variance. A class whose wrong answers sit just below its right ones gets a steeper curve
         than its pool."""
-        prior = np.diag([1.0 / self.spread**2, 1.0 / self.slope_spread**2])
-        theta = np.zeros(2)
-        design = np.stack([np.ones_like(x), x], axis=1)
-        hessian = prior
-        for _ in range(5):
-            p = 1.0 / (1.0 + np.exp(-(offsets + design @ theta)))
-            gradient = design.T @ (wrong - p) - prior @ theta
-            hessian = (design * (p * (1.0 - p))[:, None]).T @ design + prior
-            theta = theta + np.linalg.solve(hessian, gradient)
-        return float(theta[0]), float(np.linalg.inv(hessian)[0, 0])
+        theta, variance = _fit_logistic(offsets, wrong, weights, np.stack([np.ones_like(x), x], axis=1),
+                                        np.diag([1.0 / self.spread**2, 1.0 / self.slope_spread**2]))
+        return float(theta[0]), float(variance[0, 0])
 
     def _taught_spent(self, pool: _Pool, cut: float) -> tuple[float, float]:
         """The expected false hits (and their variance) of the taught lookups the cut would serve, at their weight:
@@ -652,3 +683,37 @@ class SemanticLearner:
             return 0.0
         last = int(np.argmin(within)) - 1 if not within.all() else len(within) - 1
         return float(_P_EDGES[last])
+
+
+def _fit_logistic(offsets: np.ndarray, wrong: np.ndarray, weights: np.ndarray, design: np.ndarray,
+                  precision: np.ndarray, steps: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """The posterior mode of a logistic regression on ``design`` with fixed ``offsets``, weighted labels and a
+    N(0, precision^-1) prior, and its covariance (the inverse Hessian there). Newton steps, each halved until the
+    log-posterior does not fall: a plain Newton step overshoots and can swing without bound where the labels are
+    (nearly) separated, as a class's right and wrong labels far apart on the signal's axis are."""
+
+    def log_posterior(theta: np.ndarray) -> float:
+        eta = offsets + design @ theta
+        # log p(labels) = sum w * (y * eta - log(1 + e^eta)), stable for large |eta|
+        return float((weights * (wrong * eta - np.logaddexp(0.0, eta))).sum() - 0.5 * theta @ precision @ theta)
+
+    theta = np.zeros(design.shape[1])
+    value = log_posterior(theta)
+    hessian = precision
+    for _ in range(steps):
+        p = 1.0 / (1.0 + np.exp(-(offsets + design @ theta)))
+        gradient = design.T @ (weights * (wrong - p)) - precision @ theta
+        hessian = (design * (weights * p * (1.0 - p))[:, None]).T @ design + precision
+        step = np.linalg.solve(hessian, gradient)
+        for _ in range(20):
+            candidate = theta + step
+            new = log_posterior(candidate)
+            if new >= value:
+                break
+            step = step / 2.0
+        else:
+            break
+        theta, value = candidate, new
+    p = 1.0 / (1.0 + np.exp(-(offsets + design @ theta)))
+    hessian = (design * (weights * p * (1.0 - p))[:, None]).T @ design + precision
+    return theta, np.linalg.inv(hessian)
