@@ -113,13 +113,38 @@ class Decision:
     reason: Reason
 
 
+class _Taught:
+    """What a tenant taught about one answer class: (similarity, right?) labels, and the same as arrays for the fit
+    (made when first asked for after a change: a class is taught once and looked up many times)."""
+
+    __slots__ = ("labels", "_arrays")
+
+    def __init__(self) -> None:
+        self.labels: list[tuple[float, bool]] = []
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def extend(self, labels: Iterable[tuple[float, bool]]) -> None:
+        self.labels.extend(labels)
+        self._arrays = None
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(similarities, wrong as 0/1)."""
+        if self._arrays is None:
+            self._arrays = (np.array([s for s, _ in self.labels], dtype=float),
+                            np.array([not ok for _, ok in self.labels], dtype=float))
+        return self._arrays
+
+
 @dataclass(slots=True)
 class _Entry:
     #: The last ``entry_labels`` labels of the class's own lookups (shared by the entries of one answer class).
     labels: deque[tuple[float, bool]]
     #: Every label the tenant taught about the class (shared as ``labels`` is): kept whole, since a class's first
     #: lookups must not push out the evidence it was taught, and weighed as the pool weighs taught labels.
-    taught: list[tuple[float, bool]] = field(default_factory=list)
+    taught: _Taught = field(default_factory=_Taught)
     strikes: int = 0
     demoted: bool = False
 
@@ -435,7 +460,7 @@ class SemanticLearner:
             like.labels.extend(entry.labels)
             entry.labels = like.labels
         if entry.taught is not like.taught:
-            like.taught.extend(entry.taught)
+            like.taught.extend(entry.taught.labels)
             entry.taught = like.taught
 
     def teach(self, tenant: str, scenario: str, classes: Iterable[Sequence[str]],
@@ -458,10 +483,13 @@ class SemanticLearner:
             for key in keys[1:]:
                 self.link(tenant, scenario, key, keys[0])
         taught = list(labels)
+        by_key: dict[str, list[tuple[float, bool]]] = {}
         for key, similarity, correct, _ in taught:
             b = _bin(similarity, pool.signal)
             (pool.taught_right if correct else pool.taught_wrong)[b] += 1
-            self._entry((tenant, scenario, key)).taught.append((float(similarity), bool(correct)))
+            by_key.setdefault(key, []).append((float(similarity), bool(correct)))
+        for key, class_labels in by_key.items():
+            self._entry((tenant, scenario, key)).taught.extend(class_labels)
         pool.taught += len(taught)
         pool.curve = None
         cut = self.prior_cut if prior_cut is None else prior_cut
@@ -591,15 +619,18 @@ class SemanticLearner:
         # Only the class's labels near this similarity, against a curve kept off 0 and 1: a right answer far down
         # where the pool is sure of wrong ones would otherwise swing the shift without bound.
         near = [] if entry is None else [(s, ok) for s, ok in entry.labels if abs(s - similarity) <= self.window]
-        own = len(near)
+        sims = np.fromiter((s for s, _ in near), float, len(near))
+        wrong = np.fromiter((not ok for _, ok in near), float, len(near))
+        weights = np.ones(len(near))
         if entry is not None and entry.taught:
-            near += [(s, ok) for s, ok in entry.taught if abs(s - similarity) <= self.window]
-        if near:
-            sims = np.fromiter((s for s, _ in near), float, len(near))
-            wrong = np.fromiter((not ok for _, ok in near), float, len(near))
-            weights = np.ones(len(near))
-            weights[own:] = pool.taught_weight()
-            positions = np.fromiter((_position(s, pool.signal) for s in sims), float, len(near))
+            taught_sims, taught_wrong = entry.taught.arrays()
+            keep = np.abs(taught_sims - similarity) <= self.window
+            sims = np.concatenate([sims, taught_sims[keep]])
+            wrong = np.concatenate([wrong, taught_wrong[keep]])
+            weights = np.concatenate([weights, np.full(int(keep.sum()), pool.taught_weight())])
+        if sims.size:
+            positions = sims if pool.signal == "cosine" else np.fromiter(
+                (_position(s, pool.signal) for s in sims), float, sims.size)
             rates = np.clip(curve[np.minimum((positions * _BINS).astype(int), _BINS - 1).clip(0)], 0.01, 0.99)
             offsets = np.log(rates / (1.0 - rates))
             right = wrong.size - wrong.sum()
@@ -714,6 +745,8 @@ def _fit_logistic(offsets: np.ndarray, wrong: np.ndarray, weights: np.ndarray, d
         else:
             break
         theta, value = candidate, new
+        if np.abs(step).max() < 1e-6:
+            break
     p = 1.0 / (1.0 + np.exp(-(offsets + design @ theta)))
     hessian = (design * (weights * p * (1.0 - p))[:, None]).T @ design + precision
     return theta, np.linalg.inv(hessian)
