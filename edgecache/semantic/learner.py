@@ -730,23 +730,31 @@ def _fit_logistic(offsets: np.ndarray, wrong: np.ndarray, weights: np.ndarray, d
 
     theta = np.zeros(design.shape[1])
     value = log_posterior(theta)
-    hessian = precision
-    for _ in range(steps):
+    for step_number in range(steps + 1):
         p = 1.0 / (1.0 + np.exp(-(offsets + design @ theta)))
-        gradient = design.T @ (weights * (wrong - p)) - precision @ theta
-        hessian = (design * (weights * p * (1.0 - p))[:, None]).T @ design + precision
-        step = np.linalg.solve(hessian, gradient)
+        covariance = _inverse((design * (weights * p * (1.0 - p))[:, None]).T @ design + precision)
+        if step_number == steps:
+            break
+        step = covariance @ (design.T @ (weights * (wrong - p)) - precision @ theta)
+        if np.abs(step).max() < 1e-6:
+            break
         for _ in range(20):
-            candidate = theta + step
-            new = log_posterior(candidate)
+            new = log_posterior(theta + step)
             if new >= value:
                 break
             step = step / 2.0
         else:
             break
-        theta, value = candidate, new
-        if np.abs(step).max() < 1e-6:
-            break
-    p = 1.0 / (1.0 + np.exp(-(offsets + design @ theta)))
-    hessian = (design * (weights * p * (1.0 - p))[:, None]).T @ design + precision
-    return theta, np.linalg.inv(hessian)
+        theta, value = theta + step, new
+    return theta, covariance
+
+
+def _inverse(matrix: np.ndarray) -> np.ndarray:
+    """The inverse of a small symmetric positive definite matrix (1x1 and 2x2 by hand: numpy's general routine costs
+    more than the fit's arithmetic at this size)."""
+    if matrix.shape == (1, 1):
+        return 1.0 / matrix
+    if matrix.shape == (2, 2):
+        a, b, d = matrix[0, 0], matrix[0, 1], matrix[1, 1]
+        return np.array([[d, -b], [-b, a]]) / (a * d - b * b)
+    return np.linalg.inv(matrix)
