@@ -18,7 +18,7 @@ import time
 
 import httpx
 
-from edgecache.bench.harness import free_port, start_server
+from edgecache.bench.harness import free_port, start_server, stop_process
 
 
 def start_seconds(canary: bool, data_dir: str) -> tuple[float, float | None]:
@@ -41,8 +41,7 @@ def start_seconds(canary: bool, data_dir: str) -> tuple[float, float | None]:
             time.sleep(0.05)
         raise SystemExit("the server did not become ready in 600 s")
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        stop_process(server, timeout=60)
 
 
 def main() -> None:

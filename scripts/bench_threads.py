@@ -22,7 +22,7 @@ import time
 
 import httpx
 
-from edgecache.bench.harness import free_port, start_server
+from edgecache.bench.harness import free_port, start_server, stop_process
 
 MODEL = "SmolLM2-135M-Instruct"  # what the cpu profile's default model is called on the wire
 
@@ -76,8 +76,7 @@ async def measure(threads: int, misses: int, hit_clients: int, data_dir: str) ->
             await asyncio.gather(*load)
         return statistics.median(latencies), hits / elapsed
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        stop_process(server, timeout=60)
 
 
 def main() -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from edgecache.bench.harness import free_port, percentile, start_server, wait_ready
+from edgecache.bench.harness import free_port, percentile, start_server, stop_process, wait_ready
 from edgecache.bench.vllm import MODEL, VENV, VLLMServer, prepare
 
 POLICIES = " ".join(f"Policy {i}: rockets of series {i} ship within {i % 7 + 1} days and carry a {i % 3 + 1}-year "
@@ -94,11 +93,7 @@ def main() -> None:
             figures[size] = times
         requests = vllm.requests_served()
     finally:
-        front.terminate()
-        try:
-            front.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            front.kill()
+        stop_process(front)
         vllm.stop()
 
     print(f"vLLM requests served: {requests}; logs in {root}", file=sys.stderr)

@@ -37,7 +37,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from edgecache.bench import harness, workload
-from edgecache.bench.harness import free_port, percentile, wait_ready
+from edgecache.bench.harness import free_port, percentile, stop_process, wait_ready
 from edgecache.bench.workload import ADMIN_KEY, send, tenants_toml
 
 OUTCOMES = ("exact", "semantic", "shared", "miss")
@@ -388,11 +388,7 @@ def main() -> None:
             gpt = run_gptcache(args, work, reqs, answer_of, answer_groups, url)
     finally:
         if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_process(proc)
 
     report(args, wsum, phases, hitpath, warmup, gpt)
 

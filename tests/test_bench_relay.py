@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from edgecache.bench import relay
-from edgecache.bench.harness import free_port, wait_ready
+from edgecache.bench.harness import free_port, stop_process, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,8 +26,7 @@ def bare_port():
                    poll_s=0.1)
         yield port
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        stop_process(proc, timeout=60)
 
 
 @pytest.mark.parametrize("read_every_s", [0.0, 0.005], ids=["as bytes come", "every 5 ms"])

@@ -19,6 +19,7 @@ import httpx
 import msgspec
 import pytest
 
+from edgecache.bench.harness import stop_process
 from edgecache.engines.base import Chunk, Engine, GenerationRequest, Message, OutputFormat, SamplingParams, ToolSpec
 from edgecache.engines.openai_upstream import OpenAIUpstreamEngine
 from edgecache.errors import BadRequest, EngineError, NotReady
@@ -80,12 +81,7 @@ def upstream(model_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             time.sleep(0.3)
         yield base_url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout=15)
 
 
 @pytest.fixture

@@ -58,6 +58,16 @@ def start_server(args: Sequence[str], *, env: Mapping[str, str] | None = None, l
                             stderr=subprocess.STDOUT if log is not None else None, **popen)
 
 
+def stop_process(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """Ask ``proc`` to exit (SIGTERM) and wait up to ``timeout`` seconds; then kill it and reap it."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_ready(url: str, proc: subprocess.Popen | None = None, *, path: str = "/health",
                ready: Sequence[int] = (200,), timeout: float = 300, poll_s: float = 0.2) -> None:
     """Until ``url + path`` answers one of ``ready``; SystemExit when ``proc`` exits first or ``timeout`` passes."""
