@@ -7,7 +7,10 @@ Every request of the API lands here once (:meth:`Ledger.request`), with what ser
   engine-seconds they would have cost;
 - a **miss** is counted under exactly one reason (:data:`MISS_REASONS`, plus ``semantic:<refusal>`` for a semantic
   candidate refused, spelled as :mod:`edgecache.semantic.refusals` spells it);
-- the engine's own prefix cache (**kv_prefix**) saved the prefill of the cached tokens of every engine call.
+- the engine's own prefix cache (**kv_prefix**) saved the prefill of the cached tokens of every engine call; those
+  tokens are also counted by the tier they came from (``ram``, ``disk``, or what the engine calls its tier; ``engine``
+  where it does not say), and an engine call that could have found more of its prompt cached is counted under why it
+  did not (``kv_tiers.KV_MISS_REASONS``: never seen, evicted from RAM, evicted from disk).
 
 Engine time is measured, not assumed. :class:`EngineMeter` watches every engine call (misses, explorations, the
 judge, warmup) and splits the engine's **busy time** (the wall time during which at least one
@@ -151,15 +154,17 @@ class CostFit:
 
 
 class MeteredCall:
-    """One engine call as the meter charges it (see :class:`EngineMeter`)."""
+    """One engine call as the meter charges it (see :class:`EngineMeter`). ``kv_tier`` and ``kv_miss``: what its
+    last chunk said of the engine's prefix cache (the tier its cached tokens came from, why more was not cached)."""
 
-    __slots__ = ("decode_s", "decoding", "ended", "prefill_s", "purpose", "scenario", "tenant")
+    __slots__ = ("decode_s", "decoding", "ended", "kv_miss", "kv_tier", "prefill_s", "purpose", "scenario", "tenant")
 
     def __init__(self, tenant: str, scenario: str, purpose: str) -> None:
         self.tenant, self.scenario, self.purpose = tenant, scenario, purpose
         self.prefill_s = self.decode_s = 0.0
         self.decoding = False  # its first output is out: its charges go to decode
         self.ended = False
+        self.kv_tier = self.kv_miss = ""
 
 
 class EngineMeter:
@@ -235,6 +240,9 @@ class Row(msgspec.Struct, kw_only=True):
     spent_prompt_tokens: dict[str, int] = {}
     spent_completion_tokens: dict[str, int] = {}
     spent_calls: dict[str, int] = {}
+    # The kv_prefix layer's saved prompt tokens by the tier they came from; engine calls by why more was not cached.
+    kv_prefix_tokens: dict[str, int] = {}
+    kv_misses: dict[str, int] = {}
 
 
 #: A request key's first 16 hex characters (64 bits) name it in the history: the file stays small, and a collision
@@ -349,7 +357,8 @@ class Ledger:
                                                        unpriced_prompt_tokens={}, unpriced_completion_tokens={},
                                                        unpriced_calls={},
                                                        spent_engine_s={}, spent_prompt_tokens={},
-                                                       spent_completion_tokens={}, spent_calls={})
+                                                       spent_completion_tokens={}, spent_calls={},
+                                                       kv_prefix_tokens={}, kv_misses={})
         return row
 
     def request(self, tenant: str, scenario: str, outcome: str, *, miss_reason: str | None = None,
@@ -428,6 +437,10 @@ class Ledger:
         # its phases at: it teaches the fit nothing, and is still spent.
         if cached > 0:
             self._save(row, "kv_prefix", 0, cached, 0)
+            tier = call.kv_tier or "engine"
+            row.kv_prefix_tokens[tier] = row.kv_prefix_tokens.get(tier, 0) + cached
+        if call.kv_miss:
+            row.kv_misses[call.kv_miss] = row.kv_misses.get(call.kv_miss, 0) + 1
 
     # ---- reading ----
 
@@ -508,6 +521,14 @@ class Ledger:
             "cache_share": saved / (saved + spent) if saved + spent > 0 else None,
             "effective_capacity": (saved + spent) / spent if spent > 0 else None,
         }
+        # The kv_prefix layer by tier: its tokens, and its engine-seconds shared out by tokens (a cached token is
+        # priced the same whichever tier held it: the prefill it spared).
+        tiers = total("kv_prefix_tokens")
+        kv_tokens, kv_s = sum(tiers.values()), saved_s.get("kv_prefix", 0.0)
+        figures["kv_prefix"] = {
+            "by_tier": {tier: {"prompt_tokens": int(n), "engine_s": kv_s * n / kv_tokens if kv_tokens else 0.0}
+                        for tier, n in sorted(tiers.items())},
+            "misses": {reason: int(n) for reason, n in sorted(total("kv_misses").items()) if n}}
         if unpriced or unpriced_c:
             figures["unpriced_tokens"] = {"prompt": unpriced, "completion": unpriced_c}
         if self.price_per_hour is not None:
@@ -642,6 +663,13 @@ class _LedgerCollector(Collector):
                                       labels=["tenant", "scenario", "purpose"])
         spent_c = CounterMetricFamily("edgecache_spent_completion_tokens", "Tokens the engine generated, by tenant, "
                                       "scenario and purpose.", labels=["tenant", "scenario", "purpose"])
+        kv_tokens = CounterMetricFamily("edgecache_saved_kv_prefix_tokens", "Prompt tokens the engine's prefix cache "
+                                        "held, by tenant, scenario and the tier they came from (ram, disk; engine: "
+                                        "an engine that does not say).", labels=["tenant", "scenario", "tier"])
+        kv_misses = CounterMetricFamily("edgecache_kv_prefix_misses", "Engine calls that could have found more of "
+                                        "their prompt in the prefix cache, by tenant, scenario and why not "
+                                        "(never_seen, evicted_ram, evicted_disk).",
+                                        labels=["tenant", "scenario", "reason"])
         misses = CounterMetricFamily("edgecache_misses", "Misses by tenant, scenario and reason (first_seen, "
                                      "expired, evicted, flushed, not_cacheable, policy, engine_error, "
                                      "semantic:<refusal>).", labels=["tenant", "scenario", "reason"])
@@ -666,7 +694,11 @@ class _LedgerCollector(Collector):
                 spent_c.add_metric([tenant, scenario, purpose], row.spent_completion_tokens.get(purpose, 0))
             for reason, n in row.misses.items():
                 misses.add_metric([tenant, scenario, reason], n)
-        yield from (saved_s, saved_p, saved_c, spent_s, spent_p, spent_c, misses)
+            for tier, n in row.kv_prefix_tokens.items():
+                kv_tokens.add_metric([tenant, scenario, tier], n)
+            for reason, n in row.kv_misses.items():
+                kv_misses.add_metric([tenant, scenario, reason], n)
+        yield from (saved_s, saved_p, saved_c, spent_s, spent_p, spent_c, misses, kv_tokens, kv_misses)
         if cost is not None:
             yield cost
         busy = CounterMetricFamily("edgecache_engine_busy_seconds", "Seconds during which the engine was running "

@@ -113,6 +113,14 @@ class Metrics:
         self.engine_kv_usage = Gauge("edgecache_engine_kv_usage_ratio",
                                      "Share of the engine's KV / prefix-cache budget in use, where it reports it.",
                                      registry=self.registry)
+        self.prefix_cache_bytes = Gauge(
+            "edgecache_engine_prefix_cache_bytes",
+            "Bytes of a tenant's KV prefix states in each tier of the engine's prefix cache (ram, disk), where "
+            "EdgeCache keeps them (llamacpp).", ["tenant", "tier"], registry=self.registry)
+        self.prefix_cache_hits = Gauge(
+            "edgecache_engine_prefix_cache_hits",
+            "Engine calls that loaded a saved prefix state, by the tier it came from (ram, disk), since start.",
+            ["tier"], registry=self.registry)
         self.upstream_prefix_cache_hit_ratio = Gauge(
             "edgecache_upstream_prefix_cache_hit_ratio",
             "The upstream server's own prefix-cache hit ratio, read from its /metrics (serve --upstream; vLLM: hits "

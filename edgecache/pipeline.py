@@ -477,6 +477,7 @@ async def metered_stream(ledger: Ledger, metrics: Metrics, chunks: AsyncIterator
             if chunk.finish_reason is not None:
                 metrics.observe_engine_call(chunk.prompt_tokens, chunk.cached_tokens, chunk.completion_tokens)
                 # Ended before the chunk goes out: the engine's work is done, whatever the consumer does next.
+                metered.kv_tier, metered.kv_miss = chunk.cache_tier, chunk.kv_miss
                 meter.end(metered, (chunk.prompt_tokens, chunk.cached_tokens, chunk.completion_tokens))
             elif not metered.decoding:
                 meter.first_output(metered)

@@ -20,7 +20,9 @@ import numpy as np
 
 from edgecache.admission import AdmissionGate
 from edgecache.call import Call
-from edgecache.engines.base import Chunk, Engine, GenerationRequest
+from edgecache.engines.base import Chunk, Engine, GenerationRequest, TieredPrefixEngine
+from edgecache.engines.kv_tiers import COMPONENT as KV_DISK
+from edgecache.engines.kv_tiers import TIERS
 from edgecache.errors import EdgeCacheError, NotReady
 from edgecache.health import READY, Health, HealthChecks, StorageFaults
 from edgecache.inflight import FlightTable
@@ -39,7 +41,7 @@ from edgecache.semantic.marks import MarkedWrong
 from edgecache.settings import Settings
 from edgecache.stores import ResultStores
 from edgecache.stores.disk import TenantStores
-from edgecache.tenants import TenantDirectory
+from edgecache.tenants import Plan, TenantDirectory
 from edgecache.ttl_tiers import TtlClassifier
 
 if TYPE_CHECKING:
@@ -122,6 +124,10 @@ class Runtime:
         if settings.semantic.enabled:
             assert self.semantic_layer is not None
             self.health.register("semantic", self.semantic_layer.health)
+        if isinstance(engine, TieredPrefixEngine):  # prefix states in tiers EdgeCache keeps: budgets, faults
+            engine.attach(share_for=self.prefix_share_for, faults=self.storage_faults)
+            if engine.has_disk_tier:
+                self.health.register(KV_DISK, self.storage_faults.check(KV_DISK))
         self.decisions: DecisionLog | None = None
         self.labels: MissLabels | None = None
         # Candidates the callers marked wrong for a request (POST /v1/feedback), refused for it from then on.
@@ -280,6 +286,11 @@ class Runtime:
         plan_bytes = tenant.plan.store_bytes if tenant else self.settings.store.disk_bytes
         return min(plan_bytes, self.settings.store.disk_bytes)
 
+    def prefix_share_for(self, tenant_id: str) -> float:
+        """The share of the engine's prefix-cache budgets a tenant may hold: its plan's."""
+        tenant = self.tenants.get(tenant_id)
+        return (tenant.plan if tenant else Plan()).prefix_cache_share
+
     def vector_cap_for(self, tenant_id: str) -> int | None:
         """Most vectors one of a tenant's semantic indexes keeps: its plan's."""
         tenant = self.tenants.get(tenant_id)
@@ -293,7 +304,8 @@ class Runtime:
 
     async def flush(self, tenant: str | None, scenario: str | None) -> dict[str, int]:
         """Drop entries across every layer: the tenant's (or everyone's) result store, scenario-tagged entries
-        only when a scenario is named, the semantic vectors, and the engine's prefix cache when flushing all."""
+        only when a scenario is named, the semantic vectors, and the engine's prefix cache: the tenant's states in
+        every tier where EdgeCache keeps them (llamacpp), all of it on another engine when flushing all."""
         stores = [tenant] if tenant is not None else await self.stores.known_tenants()  # a fleet's: from Redis
         self.ledger.history.flushed(tenant, scenario)  # the misses it causes are counted as flushed
         dropped = 0
@@ -302,8 +314,7 @@ class Runtime:
         if self.semantic is not None:
             await self.semantic.drop(tenant=tenant, scenario=scenario)
         self.marks.drop(tenant)
-        if tenant is None and scenario is None:
-            await self.engine.flush()
+        prefixes = await self._flush_engine(tenant, scenario)
         for listener in self.flush_listeners:
             listener(tenant, scenario)
         if self.fleet is not None:
@@ -314,7 +325,17 @@ class Runtime:
                 await self.fleet.events.publish_flush(tenant, scenario)
             except LinkDown as exc:
                 raise NotReady(f"the flush could not reach the fleet's Redis: {exc}") from exc
-        return {"result_entries": dropped}
+        return {"result_entries": dropped, **({"prefix_states": prefixes} if prefixes is not None else {})}
+
+    async def _flush_engine(self, tenant: str | None, scenario: str | None) -> int | None:
+        """The engine's part of a flush: how many prefix states went (None: the engine does not say)."""
+        if scenario is not None:
+            return None
+        if isinstance(self.engine, TieredPrefixEngine):
+            return await self.engine.flush_tenant(tenant)
+        if tenant is None:
+            await self.engine.flush()
+        return None
 
     async def apply_remote_flush(self, tenant: str | None, scenario: str | None) -> None:
         """Another node flushed (the shared store is already cleared): drop what this node holds of it."""
@@ -325,8 +346,8 @@ class Runtime:
         if self.semantic is not None:
             await self.semantic.drop(tenant=tenant, scenario=scenario)
         self.marks.drop(tenant)
-        if tenant is None and scenario is None and self.ready:
-            await self.engine.flush()
+        if self.ready:
+            await self._flush_engine(tenant, scenario)
         for listener in self.flush_listeners:
             listener(tenant, scenario)
 
@@ -396,7 +417,25 @@ class Runtime:
             if isinstance(usage, (int, float)):
                 self.metrics.engine_kv_usage.set(usage)
             self._upstream_gauge(engine)
+            self._prefix_gauges(engine)
         return stores
+
+    def _prefix_gauges(self, engine: dict[str, float | int | str]) -> None:
+        """Each tenant's prefix-cache bytes by tier, and the tiers' hits, where EdgeCache keeps the states."""
+        if not isinstance(self.engine, TieredPrefixEngine):
+            return
+        gauge = self.metrics.prefix_cache_bytes
+        usage = self.engine.prefix_cache_usage()
+        for tenant, tier in list(gauge._metrics):  # prometheus_client has no public list of label sets
+            if tenant not in usage:
+                gauge.remove(tenant, tier)
+        for tenant, tiers in usage.items():
+            for tier in TIERS:
+                gauge.labels(tenant, tier).set(tiers.get(tier, 0))
+        for tier in TIERS:
+            hits = engine.get(f"prefix_cache_hits_{tier}")
+            if isinstance(hits, (int, float)):
+                self.metrics.prefix_cache_hits.labels(tier).set(hits)
 
     def _upstream_gauge(self, engine: dict[str, float | int | str]) -> None:
         """edgecache_upstream_prefix_cache_hit_ratio{server} from the engine's stats: one series while the upstream

@@ -122,8 +122,12 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         "llamacpp: let llama.cpp repack weights into its extra buffer types (AMX, AVX2/AVX-512 layouts): auto is off "
         "where the CPU has AMX (llama.cpp's AMX matmul faults on the first decode there), on elsewhere.")] = "auto"
     prefix_cache_bytes: Annotated[ByteSize, _help(
-        "Byte budget of the engine's prefix (KV state) cache, per tenant; least recently used prefixes go first.")] \
-        = ByteSize(256 * 2**20)
+        "llamacpp: RAM budget of the engine's prefix (KV state) cache for the whole box; each tenant may hold its "
+        "plan's prefix_cache_share of it; least recently used prefixes go first.")] = ByteSize(256 * 2**20)
+    prefix_cache_disk_bytes: Annotated[ByteSize, _help(
+        "llamacpp: disk budget of the prefix cache's disk tier under <data_dir>/kv/ (states pushed out of RAM, and "
+        "kept across restarts), for the whole box, shared out as the RAM budget is; 0 keeps prefixes in RAM only.")] \
+        = ByteSize(8 * 2**30)
     prefix_cache_min_tokens: Annotated[int, Meta(ge=1), _help(
         "Prompts shorter than this are not saved in the prefix cache (saving costs more than it saves).")] = 64
     default_max_tokens: Annotated[int, Meta(ge=1), _help(

@@ -49,6 +49,10 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     """The tenant's result-store quota; past it the tenant's own least recently used entries go."""
     semantic_max_vectors: Annotated[int, Meta(ge=1)] = 100_000
     """Most vectors one of the tenant's semantic indexes keeps."""
+    prefix_cache_share: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.5
+    """The most of the engine's prefix cache (KV states, in RAM and on disk) the tenant may hold, as a share of the
+    box's budgets; past it the tenant's own least recently used prefixes go. (The default tenant of a server with
+    no tenants file has all of it.)"""
     max_concurrent_misses: Annotated[int, Meta(ge=1)] | None = None
     """Most of the tenant's misses computing at once (unset: only the profile's global limit)."""
     policies: tuple[PolicyName, ...] = ALL_POLICIES
@@ -81,7 +85,7 @@ class Tenant(msgspec.Struct, frozen=True):
     plan: Plan
 
 
-DEFAULT_TENANT = Tenant("default", "default", Plan())
+DEFAULT_TENANT = Tenant("default", "default", Plan(prefix_cache_share=1.0))
 
 
 def _digest(key: str) -> bytes:

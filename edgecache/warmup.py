@@ -35,7 +35,7 @@ from typing import Literal
 import msgspec
 
 from edgecache.call import Call
-from edgecache.engines.base import GenerationRequest, Message, SamplingParams
+from edgecache.engines.base import GenerationRequest, Message, SamplingParams, answer_fields
 from edgecache.errors import BadRequest, EdgeCacheError
 from edgecache.pipeline import RequestPipeline
 
@@ -84,7 +84,7 @@ def check_groups(lines: list[tuple[int, Call, str | None, str | None]]) -> None:
     for number, call, answer, group in lines:
         if group is None:
             continue
-        question = (call.tenant, call.scenario, msgspec.json.encode(call.request))
+        question = (call.tenant, call.scenario, msgspec.json.encode(answer_fields(call.request)))
         first = where.setdefault(question, (number, group))
         if first[1] != group:
             problems.append(f"lines {first[0]} and {number}: the same question is in group {first[1]!r} (line "

@@ -15,8 +15,8 @@ Implementations (picked by name in :mod:`edgecache.engines`):
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Literal, Protocol, runtime_checkable
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
 
@@ -87,15 +87,42 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logit_bias: tuple[tuple[int, float], ...] = ()
 
 
+class CacheBreakpoint(msgspec.Struct, frozen=True, array_like=True):
+    """Where a client asked the prefix cache to keep the prompt (an Anthropic ``cache_control`` breakpoint): the end
+    of ``messages[message]`` (the system prompt is a message), or, with ``end`` set, the end of the block that ends
+    at that character of its content; kept at least ``ttl_s`` from its last read."""
+
+    message: int
+    end: int | None = None
+    ttl_s: float = 300.0
+
+
+class CacheHints(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What a client asked of the engine's prefix cache. It changes what is kept, never an answer, so it is not part
+    of any key (:func:`answer_fields`).
+
+    ``breakpoints``: Anthropic's ``cache_control`` marks, in the prompt's order. ``retention_s``: keep the whole
+    prompt's prefix at least this long (OpenAI's ``prompt_cache_retention: "24h"``). ``memory_only``: keep it in
+    RAM only (``"in_memory"``). ``key``: OpenAI's ``prompt_cache_key``, handed to an upstream server."""
+
+    breakpoints: tuple[CacheBreakpoint, ...] = ()
+    retention_s: float = 0.0
+    memory_only: bool = False
+    key: str = ""
+
+
 class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One generation. Exactly one of ``messages`` (chat) and ``prompt`` (raw completion) is set.
 
     ``salt`` namespaces the engine's prefix cache: requests with different salts never share cached prefixes
     (the tenant id goes here; SGLang calls it ``cache_salt``).
 
-    Every field here can change what the model writes, and the whole struct goes into the cache key; a request
-    field that cannot change the output never reaches it (see :mod:`edgecache.http.request_surface`). Defaults mean
-    "not asked for", so a plain request encodes (and hashes) without the rest.
+    Every field here but ``cache`` can change what the model writes, and the whole struct less ``cache`` goes into
+    the cache key (:func:`answer_fields`); a request field that cannot change the output never reaches it (see
+    :mod:`edgecache.http.request_surface`). Defaults mean "not asked for", so a plain request encodes (and hashes)
+    without the rest.
+
+    ``cache``: what the client asked the engine's prefix cache to keep (:class:`CacheHints`), None for nothing.
 
     ``tool_choice``: ``auto``, ``none``, ``required`` or the name of the one function to call.
     ``logprobs``: None for none; k >= 0 for each token's logprob and its k most likely alternatives.
@@ -127,6 +154,12 @@ class GenerationRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     skip_special_tokens: bool = True
+    cache: CacheHints | None = None
+
+
+def answer_fields(request: GenerationRequest) -> GenerationRequest:
+    """The request less its cache hints: what decides the answer, and so what keys and ids are made of."""
+    return request if request.cache is None else msgspec.structs.replace(request, cache=None)
 
 
 class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
@@ -177,6 +210,14 @@ class Chunk(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    #: Last chunk: the prefix-cache tier ``cached_tokens`` came from (``ram``, ``disk``; an upstream's or SGLang's
+    #: own words where they report one), "" when none or unknown.
+    cache_tier: str = ""
+    #: Last chunk: why more of the prompt could have been cached and was not (``kv_tiers.KV_MISS_REASONS``), or "".
+    kv_miss: str = ""
+    #: Last chunk: the prompt tokens this call wrote to the prefix cache at the client's breakpoints, as
+    #: ``(ttl_s, tokens)`` pairs (Anthropic's ``cache_creation_input_tokens`` and its split by ttl).
+    cache_writes: tuple[tuple[float, int], ...] = ()
     choices: tuple[Choice, ...] | None = None
     stop_sequence: str | None = None
 
@@ -245,3 +286,23 @@ class Engine(Protocol):
 
     async def close(self) -> None:
         """Release the model. Safe to call twice."""
+
+
+@runtime_checkable
+class TieredPrefixEngine(Protocol):
+    """An engine whose prefix cache EdgeCache keeps itself, in tiers with per-tenant budgets (llama.cpp's): the
+    runtime tells it each tenant's share and where to report storage faults, flushes one tenant's states, and shows
+    what each tenant holds in each tier."""
+
+    has_disk_tier: bool
+
+    def attach(self, *, share_for: Callable[[str], float], faults: Any) -> None:
+        """Before ``start``: a tenant's share of the budgets (0-1], and a :class:`edgecache.health.StorageFaults`."""
+
+    async def flush_tenant(self, tenant: str | None) -> int:
+        """Drop a tenant's (None: everyone's) prefix states from every tier; returns how many."""
+        ...
+
+    def prefix_cache_usage(self) -> dict[str, dict[str, int]]:
+        """Each tenant's prefix-cache bytes by tier."""
+        ...

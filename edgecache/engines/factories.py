@@ -20,6 +20,7 @@ def llamacpp_from_settings(settings: Settings) -> Engine:
     e = settings.engine
     return LlamaCppEngine(model=e.model, model_id=e.model_id, context_tokens=e.context_tokens, threads=e.threads,
                           batch_tokens=e.batch_tokens, prefix_cache_bytes=e.prefix_cache_bytes,
+                          prefix_cache_disk_bytes=e.prefix_cache_disk_bytes, data_dir=settings.data_path,
                           prefix_cache_min_tokens=e.prefix_cache_min_tokens,
                           extra_buffer_types=e.extra_buffer_types)
 

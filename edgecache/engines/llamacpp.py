@@ -5,12 +5,14 @@ without blocking the event loop, and each one runs on the engine's single worker
 loop as tokens are sampled. Leaving the stream early sets a flag the worker checks between tokens.
 
 Prefix cache. llama-cpp-python's ``Llama.generate`` already reuses the longest common prefix between the new prompt
-and whatever its context holds. :class:`PrefixStateCache` extends that across requests: after a generation whose
-prompt was long enough, the context's state (its KV cells and token ids) is saved; before a generation, the saved
-state sharing the longest prefix with the prompt is restored when it beats what the context holds. States are kept
-per salt (tenant), so one tenant's prompts never warm another's. We do not use ``Llama.save_state`` or
-``LlamaRAMCache``: ``save_state`` copies the whole logits buffer (n_batch x vocab floats, ~100 MB for SmolLM2) on
-every save, and the logits are recomputed anyway, because a restored context always re-decodes at least one token.
+and whatever its context holds. :class:`~edgecache.engines.kv_tiers.TieredPrefixCache` extends that across requests
+and restarts: after a generation whose prompt was long enough (and at each of a client's cache breakpoints), the
+sequence's KV cells are saved with its token ids, in RAM and on disk; before a generation, the saved state sharing
+the longest prefix with the prompt is restored when it beats what the context holds. States are kept per salt
+(tenant), so one tenant's prompts never warm another's. We do not use ``Llama.save_state`` or ``LlamaRAMCache``:
+``save_state`` copies the whole logits buffer (n_batch x vocab floats, ~100 MB for SmolLM2) on every save, and the
+logits are recomputed anyway, because a restored context always re-decodes at least one token; the per-sequence
+calls (``llama_state_seq_get_data`` / ``set_data``) copy the KV cells only.
 """
 
 from __future__ import annotations
@@ -24,17 +26,18 @@ import json
 import os
 import random
 import threading
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from edgecache.cpu import ExtraBufferTypes, cpu_flags, extra_buffer_types_on
 from edgecache.engines.base import Choice, Chunk, GenerationRequest, TokenLogprob, ToolCall
 from edgecache.engines.chat_prompt import ChatPromptEncoder
+from edgecache.engines.kv_tiers import Faults, Found, TieredPrefixCache, common_prefix, tenant_of
 from edgecache.engines.structured_output import (
     chat_for_template,
     grammar_source,
@@ -91,81 +94,6 @@ def weights_fingerprint(path: Path, sample_bytes: int = 4 << 20) -> str:
     return digest.hexdigest()
 
 
-def common_prefix(a: Any, b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return int(diff[0]) if diff.size else n
-
-
-class SavedState:
-    __slots__ = ("data", "tokens")
-
-    def __init__(self, tokens: np.ndarray, data: bytes) -> None:
-        self.tokens = tokens
-        self.data = data
-
-    @property
-    def size(self) -> int:
-        return len(self.data) + self.tokens.nbytes
-
-
-class PrefixStateCache:
-    """Saved llama.cpp context states, least recently used first out, within a byte budget per salt."""
-
-    def __init__(self, max_bytes_per_salt: int) -> None:
-        self.max_bytes = max_bytes_per_salt
-        self._by_salt: dict[str, OrderedDict[bytes, SavedState]] = {}
-        self._bytes: dict[str, int] = {}
-        self.hits = 0
-        self.lookups = 0
-
-    def best(self, salt: str, tokens: list[int]) -> tuple[SavedState | None, int]:
-        """The saved state sharing the longest prefix with ``tokens``, and that prefix's length."""
-        self.lookups += 1
-        entries = self._by_salt.get(salt)
-        best, best_len, best_key = None, 0, b""
-        for key, state in (entries or {}).items():
-            n = common_prefix(state.tokens, tokens)
-            if n > best_len:
-                best, best_len, best_key = state, n, key
-        if best is not None and entries is not None:
-            entries.move_to_end(best_key)
-            self.hits += 1
-        return best, best_len
-
-    def put(self, salt: str, state: SavedState) -> None:
-        if state.size > self.max_bytes:
-            return
-        entries = self._by_salt.setdefault(salt, OrderedDict())
-        key = state.tokens.tobytes()
-        old = entries.pop(key, None)
-        used = self._bytes.get(salt, 0) - (old.size if old else 0) + state.size
-        entries[key] = state
-        while used > self.max_bytes:
-            _, evicted = entries.popitem(last=False)
-            used -= evicted.size
-        self._bytes[salt] = used
-
-    def clear(self) -> None:
-        self._by_salt.clear()
-        self._bytes.clear()
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self._bytes.values())
-
-    @property
-    def usage_ratio(self) -> float:
-        """The fullest salt's share of its budget (each salt has a budget of its own)."""
-        return max(self._bytes.values(), default=0) / self.max_bytes if self.max_bytes else 0.0
-
-    @property
-    def entries(self) -> int:
-        return sum(len(e) for e in self._by_salt.values())
-
-
 _END = object()
 
 
@@ -206,8 +134,9 @@ class LlamaCppEngine:
                           "stop_token_ids", "skip_special_tokens"})
 
     def __init__(self, *, model: str, model_id: str | None = None, context_tokens: int = 4096, threads: int = 0,
-                 batch_tokens: int = 512, prefix_cache_bytes: int = 256 << 20,
-                 prefix_cache_min_tokens: int = 64, extra_buffer_types: ExtraBufferTypes = "auto") -> None:
+                 batch_tokens: int = 512, prefix_cache_bytes: int = 256 << 20, prefix_cache_disk_bytes: int = 0,
+                 data_dir: Path | None = None, prefix_cache_min_tokens: int = 64,
+                 extra_buffer_types: ExtraBufferTypes = "auto") -> None:
         self._model_path, default_id = resolve_model_path(model)
         self.model_id = model_id or default_id
         self.version = f"{self.model_id}@{weights_fingerprint(self._model_path)}"
@@ -220,7 +149,13 @@ class LlamaCppEngine:
         # Whether llama.cpp may repack the weights (use_extra_bufts); auto: not on an AMX CPU, where it faults.
         self.extra_buffer_types = extra_buffer_types_on(extra_buffer_types, cpu_flags())
         self._min_prefix = prefix_cache_min_tokens
-        self.prefix_cache = PrefixStateCache(prefix_cache_bytes)
+        self._prefix_ram_bytes = prefix_cache_bytes
+        self._prefix_disk_bytes = prefix_cache_disk_bytes if data_dir is not None else 0
+        self._prefix_root = data_dir / "kv" if data_dir is not None else None
+        # Built once the model is loaded (its states are keyed by the context it makes); until then, an empty one.
+        self.prefix_cache = TieredPrefixCache(ram_bytes=prefix_cache_bytes)
+        self._share_for: Callable[[str], float] | None = None
+        self._faults: Faults | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llamacpp")
         self._lock = asyncio.Lock()
         self._llm: Any = None
@@ -253,7 +188,30 @@ class LlamaCppEngine:
             self._template_knows_tools = "tools" in template
         self._vocab = llama_cpp.llama_model_get_vocab(llm.model)
         self._chat_prompt = llama_chat_prompt_encoder(llm, control_spellings(llama_cpp, self._vocab))
+        self.prefix_cache = TieredPrefixCache(
+            ram_bytes=self._prefix_ram_bytes, disk_bytes=self._prefix_disk_bytes, root=self._prefix_root,
+            context=self.state_context(llm), share_for=self._share_for, faults=self._faults)
         self._llm = llm
+
+    def attach(self, *, share_for: Callable[[str], float], faults: Faults) -> None:
+        """Before :meth:`start`: each tenant's share of the prefix cache's budgets (its plan's), and where the disk
+        tier reports a failed write (the runtime's storage faults, shown on /health)."""
+        self._share_for, self._faults = share_for, faults
+
+    @property
+    def has_disk_tier(self) -> bool:
+        return self._prefix_disk_bytes > 0
+
+    def state_context(self, llm: Any) -> str:
+        """Everything a saved KV state depends on besides its tokens: the weights, the context's size, the KV cache
+        types, flash attention, weight repacking and the llama.cpp build (its state format). A state is only ever
+        loaded into a context with the same string (llama.cpp itself checks only shapes)."""
+        params = llm.context_params
+        return json.dumps({"weights": self.version, "n_ctx": llm.n_ctx(), "type_k": int(params.type_k),
+                           "type_v": int(params.type_v),
+                           "flash_attn": int(getattr(params, "flash_attn_type", getattr(params, "flash_attn", 0))),
+                           "extra_bufts": self.extra_buffer_types, "llama_cpp": self._llama_cpp.__version__,
+                           "seq_state": "llama_state_seq_get_data"}, sort_keys=True)
 
     @property
     def threads(self) -> int:
@@ -271,24 +229,29 @@ class LlamaCppEngine:
         if self._llm is not None:
             self._llm.close()
             self._llm = None
-        self.prefix_cache.clear()
+        self.prefix_cache.close()  # the writes under way finish: they are what the next start finds
 
     async def flush(self) -> None:
-        async with self._lock:
-            await asyncio.get_running_loop().run_in_executor(self._executor, self._flush_sync)
+        await self.flush_tenant(None)
 
-    def _flush_sync(self) -> None:
-        self.prefix_cache.clear()
-        if self._llm is not None:
+    async def flush_tenant(self, tenant: str | None) -> int:
+        """Drop the prefix states of ``tenant`` (None: everyone's) from every tier; returns how many."""
+        async with self._lock:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self._flush_sync, tenant)
+
+    def _flush_sync(self, tenant: str | None) -> int:
+        dropped = self.prefix_cache.drop_tenant(tenant)
+        if self._llm is not None and (tenant is None or tenant_of(self._salt_in_context or "") == tenant):
             self._llm.reset()
-        self._salt_in_context = None
+            self._salt_in_context = None
+        return dropped
 
     async def stats(self) -> dict[str, float | int | str]:
-        cache = self.prefix_cache
-        return {"engine": "llamacpp", "model": self.model_id, "prefix_cache_entries": cache.entries,
-                "prefix_cache_bytes": cache.total_bytes, "prefix_cache_lookups": cache.lookups,
-                "kv_usage_ratio": cache.usage_ratio,
-                "prefix_cache_hits": cache.hits}
+        return {"engine": "llamacpp", "model": self.model_id, **self.prefix_cache.figures()}
+
+    def prefix_cache_usage(self) -> dict[str, dict[str, int]]:
+        """Each tenant's prefix-cache bytes by tier (``ram``, ``disk``)."""
+        return self.prefix_cache.usage()  # type: ignore[return-value]
 
     # --- generation -------------------------------------------------------------------------------------------
 
@@ -389,32 +352,101 @@ class LlamaCppEngine:
 
         return self._chat_prompt.ids(render, [m.content for m in messages])
 
-    def _restore_best_prefix(self, salt: str, tokens: list[int]) -> int:
-        """Load the saved state that shares most of the prompt, if it beats the context. Returns cached tokens."""
+    def _restore_best_prefix(self, salt: str, tokens: list[int]) -> tuple[int, Found | None]:
+        """Load the saved state that shares most of the prompt, if it beats the context. Returns how many of the
+        prompt's tokens the context now holds, and the saved state that shares most of them (None: none does)."""
         llm = self._llm
         if self._salt_in_context != salt:
             llm.reset()  # another tenant's KV must not serve as this one's prefix
             self._salt_in_context = salt
         in_context = common_prefix(llm.input_ids[: llm.n_tokens], tokens) if llm.n_tokens else 0
-        saved, saved_len = self.prefix_cache.best(salt, tokens)
-        if saved is not None and saved_len > in_context:
-            llm.reset()
-            buf = (ctypes.c_uint8 * len(saved.data)).from_buffer_copy(saved.data)
-            if self._llama_cpp.llama_state_set_data(llm.ctx, buf, len(saved.data)) != len(saved.data):
-                llm.reset()
-                return 0
-            llm.input_ids[: len(saved.tokens)] = saved.tokens
-            llm.n_tokens = len(saved.tokens)
-            in_context = saved_len
-        # Llama.generate re-decodes the last prompt token when the whole prompt is already in the context.
-        return in_context - 1 if in_context == len(tokens) else in_context
+        found = self.prefix_cache.best(salt, tokens)
+        if found is not None and found.length > in_context:
+            data = self.prefix_cache.load(found)
+            if data is not None and self._set_state(found.entry.tokens, data):
+                return found.length, found
+            self._salt_in_context = salt
+            return 0, None
+        return in_context, found
 
-    def _save_prefix(self, salt: str) -> None:
+    def _set_state(self, tokens: np.ndarray, data: bytearray) -> bool:
+        """Load a sequence's KV cells into the context (its only sequence); False (and an empty context) if
+        llama.cpp refuses them."""
         llm = self._llm
-        size = self._llama_cpp.llama_state_get_size(llm.ctx)
-        buf = (ctypes.c_uint8 * size)()
-        written = self._llama_cpp.llama_state_get_data(llm.ctx, buf, size)
-        self.prefix_cache.put(salt, SavedState(llm.input_ids[: llm.n_tokens].copy(), bytes(buf)[:written]))
+        llm.reset()
+        llm._ctx.kv_cache_seq_rm(-1, 0, -1)
+        buf = (ctypes.c_uint8 * len(data)).from_buffer(data)
+        loaded = self._llama_cpp.llama_state_seq_set_data(llm.ctx, buf, len(data), 0)
+        del buf
+        if loaded != len(data):
+            llm.reset()
+            llm._ctx.kv_cache_seq_rm(-1, 0, -1)
+            return False
+        llm.input_ids[: len(tokens)] = tokens
+        llm.n_tokens = len(tokens)
+        return True
+
+    def _save_state(self, salt: str, *, keep_s: float = 0.0, disk: bool = True, anchor: bool = False) -> bool:
+        """Save the context's sequence (its KV cells and token ids) in the prefix cache."""
+        llm, lc = self._llm, self._llama_cpp
+        size = lc.llama_state_seq_get_size(llm.ctx, 0)
+        data = bytearray(size)
+        buf = (ctypes.c_uint8 * size).from_buffer(data)
+        written = lc.llama_state_seq_get_data(llm.ctx, buf, size, 0)
+        del buf
+        if written <= 0:
+            return False
+        del data[written:]
+        tokens = np.array(llm.input_ids[: llm.n_tokens], dtype=np.intc)
+        return self.prefix_cache.put(salt, tokens, data, keep_s=keep_s, disk=disk, anchor=anchor) is not None
+
+    def _breakpoints(self, request: GenerationRequest, tokens: list[int]) -> list[tuple[int, float]]:
+        """The prompt positions of the client's cache breakpoints, with their ttls, in order: each is where the
+        rendering of the conversation cut at its block ends stops agreeing with the whole prompt's (so a state
+        saved there is exactly a prefix of the prompt)."""
+        hints = request.cache
+        if hints is None or not hints.breakpoints or request.messages is None:
+            return []
+        points: dict[int, float] = {}
+        for mark in hints.breakpoints:
+            if not 0 <= mark.message < len(request.messages):
+                continue
+            message = request.messages[mark.message]
+            if mark.end is not None:
+                message = msgspec.structs.replace(message, content=message.content[:mark.end])
+            cut = msgspec.structs.replace(request, messages=request.messages[:mark.message] + (message,))
+            try:
+                position = common_prefix(self._chat_tokens(cut), tokens)
+            except BadRequest:
+                continue  # the template will not render the conversation cut there: no state is kept for it
+            if position > 0:
+                points[position] = max(points.get(position, 0.0), mark.ttl_s)
+        return sorted(points.items())
+
+    def _keep_at_breakpoints(self, request: GenerationRequest, tokens: list[int], cached: int,
+                             found: Found | None, disk: bool) -> tuple[tuple[tuple[float, int], ...], float]:
+        """Save a state at each of the client's breakpoints that the context does not hold yet (computing the
+        prompt up to it), and keep the saved state that holds the others for their ttl. Returns what was written,
+        as ``(ttl_s, tokens)`` pairs, and the ttl of a breakpoint at the prompt's end (0: none), which the state
+        saved after the answer keeps."""
+        llm = self._llm
+        writes: dict[float, int] = {}
+        done, end_ttl = cached, 0.0
+        for position, ttl in self._breakpoints(request, tokens):
+            if position <= cached:
+                if found is not None and found.length >= position:
+                    self.prefix_cache.keep(found.entry, ttl)
+                continue
+            if position < len(tokens) - self._min_prefix:
+                llm.n_tokens = done
+                llm.eval(tokens[done:position])
+                if not self._save_state(request.salt, keep_s=ttl, disk=disk, anchor=True):
+                    continue
+            else:
+                end_ttl = max(end_ttl, ttl)
+            writes[ttl] = writes.get(ttl, 0) + position - done
+            done = position
+        return tuple(writes.items()), end_ttl
 
     def _generate_sync(self, request: GenerationRequest, emit: Callable[[object], None],
                        cancelled: threading.Event) -> None:
@@ -446,7 +478,15 @@ class LlamaCppEngine:
             raise BadRequest(f"{field} together with tools or response_format is not supported by the llamacpp "
                              "engine: the grammar that shapes the answer ends it with the end-of-sequence token",
                              param=field)
-        cached = self._restore_best_prefix(request.salt, tokens)
+        hints = request.cache
+        disk = not (hints is not None and hints.memory_only)
+        in_context, found = self._restore_best_prefix(request.salt, tokens)
+        # Llama.generate re-decodes the last prompt token when the whole prompt is already in the context.
+        cached = in_context - 1 if in_context == n_prompt else in_context
+        tier = "" if not cached else (found.tier if found is not None and found.length == in_context else "ram")
+        kv_miss = self.prefix_cache.miss_reason(request.salt, tokens, cached, min_tokens=self._min_prefix) or ""
+        writes, end_ttl = self._keep_at_breakpoints(request, tokens, cached, found, disk)
+        end_keep = max(end_ttl, hints.retention_s if hints is not None else 0.0)
         grammar = self._llama_cpp.LlamaGrammar.from_string(source, verbose=False) if source else None
         whole = bool(request.tools) and request.tool_choice != "none" or request.n > 1 or \
             request.logprobs is not None
@@ -460,7 +500,8 @@ class LlamaCppEngine:
             if done is None:
                 return  # nobody listens; the consumer raises, nothing is stored
             emit(Chunk(finish_reason=done.finish, prompt_tokens=n_prompt,  # type: ignore[arg-type]
-                       completion_tokens=done.tokens, cached_tokens=cached, stop_sequence=done.stop))
+                       completion_tokens=done.tokens, cached_tokens=cached, stop_sequence=done.stop,
+                       cache_tier=tier, kv_miss=kv_miss, cache_writes=writes))
         else:
             choices, completion = [], 0
             for i in range(request.n):
@@ -472,9 +513,12 @@ class LlamaCppEngine:
                 completion += done.tokens
                 choices.append(self._choice(request, i, done, echo))
             emit(Chunk(finish_reason=choices[0].finish_reason, prompt_tokens=n_prompt, completion_tokens=completion,
-                       cached_tokens=cached, choices=tuple(choices), stop_sequence=choices[0].stop_sequence))
-        if n_prompt - cached >= self._min_prefix:
-            self._save_prefix(request.salt)
+                       cached_tokens=cached, choices=tuple(choices), stop_sequence=choices[0].stop_sequence,
+                       cache_tier=tier, kv_miss=kv_miss, cache_writes=writes))
+        if n_prompt - cached >= self._min_prefix or end_ttl or (end_keep and found is None):
+            self._save_state(request.salt, keep_s=end_keep, disk=disk, anchor=end_ttl > 0)
+        elif end_keep and found is not None:
+            self.prefix_cache.keep(found.entry, end_keep)
 
     def _choice(self, request: GenerationRequest, index: int, done: _Generated, echo: str) -> Choice:
         logprobs = tuple(done.logprobs) if done.logprobs is not None else None

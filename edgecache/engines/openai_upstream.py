@@ -195,6 +195,8 @@ class OpenAIUpstreamEngine:
             payload["stream_options"] = {"include_usage": True}
         if request.salt and self._salt_field:
             payload[self._salt_field] = request.salt
+        if request.cache is not None and request.cache.key:
+            payload["prompt_cache_key"] = request.cache.key  # the client's own routing hint, as it sent it
         if request.messages is not None:
             payload["messages"] = [_message(m) for m in request.messages]
             if request.tools:

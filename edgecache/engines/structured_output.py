@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from edgecache.engines.base import GenerationRequest, Message, ToolSpec
+from edgecache.engines.base import GenerationRequest, Message, ToolSpec, answer_fields
 
 _TAGS = re.compile(r"^\s*(?:<tool_call>|```(?:json)?)\s*|\s*(?:</tool_call>|```)\s*$")
 
@@ -139,7 +139,7 @@ def parse_tool_calls(text: str, request: GenerationRequest, *, forced: bool) -> 
 
 def tool_call_id(request: GenerationRequest, choice: int, call: int) -> str:
     """A call's id, stable for a given request (see the module's docstring for why)."""
-    digest = hashlib.blake2b(msgspec.json.encode((request, choice, call)), digest_size=12).hexdigest()
+    digest = hashlib.blake2b(msgspec.json.encode((answer_fields(request), choice, call)), digest_size=12).hexdigest()
     return f"call_{digest}"
 
 

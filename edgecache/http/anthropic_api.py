@@ -8,8 +8,8 @@ Each request field is one of three kinds, as on the OpenAI routes (:mod:`edgecac
 - **in the key** (it changes the output): ``system``, ``messages`` (text, ``tool_use`` and ``tool_result`` blocks),
   ``tools``, ``tool_choice``, ``max_tokens``, ``stop_sequences``, ``temperature``, ``top_p``, ``top_k`` and
   ``output_config.format``; the running engine must honour each one used, or the request is refused naming it;
-- **accepted, not in the key** (it cannot change what this server's model writes): ``cache_control`` anywhere (the
-  engines cache prefixes by themselves), ``metadata``, ``stream``, ``thinking`` (these models have no thinking mode
+- **accepted, not in the key** (it cannot change what this server's model writes): ``cache_control`` anywhere (a hint
+  to the engine's prefix cache: what it keeps, how long, and the usage it reports; never the answer), ``metadata``, ``stream``, ``thinking`` (these models have no thinking mode
   to switch; no thinking block is returned), ``thinking`` and ``redacted_thinking`` blocks echoed back in the
   history (Anthropic drops earlier turns' thinking from the context too), ``output_config.effort``,
   ``context_management`` (this server never edits the context), ``service_tier``, ``speed``, ``inference_geo``,
@@ -32,7 +32,17 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from edgecache.engines.base import Choice, GenerationRequest, Message, OutputFormat, SamplingParams, ToolCall, ToolSpec
+from edgecache.engines.base import (
+    CacheBreakpoint,
+    CacheHints,
+    Choice,
+    GenerationRequest,
+    Message,
+    OutputFormat,
+    SamplingParams,
+    ToolCall,
+    ToolSpec,
+)
 from edgecache.errors import BadRequest, EdgeCacheError, PayloadTooLarge, PromptTooLong
 from edgecache.http.calls import Parsed, build_call
 from edgecache.http.replies import Counts
@@ -44,10 +54,19 @@ from edgecache.tenants import Tenant
 
 
 class CacheControl(msgspec.Struct, forbid_unknown_fields=True):
-    """A prompt-cache breakpoint: accepted and left out of the key (the engines' prefix caches need none)."""
+    """A prompt-cache breakpoint: the engine keeps the prompt up to the end of its block at least ``ttl`` from its
+    last read (5 minutes unset). Left out of the key: it changes what is kept, never an answer."""
 
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
+
+    @property
+    def ttl_s(self) -> float:
+        return 3600.0 if self.ttl == "1h" else 300.0
+
+
+#: Anthropic's limit on blocks with ``cache_control`` in one request (the top-level one counts as one).
+MAX_BREAKPOINTS = 4
 
 
 class TextBlock(msgspec.Struct, tag_field="type", tag="text", forbid_unknown_fields=True):
@@ -230,41 +249,78 @@ class CountTokensRequest(_MessagesInput, kw_only=True, forbid_unknown_fields=Tru
     """``POST /v1/messages/count_tokens``."""
 
 
-def _block_text(blocks: list[TextBlock | ImageBlock | DocumentBlock], at: str) -> str:
+def _block_text(blocks: list[TextBlock | ImageBlock | DocumentBlock], at: str, marks: _Marks | None = None) -> str:
     """Text blocks joined as OpenAI's content parts are (``""``), so the same texts make the same key."""
     texts = []
+    length = 0
     for j, block in enumerate(blocks):
         if not isinstance(block, TextBlock):
             raise BadRequest(f"{block.__struct_config__.tag} blocks need a multimodal model; this server's model "
                              f"is text-only: send text blocks", param=f"{at}[{j}]")
         texts.append(block.text)
+        length += len(block.text)
+        if marks is not None:
+            marks.block(block.cache_control, length)
     return "".join(texts)
 
 
-def _messages(system: str | list[TextBlock] | None, turns: list[MessageIn]) -> tuple[Message, ...]:
+class _Marks:
+    """The ``cache_control`` marks met while a request's blocks become messages: each as the message it ends in
+    (its index among the messages made so far) and where in that message's text its block ends."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[int, int | None, float]] = []  # (message, end or None for the message's end, ttl)
+        self.pending: list[tuple[int, float]] = []  # (end, ttl) in the message being built
+
+    def block(self, control: CacheControl | None, end: int) -> None:
+        if control is not None:
+            self.pending.append((end, control.ttl_s))
+
+    def whole(self, control: CacheControl | None) -> None:
+        """A block that ends the message being built (a tool call, a tool result)."""
+        if control is not None:
+            self.pending.append((-1, control.ttl_s))
+
+    def made(self, index: int, message: Message) -> None:
+        """The message being built is ``messages[index]``: its pending marks are placed."""
+        for end, ttl in self.pending:
+            self.marks.append((index, None if end < 0 or end >= len(message.content) else end, ttl))
+        self.pending = []
+
+
+def _messages(system: str | list[TextBlock] | None, turns: list[MessageIn],
+              marks: _Marks | None = None) -> tuple[Message, ...]:
+    marks = marks or _Marks()
     out: list[Message] = []
     if system:
-        text = system if isinstance(system, str) else _block_text(list(system), "system")
+        text = system if isinstance(system, str) else _block_text(list(system), "system", marks)
         if text:  # an empty system prompt and none are the same request
             out.append(Message(role="system", content=text))
+            marks.made(0, out[0])
+        marks.pending = []
     for i, turn in enumerate(turns):
         at = f"messages[{i}].content"
         if isinstance(turn.content, str):
             out.append(Message(role=turn.role, content=turn.content))
         elif turn.role == "assistant":
-            out.append(_assistant(turn.content, at))
+            out.append(_assistant(turn.content, at, marks))
+            marks.made(len(out) - 1, out[-1])
         else:
-            out.extend(_user(turn.role, turn.content, at))
+            out.extend(_user(turn.role, turn.content, at, marks, len(out)))
     return tuple(out)
 
 
-def _assistant(blocks: list[Block], at: str) -> Message:
+def _assistant(blocks: list[Block], at: str, marks: _Marks) -> Message:
     texts: list[str] = []
     calls: list[ToolCall] = []
+    length = 0
     for j, block in enumerate(blocks):
         if isinstance(block, TextBlock):
             texts.append(block.text)
+            length += len(block.text)
+            marks.block(block.cache_control, length)
         elif isinstance(block, ToolUseBlock):
+            marks.whole(block.cache_control)
             # The engines write arguments as json.dumps does (structured_output.parse_tool_calls): the same call
             # echoed back through either API is the same text, hence the same key.
             calls.append(ToolCall(id=block.id, name=block.name,
@@ -277,20 +333,28 @@ def _assistant(blocks: list[Block], at: str) -> Message:
     return Message(role="assistant", content="".join(texts), tool_calls=tuple(calls))
 
 
-def _user(role: Literal["user", "system"], blocks: list[Block], at: str) -> list[Message]:
-    """A user turn's text blocks become one user message; each tool result its own tool message, in order."""
+def _user(role: Literal["user", "system"], blocks: list[Block], at: str, marks: _Marks,
+          first: int) -> list[Message]:
+    """A user turn's text blocks become one user message; each tool result its own tool message, in order.
+    ``first``: the index the first of them will have among the request's messages."""
     out: list[Message] = []
     texts: list[str] = []
+    length = 0
     for j, block in enumerate(blocks):
         if isinstance(block, TextBlock):
             texts.append(block.text)
+            length += len(block.text)
+            marks.block(block.cache_control, length)
         elif isinstance(block, ToolResultBlock) and role == "user":
             if texts:
                 out.append(Message(role=role, content="".join(texts)))
-                texts = []
+                marks.made(first + len(out) - 1, out[-1])
+                texts, length = [], 0
             content = block.content if isinstance(block.content, str) else \
-                _block_text(list(block.content), f"{at}[{j}].content")
+                _block_text(list(block.content), f"{at}[{j}].content", marks)
             out.append(Message(role="tool", content=content, tool_call_id=block.tool_use_id))
+            marks.whole(block.cache_control)
+            marks.made(first + len(out) - 1, out[-1])
         elif isinstance(block, (ImageBlock, DocumentBlock)):
             raise BadRequest(f"{block.__struct_config__.tag} blocks need a multimodal model; this server's model "
                              f"is text-only: send text blocks", param=f"{at}[{j}]")
@@ -299,6 +363,7 @@ def _user(role: Literal["user", "system"], blocks: list[Block], at: str) -> list
                              param=f"{at}[{j}]")
     if texts or not out:
         out.append(Message(role=role, content="".join(texts)))
+        marks.made(first + len(out) - 1, out[-1])
     return out
 
 
@@ -366,10 +431,31 @@ def generation(req: _MessagesInput, *, max_tokens: int, salt: str) -> Generation
         params = SamplingParams(max_tokens=max_tokens, temperature=float(req.temperature),
                                 top_p=float(req.top_p) if req.top_p is not None else 1.0,
                                 stop=tuple(sorted(set(stops))), top_k=req.top_k or 0)
+    marks = _Marks()
+    messages = _messages(req.system, req.messages, marks)
     return GenerationRequest(
-        messages=_messages(req.system, req.messages), params=params, salt=salt, tools=tools, tool_choice=choice,
+        messages=messages, params=params, salt=salt, tools=tools, tool_choice=choice,
         parallel_tool_calls=parallel or not tools,
-        response_format=OutputFormat(kind="json_schema", schema=_canonical(fmt.schema)) if fmt else None)
+        response_format=OutputFormat(kind="json_schema", schema=_canonical(fmt.schema)) if fmt else None,
+        cache=_cache_hints(req, messages, marks))
+
+
+def _cache_hints(req: _MessagesInput, messages: tuple[Message, ...], marks: _Marks) -> CacheHints | None:
+    """The request's ``cache_control`` marks as breakpoints, in the prompt's order (Anthropic's: tools, system,
+    messages). A mark on a tool keeps the prompt up to the first message's text (where the tools, rendered in the
+    system turn, end at the latest); the request's own ``cache_control`` keeps all of it. At most four."""
+    points = [CacheBreakpoint(message=m, end=end, ttl_s=ttl) for m, end, ttl in marks.marks]
+    tool_marks = [t.get("cache_control") for t in req.tools or () if isinstance(t.get("cache_control"), dict)]
+    if tool_marks:
+        ttl = max(3600.0 if mark.get("ttl") == "1h" else 300.0 for mark in tool_marks)
+        points.insert(0, CacheBreakpoint(message=0, end=0, ttl_s=ttl))
+    if req.cache_control is not None:
+        points.append(CacheBreakpoint(message=len(messages) - 1, ttl_s=req.cache_control.ttl_s))
+    count = len(marks.marks) + len(tool_marks) + (req.cache_control is not None)
+    if count > MAX_BREAKPOINTS:
+        raise BadRequest(f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. "
+                         f"Found {count}.", param="cache_control")
+    return CacheHints(breakpoints=tuple(points)) if points else None
 
 
 def parse_messages(body: bytes, tenant: Tenant, settings: Settings) -> Parsed:
@@ -407,15 +493,21 @@ def stop_reason(finish_reason: str | None, stop_sequence: str | None) -> StopRea
     return "stop_sequence" if stop_sequence is not None and finish_reason == "stop" else STOP_REASONS[finish_reason]
 
 
+class CacheCreation(msgspec.Struct):
+    ephemeral_5m_input_tokens: int = 0
+    ephemeral_1h_input_tokens: int = 0
+
+
 class MessageUsage(msgspec.Struct):
-    """``input_tokens`` is the prompt the engine computed; ``cache_read_input_tokens`` the prefix it did not (all
-    of the prompt, for an answer served from a cache). Writing to the prefix caches here costs nothing extra, so
-    ``cache_creation_input_tokens`` is 0: reporting writes would have clients count a surcharge that is not there."""
+    """As Anthropic counts: ``cache_read_input_tokens`` is the prefix the engine read from its prefix cache (all of
+    the prompt, for an answer served from a cache); ``cache_creation_input_tokens`` what this request wrote to it
+    at its ``cache_control`` breakpoints (split by ttl in ``cache_creation``); ``input_tokens`` the rest."""
 
     input_tokens: int
     output_tokens: int
     cache_creation_input_tokens: int = 0
     cache_read_input_tokens: int = 0
+    cache_creation: CacheCreation = msgspec.field(default_factory=CacheCreation)
 
 
 class TextOut(msgspec.Struct, tag_field="type", tag="text"):
@@ -470,8 +562,12 @@ def error_out(error: EdgeCacheError) -> AnthropicError:
 
 
 def usage(counts: Counts) -> MessageUsage:
-    return MessageUsage(input_tokens=max(0, counts.prompt - counts.cached), output_tokens=counts.completion,
-                 cache_read_input_tokens=counts.cached)
+    long = sum(tokens for ttl, tokens in counts.writes if ttl >= 3600)
+    short = sum(tokens for ttl, tokens in counts.writes if ttl < 3600)
+    return MessageUsage(input_tokens=max(0, counts.prompt - counts.cached - long - short),
+                        output_tokens=counts.completion, cache_creation_input_tokens=long + short,
+                        cache_read_input_tokens=counts.cached,
+                        cache_creation=CacheCreation(ephemeral_5m_input_tokens=short, ephemeral_1h_input_tokens=long))
 
 
 def _content(choice: Choice) -> list[TextOut | ToolUseOut]:

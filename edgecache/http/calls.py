@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, TypeVar
 import msgspec
 
 from edgecache.call import CACHE_CONTROL, POLICIES, Call, PolicyName
-from edgecache.engines.base import GenerationRequest
+from edgecache.engines.base import CacheHints, GenerationRequest
 from edgecache.errors import BadRequest, ClientGone, Forbidden, PayloadTooLarge
 from edgecache.http.request_surface import (
     CacheOptions,
@@ -62,11 +62,28 @@ def parsed_from(req: ChatCompletionRequest | CompletionRequest, tenant: Tenant, 
     chat = isinstance(req, ChatCompletionRequest)
     salt = tenant.id
     generation = req.generation(settings.engine.default_max_tokens, salt)
+    if isinstance(req, ChatCompletionRequest) and \
+            (hints := openai_cache_hints(req.prompt_cache_retention, req.prompt_cache_key)) is not None:
+        generation = msgspec.structs.replace(generation, cache=hints)
     if req.cache_salt:
         # A caller's own salt namespaces within its tenant: the tenant always leads the engine's salt.
         generation = msgspec.structs.replace(generation, salt=f"{tenant.id}:{req.cache_salt}")
     return Parsed(call=build_call(generation, req.edgecache, tenant, settings), model=req.model, chat=chat,
                   stream=req.stream, include_usage=req.include_usage(), features=features_used(generation))
+
+
+#: How long ``prompt_cache_retention: "24h"`` keeps a prefix.
+RETENTION_24H_S = 86400.0
+
+
+def openai_cache_hints(retention: str | None, key: str | None) -> CacheHints | None:
+    """OpenAI's prompt-cache fields as hints to the engine's prefix cache: ``"24h"`` keeps the prompt's prefix a
+    day (on the disk tier), ``"in_memory"`` keeps it in RAM only; ``prompt_cache_key`` goes to an upstream. They
+    change what is kept, never an answer (no key holds them)."""
+    if not retention and not key:
+        return None
+    return CacheHints(retention_s=RETENTION_24H_S if retention == "24h" else 0.0,
+                      memory_only=retention in ("in_memory", "in-memory"), key=key or "")
 
 
 def build_call(generation: GenerationRequest, options: CacheOptions | None, tenant: Tenant,

@@ -33,11 +33,18 @@ T = TypeVar("T")
 
 
 class Counts(NamedTuple):
-    """An answer's token counts; ``cached`` is the part of the prompt nobody computed (all of it, for a hit)."""
+    """An answer's token counts; ``cached`` is the part of the prompt nobody computed (all of it, for a hit);
+    ``writes``: what the engine wrote to its prefix cache at the client's breakpoints, ``(ttl_s, tokens)``."""
 
     prompt: int
     completion: int
     cached: int
+    writes: tuple[tuple[float, int], ...] = ()
+
+    @classmethod
+    def of(cls, final: Chunk) -> Counts:
+        """An engine call's counts, from its last chunk."""
+        return cls(final.prompt_tokens, final.completion_tokens, final.cached_tokens, final.cache_writes)
 
 
 class AnswerWriter(Protocol):
@@ -293,7 +300,7 @@ async def respond(rt: Runtime, request: Request[Any, Any, Any], call: Call, stre
             await chunks.aclose()
         observe(rt, call, reply, reply.served, ttft, final)
         body = writer.body("".join(texts), final.finish_reason,
-                           Counts(final.prompt_tokens, final.completion_tokens, final.cached_tokens), final.choices,
+                           Counts.of(final), final.choices,
                            final.stop_sequence)
         return RawAnswer(body, reply_headers(reply))
 
@@ -347,8 +354,7 @@ async def _sse(rt: Runtime, call: Call, reply: Reply, writer: AnswerWriter, firs
         async with aclosing(chunks):
             if first.choices is not None:
                 # A whole answer (tool calls, logprobs, several choices) arrives as one final chunk.
-                yield writer.sse_whole(first.choices, Counts(first.prompt_tokens, first.completion_tokens,
-                                                             first.cached_tokens))
+                yield writer.sse_whole(first.choices, Counts.of(first))
                 outcome, final = served, first
                 return
             yield writer.sse_start()
@@ -357,9 +363,7 @@ async def _sse(rt: Runtime, call: Call, reply: Reply, writer: AnswerWriter, firs
                 if chunk.text:
                     yield writer.sse_delta(chunk.text)
                 if chunk.finish_reason is not None:
-                    yield writer.sse_end(chunk.finish_reason,
-                                         Counts(chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_tokens),
-                                         chunk.stop_sequence)
+                    yield writer.sse_end(chunk.finish_reason, Counts.of(chunk), chunk.stop_sequence)
                     outcome, final = served, chunk
                     return
                 chunk = await anext(chunks, None)

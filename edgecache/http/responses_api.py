@@ -497,7 +497,10 @@ def chat_request(request: ResponseCreateRequest, messages: list[ChatMessageIn], 
         tool_choice=_chat_tool_choice(tool_choice), parallel_tool_calls=request.parallel_tool_calls,
         response_format=_response_format(request.text), edgecache=request.edgecache,
         reasoning_effort=request.reasoning.effort if request.reasoning is not None else None,
-        verbosity=request.text.verbosity if request.text is not None else None)
+        verbosity=request.text.verbosity if request.text is not None else None,
+        prompt_cache_key=request.prompt_cache_key,
+        prompt_cache_retention=request.prompt_cache_retention  # type: ignore[arg-type]
+        if request.prompt_cache_retention in ("in-memory", "in_memory", "24h") else None)
 
 
 # --- what the answer looks like ------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ def probe_for(request: GenerationRequest, model_version: str) -> Probe | None:
         return None
     # Everything but the user's text: the system prompt, the sampling, and the tools, tool choice and response
     # format, so a paraphrase is never served across different tool sets or schemas.
-    context = (model_version, msgspec.structs.replace(request, messages=tuple(systems)))
+    context = (model_version, msgspec.structs.replace(request, messages=tuple(systems), cache=None))
     return Probe(text=rest[0].content, namespace=hashlib.blake2b(_encoder.encode(context), digest_size=8).hexdigest())
 
 
