@@ -265,8 +265,9 @@ def flush(
             body = _check(client.post("/admin/flush", json={"tenant": tenant, "scenario": scenario, "all": all_}))
         except httpx.HTTPError as exc:
             raise _fail_http(url, exc) from exc
+    states = f", {body['prefix_states']} KV prefix states" if "prefix_states" in body else ""
     typer.echo(f"flushed tenant={tenant or '*'} scenario={scenario or '*'}: "
-               f"{body['result_entries']} stored answers dropped")
+               f"{body['result_entries']} stored answers{states} dropped")
 
 
 @app.command()

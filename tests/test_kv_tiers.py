@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -183,7 +184,8 @@ def test_a_kill_9_mid_write_never_leaves_a_state_that_loads_torn(tmp_path: Path)
 def test_a_full_disk_keeps_states_in_ram_shows_degraded_and_recovers_by_itself(tmp_path: Path) -> None:
     mount = tmp_path / "small"
     mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True)
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True,
+                          check=False)
     if made.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.decode().strip()}")
     try:
@@ -207,6 +209,18 @@ def test_a_full_disk_keeps_states_in_ram_shows_degraded_and_recovers_by_itself(t
         cache.close()
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_data_dir_that_cannot_hold_the_tier_leaves_states_in_ram_and_says_so(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    faults = Faults()
+    cache = open_cache(blocker / "kv", faults=faults)
+    assert faults.failing and cache.disk_budget == 0
+    cache.put("acme", tokens((1, 100)), kv(MiB, 1))
+    found = cache.best("acme", list(tokens((1, 100))))
+    assert found is not None and found.tier == "ram"
+    cache.close()
 
 
 def test_budgets_per_tenant_and_per_box_least_recently_used_first(tmp_path: Path) -> None:
@@ -256,6 +270,22 @@ def test_a_longer_state_supersedes_the_one_it_extends_but_not_a_kept_breakpoint(
     kept = {len(e.tokens) for e in cache.entries()}
     assert kept == {200, 350}  # turn 1's state went (turn 2's holds it), the breakpoint's stayed
     assert len(list(tmp_path.rglob("*.kv"))) == 2
+    cache.close()
+
+
+def test_a_state_pushed_out_of_ram_while_its_write_is_under_way_is_still_served(tmp_path: Path) -> None:
+    cache = open_cache(tmp_path, ram_bytes=2 * MiB + 20_000)
+    gate = threading.Event()
+    write = cache._write
+    cache._write = lambda entry, data: (gate.wait(10), write(entry, data))  # type: ignore[method-assign]
+    for i in range(3):
+        cache.put("acme", tokens((i * 1000 + 1, 200)), kv(MiB, i))
+    assert cache.figures()["prefix_cache_ram_entries"] == 2
+    found = cache.best("acme", list(tokens((1, 200))))
+    assert found is not None and found.tier == "ram" and cache.load(found) == kv(MiB, 0)
+    gate.set()
+    cache.drain()
+    assert cache.figures()["prefix_cache_disk_entries"] == 3 and cache.figures()["prefix_cache_disk_damaged"] == 0
     cache.close()
 
 

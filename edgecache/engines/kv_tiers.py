@@ -105,16 +105,18 @@ class _Header(msgspec.Struct, frozen=True):
 
 
 class StateEntry:
-    """One saved prefix state: in RAM (``data``), on disk (``on_disk``), or on its way there (``writing``)."""
+    """One saved prefix state: in RAM (``data``), on disk (``on_disk``), or on its way there (``writing``, its bytes
+    in ``pending`` until the write is done, so a state pushed out of RAM meanwhile is still read from memory)."""
 
-    __slots__ = ("anchor", "data", "disk_size", "dropped", "id", "keep_s", "keep_until", "on_disk", "ram_size",
-                 "salt", "tenant", "tokens", "wants_disk", "writing")
+    __slots__ = ("anchor", "data", "disk_size", "dropped", "id", "keep_s", "keep_until", "on_disk", "pending",
+                 "ram_size", "salt", "tenant", "tokens", "wants_disk", "writing")
 
     def __init__(self, salt: str, tokens: np.ndarray, *, keep_s: float = 0.0, keep_until: float = 0.0,
                  anchor: bool = False) -> None:
         self.salt, self.tenant, self.tokens = salt, tenant_of(salt), tokens
         self.id = _name(salt.encode("utf-8") + b"\x00" + tokens.astype(np.int32).tobytes())
         self.data: bytearray | None = None
+        self.pending: bytearray | None = None  # the bytes on their way to disk (held by the write until it is done)
         self.ram_size = 0
         self.disk_size = 0
         self.on_disk = False
@@ -122,6 +124,10 @@ class StateEntry:
         self.wants_disk = True
         self.dropped = False
         self.keep_s, self.keep_until, self.anchor = keep_s, keep_until, anchor
+
+    def held(self) -> bytearray | None:
+        """Its bytes, where memory still holds them."""
+        return self.data if self.data is not None else self.pending
 
     def pinned(self, now: float) -> bool:
         return self.keep_until > now
@@ -142,8 +148,8 @@ class TieredPrefixCache:
     def __init__(self, *, ram_bytes: int, disk_bytes: int = 0, root: Path | None = None, context: str = "",
                  share_for: Callable[[str], float] | None = None, faults: Faults | None = None,
                  clock: Callable[[], float] = time.time, max_pending_bytes: int | None = None) -> None:
-        self.ram_budget = ram_bytes
-        self.disk_budget = disk_bytes if root is not None else 0
+        self.ram_budget = int(ram_bytes)
+        self.disk_budget = int(disk_bytes) if root is not None else 0
         self.context = context
         self._dir = root / _name(context) if root is not None and self.disk_budget else None
         self._root = root
@@ -159,6 +165,7 @@ class TieredPrefixCache:
         self._ghosts: dict[str, deque[tuple[np.ndarray, str]]] = {}
         self._foreign: list[tuple[float, Path, int]] = []  # other contexts' directories: (mtime, path, bytes)
         self._pending_bytes = 0
+        self._pending = 0
         self._max_pending = max_pending_bytes if max_pending_bytes is not None else max(ram_bytes, 64 << 20)
         self.lookups = 0
         self.hits: dict[Tier, int] = {"ram": 0, "disk": 0}
@@ -171,7 +178,19 @@ class TieredPrefixCache:
         self._jobs: queue.Queue[tuple[str, Any] | None] = queue.Queue()
         self._writer: threading.Thread | None = None
         if self._dir is not None:
-            self._open()
+            try:
+                self._open()
+            except OSError as exc:  # a data dir that cannot hold the tier: RAM only, said on /health
+                self._dir, self.disk_budget = None, 0
+                self._by_salt.clear()
+                self._disk.clear()
+                self._disk_by_tenant.clear()
+                if self.faults is not None:
+                    self.faults.record(COMPONENT, exc, action="the disk tier is off; prefix states stay in RAM",
+                                       path=root)
+                else:
+                    log.warning("prefix cache: the disk tier is off (%s): prefix states stay in RAM", exc)
+        if self._dir is not None:
             self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
             self._writer.start()
 
@@ -186,7 +205,7 @@ class TieredPrefixCache:
                 n = common_prefix(entry.tokens, tokens)
                 if n == 0:
                     continue
-                tier: Tier = "ram" if entry.data is not None else "disk"
+                tier: Tier = "ram" if entry.held() is not None else "disk"
                 if best is None or n > best.length or (n == best.length and tier == "ram" and best.tier == "disk"):
                     best = Found(entry, n, tier)
             return best
@@ -210,9 +229,12 @@ class TieredPrefixCache:
         counted in the tier it came from. None when the file is gone or fails its checks (dropped and counted)."""
         entry, now = found.entry, self._clock()
         with self._lock:
-            data = entry.data
+            data = entry.held()
             if data is not None:
-                self._ram.move_to_end(entry.id)
+                if entry.data is None:
+                    self._to_ram(entry, data, now)  # pushed out of RAM while its write was under way
+                else:
+                    self._ram.move_to_end(entry.id)
                 self._touch(entry, now)
                 self.hits["ram"] += 1
                 self.hit_tokens["ram"] += found.length
@@ -237,11 +259,36 @@ class TieredPrefixCache:
         if entry.id in self._disk:
             self._disk.move_to_end(entry.id)
 
-    def keep(self, entry: StateEntry, keep_s: float) -> None:
-        """A client asked to keep a prefix this state holds: keep the state at least ``keep_s`` from now."""
+    def keep(self, entry: StateEntry, keep_s: float, *, disk: bool = False) -> None:
+        """A client asked to keep a prefix this state holds: keep the state at least ``keep_s`` from now (``disk``:
+        on the disk tier too, written now if it is in RAM only)."""
         with self._lock:
+            now = self._clock()
             entry.keep_s = max(entry.keep_s, keep_s)
-            entry.keep_until = max(entry.keep_until, self._clock() + keep_s)
+            entry.keep_until = max(entry.keep_until, now + keep_s)
+            if not disk or entry.dropped or entry.on_disk or entry.writing or self._dir is None:
+                return
+            data = entry.held()
+            if data is None:
+                return
+            entry.wants_disk = True
+            self._write_later(entry, data, now)
+
+    def _write_later(self, entry: StateEntry, data: bytearray, now: float) -> bool:
+        """Reserve the state's room on disk and queue its write (lock held); False when it fits no budget or the
+        disk is too far behind."""
+        if not self._reserve_disk(entry, len(data) + entry.tokens.nbytes, now):
+            entry.wants_disk = False
+            return False
+        if self._pending_bytes + len(data) > self._max_pending:
+            self.writes_skipped += 1  # the disk is behind: this one stays in RAM only
+            self._release_disk(entry)
+            return False
+        entry.writing, entry.pending = True, data
+        self._pending_bytes += len(data)
+        self._pending += 1
+        self._jobs.put(("write", (entry, data)))
+        return True
 
     # ---- saving --------------------------------------------------------------------------------------------
 
@@ -274,16 +321,7 @@ class TieredPrefixCache:
                     self._drop(other)
             entries[entry.id] = entry
             in_ram = self._to_ram(entry, data, now)
-            on_disk = entry.wants_disk and self._reserve_disk(entry, len(data) + tokens.nbytes, now)
-            if on_disk:
-                if self._pending_bytes + len(data) > self._max_pending:
-                    self.writes_skipped += 1  # the disk is behind: this one stays in RAM only
-                    self._release_disk(entry)
-                    on_disk = False
-                else:
-                    entry.writing = True
-                    self._pending_bytes += len(data)
-                    self._jobs.put(("write", (entry, data)))
+            on_disk = entry.wants_disk and self._write_later(entry, data, now)
             if not in_ram and not on_disk:
                 del entries[entry.id]
                 entry.dropped = True
@@ -448,6 +486,7 @@ class TieredPrefixCache:
                     "prefix_cache_evictions_disk": self.evictions["disk"],
                     "prefix_cache_disk_writes": self.writes, "prefix_cache_disk_write_failures": self.write_failures,
                     "prefix_cache_disk_writes_skipped": self.writes_skipped,
+                    "prefix_cache_disk_writes_pending": self._pending,
                     "prefix_cache_disk_damaged": self.damaged,
                     "kv_usage_ratio": ram / self.ram_budget if self.ram_budget else 0.0}
 
@@ -620,7 +659,8 @@ class TieredPrefixCache:
             tmp.unlink(missing_ok=True)
             with self._lock:
                 self._pending_bytes -= len(data)
-                entry.writing = False
+                self._pending -= 1
+                entry.writing, entry.pending = False, None
                 self.write_failures += 1
                 self._release_disk(entry)
                 if entry.data is None:
@@ -630,7 +670,8 @@ class TieredPrefixCache:
             return
         with self._lock:
             self._pending_bytes -= len(data)
-            entry.writing = False
+            self._pending -= 1
+            entry.writing, entry.pending = False, None
             if not wanted:
                 return
             if entry.wants_disk and not entry.dropped:

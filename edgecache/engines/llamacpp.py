@@ -361,7 +361,9 @@ class LlamaCppEngine:
             self._salt_in_context = salt
         in_context = common_prefix(llm.input_ids[: llm.n_tokens], tokens) if llm.n_tokens else 0
         found = self.prefix_cache.best(salt, tokens)
-        if found is not None and found.length > in_context:
+        # A state is loaded only for a prefix worth it: a few shared tokens (a template's header) cost more to load
+        # (its whole KV) than to compute.
+        if found is not None and found.length > in_context and found.length >= self._min_prefix:
             data = self.prefix_cache.load(found)
             if data is not None and self._set_state(found.entry.tokens, data):
                 return found.length, found
@@ -518,7 +520,7 @@ class LlamaCppEngine:
         if n_prompt - cached >= self._min_prefix or end_ttl or (end_keep and found is None):
             self._save_state(request.salt, keep_s=end_keep, disk=disk, anchor=end_ttl > 0)
         elif end_keep and found is not None:
-            self.prefix_cache.keep(found.entry, end_keep)
+            self.prefix_cache.keep(found.entry, end_keep, disk=disk)
 
     def _choice(self, request: GenerationRequest, index: int, done: _Generated, echo: str) -> Choice:
         logprobs = tuple(done.logprobs) if done.logprobs is not None else None

@@ -507,7 +507,9 @@ class MessageUsage(msgspec.Struct):
     output_tokens: int
     cache_creation_input_tokens: int = 0
     cache_read_input_tokens: int = 0
-    cache_creation: CacheCreation = msgspec.field(default_factory=CacheCreation)
+    # None in ``message_start``, which a streamed miss sends before its counts are known: the SDKs keep that
+    # event's breakdown, and a null is not a wrong figure (``message_delta`` carries the counts).
+    cache_creation: CacheCreation | None = None
 
 
 class TextOut(msgspec.Struct, tag_field="type", tag="text"):
