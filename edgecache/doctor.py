@@ -15,13 +15,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 
 from edgecache.cpu import cpu_flags, cpu_model, extra_buffer_types_on, has_amx, llamacpp_flags
+from edgecache.hardware import hicache_host_bytes
 from edgecache.settings import Settings, pick_profile, visible_gpu_memory_gb
 
 CheckStatus = Literal["ok", "warn", "fail"]
@@ -42,8 +43,17 @@ class Check(msgspec.Struct, frozen=True):
 
 
 # The checks in the order they print; `doctor --json` has one entry per name.
-CHECK_NAMES = ("python", "cpu", "llama.cpp", "gpu", "gpu_metrics", "memory", "data_dir", "redis", "profile",
-               "canary")
+CHECK_NAMES = ("python", "cpu", "llama.cpp", "gpu", "gpu_metrics", "hicache_build", "memory", "data_dir", "redis",
+               "profile", "canary")
+
+# SGLang's HiCache hashes each stored page with a C++ extension that torch builds on its first use
+# (``mem_cache/cpp_utils/native_hash.py``: hash_binding.cpp includes <openssl/sha.h> and links -lcrypto), with the
+# compiler torch picks: $CXX, else c++. Without them the first storage write fails on a running server.
+HICACHE_PROBE = """#include <openssl/sha.h>
+int main() { unsigned char digest[SHA256_DIGEST_LENGTH]; SHA256((const unsigned char *)"", 0, digest); return 0; }
+"""
+HICACHE_BUILD_FIX = ("install a C++ compiler and OpenSSL's headers: apt-get install g++ libssl-dev (Debian, Ubuntu) "
+                     "or dnf install gcc-c++ openssl-devel (Fedora, RHEL)")
 
 
 def check_python() -> Check:
@@ -137,10 +147,44 @@ def check_gpu_metrics() -> Check:
     return Check("gpu_metrics", "warn", detail + "; a GPU is visible: pip install 'edgecache[gpu]' (nvidia-ml-py)")
 
 
+def check_hicache_build(settings: Settings, *, environ: Mapping[str, str] | None = None,
+                        which: Callable[[str], str | None] = shutil.which) -> Check:
+    """Whether SGLang can build its page-hash extension here: a C++ compiler on PATH that compiles and links a
+    SHA-256 call against OpenSSL (``<openssl/sha.h>``, ``-lcrypto``). Checked only where the profile has a storage
+    tier (engine.hicache_storage), the one that hashes pages."""
+    engine = settings.engine
+    if engine.kind != "sglang" or not engine.hierarchical_cache or engine.hicache_storage == "none":
+        return Check("hicache_build", "ok", "not needed: the profile has no HiCache storage tier")
+    environ = os.environ if environ is None else environ
+    name = environ.get("CXX") or "c++"
+    compiler = which(name)
+    if compiler is None:
+        return Check("hicache_build", "fail", f"engine.hicache_storage = {engine.hicache_storage} hashes pages with "
+                     f"a C++ extension SGLang builds on first use, and no C++ compiler ({name}) is on PATH: "
+                     + HICACHE_BUILD_FIX)
+    with tempfile.TemporaryDirectory(prefix="edgecache-doctor-") as scratch:
+        source = Path(scratch) / "probe.cpp"
+        source.write_text(HICACHE_PROBE)
+        try:
+            build = subprocess.run([compiler, str(source), "-o", str(Path(scratch) / "probe"), "-lcrypto"],
+                                   capture_output=True, text=True, timeout=120, check=False)
+        except (OSError, subprocess.SubprocessError) as exc:
+            return Check("hicache_build", "fail", f"{compiler} could not be run ({exc}): " + HICACHE_BUILD_FIX)
+    if build.returncode != 0:
+        output = (build.stderr or build.stdout).strip()
+        missing = "openssl/sha.h" in output or "-lcrypto" in output or "lcrypto" in output
+        what = "OpenSSL's headers or libcrypto are missing" if missing else "a SHA-256 probe did not build"
+        first = output.splitlines()[0] if output else f"exit status {build.returncode}"
+        return Check("hicache_build", "fail", f"{compiler}: {what} ({first}); SGLang's page-hash extension would "
+                     "fail the same way: " + HICACHE_BUILD_FIX)
+    return Check("hicache_build", "ok", f"{compiler} compiles and links against OpenSSL (SGLang's page-hash "
+                 "extension builds on first use)")
+
+
 def memory_needed(settings: Settings) -> int:
     """Bytes of RAM the profile needs: the model's weights (llamacpp keeps them in RAM), the prefix cache and the
-    result store's memory copy at their budgets, and the process itself."""
-    needed = BASE_RSS_BYTES + settings.store.memory_bytes
+    result store's memory copy at their budgets, the sglang engine's host KV tier, and the process itself."""
+    needed = BASE_RSS_BYTES + settings.store.memory_bytes + hicache_host_bytes(settings)
     if settings.engine.kind == "llamacpp":
         needed += settings.engine.prefix_cache_bytes
         try:
@@ -167,7 +211,7 @@ def check_memory(settings: Settings) -> Check:
     if free is None:
         return Check("memory", "warn", f"cannot read MemAvailable; the profile needs ~{needed / 2**30:.1f} GiB")
     detail = f"{free / 2**30:.1f} GiB available; the profile needs ~{needed / 2**30:.1f} GiB " \
-             "(weights + engine.prefix_cache_bytes + store.memory_bytes + the process)"
+             "(weights + engine.prefix_cache_bytes + store.memory_bytes + the host KV tier + the process)"
     return Check("memory", "ok" if free >= needed else "fail", detail)
 
 
@@ -241,7 +285,7 @@ def run_checks(settings: Settings, *, profile_given: str | None, redis_url: str 
     """Every check in :data:`CHECK_NAMES` order; ``on_check`` sees each as it completes (the canary takes seconds)."""
     steps: list[Callable[[], Check]] = [
         check_python, lambda: check_cpu(settings), lambda: check_llamacpp(settings), lambda: check_gpu(settings),
-        check_gpu_metrics, lambda: check_memory(settings), lambda: check_data_dir(settings), lambda: check_redis(redis_url),
+        check_gpu_metrics, lambda: check_hicache_build(settings), lambda: check_memory(settings), lambda: check_data_dir(settings), lambda: check_redis(redis_url),
         lambda: check_profile(settings, profile_given), lambda: check_canary(settings)]
     checks = []
     for name, step in zip(CHECK_NAMES, steps, strict=True):

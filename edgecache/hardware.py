@@ -1,4 +1,5 @@
-"""How a hardware profile splits the GPU: weights, KV pool, the embedder's share, and headroom.
+"""How a hardware profile splits the GPU: weights, KV pool, the embedder's share, and headroom; and how much of the
+box's RAM the GPU engine's host KV tier takes.
 
 This is arithmetic on the numbers a profile states, done before anything is rented or loaded, so that
 ``edgecache profiles show t4`` can tell a user what the split buys (KV tokens) and refuse a split that cannot work.
@@ -24,6 +25,8 @@ wants more KV), so it is shown, not refused.
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -214,3 +217,56 @@ def split_rows(split: MemorySplit) -> list[tuple[str, str, str]]:
         ("embedder", f"{split.embedder_gb:.2f} GiB", "semantic.gpu_mem_limit + its CUDA context"),
         ("headroom", f"{split.headroom_gb:.2f} GiB", "GPU - static pool - embedder: activations, CUDA graphs"),
     ]
+
+
+# SGLang's hicache_size is in GB of 10**9 bytes (``int(host_size * 1e9 // size_per_token)`` in
+# ``mem_cache/pool_host/base.py``), and a host pool larger than the free RAM less a 10 GiB reserve is refused at start.
+HICACHE_GB = 10**9
+SGLANG_HOST_RESERVE_BYTES = 10 * GIB
+
+_CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+
+
+def host_ram_bytes(meminfo: Path = Path("/proc/meminfo"), cgroup_limits: tuple[Path, ...] = _CGROUP_LIMITS) -> int:
+    """The box's RAM as this process may use it: ``MemTotal``, or the cgroup's memory limit (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``) when that is lower. Raises :class:`SettingsError` when ``MemTotal`` cannot be read."""
+    total = None
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                total = int(line.split()[1]) * 1024
+                break
+    except (OSError, ValueError, IndexError):
+        total = None
+    if total is None:
+        raise SettingsError(f"cannot read the box's RAM (MemTotal in {meminfo}) to size the host KV tier: leave "
+                            "engine.hicache_host_share unset to let SGLang size it")
+    for path in cgroup_limits:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max" (v2) means no limit; v1 writes a huge number instead, which min() ignores
+            total = min(total, int(text))
+    return total
+
+
+def hicache_host_gb(share: float, ram_bytes: int) -> int:
+    """The host KV tier for SGLang's ``hicache_size``: ``share`` of the box's RAM, in whole GB (10**9 bytes), rounded
+    down. Raises :class:`SettingsError` under 1 GB, since SGLang reads ``hicache_size = 0`` as "size by ratio"."""
+    size = math.floor(share * ram_bytes / HICACHE_GB)
+    if size < 1:
+        raise SettingsError(f"engine.hicache_host_share {share} of this box's {ram_bytes / GIB:.1f} GiB of RAM is "
+                            "under 1 GB, too small for a host KV tier: raise the share, or turn "
+                            "engine.hierarchical_cache off")
+    return size
+
+
+def hicache_host_bytes(settings: Settings, ram_bytes: int | None = None) -> int:
+    """Bytes of RAM the profile's host KV tier takes on this box (0 when the sglang engine has none, or leaves its
+    size to SGLang)."""
+    engine = settings.engine
+    if engine.kind != "sglang" or not engine.hierarchical_cache or engine.hicache_host_share is None:
+        return 0
+    ram = host_ram_bytes() if ram_bytes is None else ram_bytes
+    return hicache_host_gb(engine.hicache_host_share, ram) * HICACHE_GB

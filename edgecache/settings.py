@@ -143,6 +143,18 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         "sglang: how the radix prefix cache evicts.")] = "lru"
     hierarchical_cache: Annotated[bool, _help(
         "sglang: spill evicted KV prefixes to host memory instead of dropping them.")] = False
+    hicache_host_share: Annotated[Annotated[float, Meta(gt=0.0, lt=1.0)] | None, _help(
+        "sglang, with hierarchical_cache: the host-memory KV tier as a share of the box's RAM (MemTotal, or the "
+        "cgroup's limit when lower), passed to SGLang as hicache_size in whole GB; unset lets SGLang size it "
+        "(hicache_ratio 2 of the GPU KV pool, cut to fit its share of free RAM).")] = None
+    hicache_storage: Annotated[Literal["none", "file"], _help(
+        "sglang, with hierarchical_cache: the storage (L3) tier under the host tier. file keeps KV pages under "
+        "<data_dir>/sglang-hicache/, one directory per model (weights' fingerprint), KV dtype and memory layout, "
+        "salted per tenant; it needs the model on local disk before start, a C++ compiler and OpenSSL headers "
+        "(edgecache doctor checks).")] = "none"
+    hicache_storage_bytes: Annotated[ByteSize, _help(
+        "sglang: the file tier's byte cap per directory; least recently used pages go first; 0 means no cap.")] = \
+        ByteSize(20 * 10**9)
     weights_gb: Annotated[Annotated[float, Meta(gt=0)] | None, _help(
         "Size of the model's weights in GiB (for the KV budget `profiles show` prints).")] = None
     layers: Annotated[Annotated[int, Meta(ge=1)] | None, _help("The model's layer count (KV budget).")] = None

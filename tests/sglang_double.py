@@ -57,9 +57,76 @@ SERVER_ARG_FIELDS = frozenset(
         "context_length",
         "radix_eviction_policy",
         "enable_hierarchical_cache",
+        "hicache_size",
+        "hicache_mem_layout",
+        "hicache_storage_backend",
+        "hicache_storage_backend_extra_config",
         "incremental_streaming_output",
     }
 )
+# The host layouts the double's host tier takes (SGLang takes more; the adapter passes one of these).
+HICACHE_MEM_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_first_kv_split", "page_head")
+
+# ``mem_cache/utils.py`` as far as the storage salt goes: the pinned release's two functions, word for word
+# (tests/test_sglang_contract.py compares them with the wheel's), and an older release's, whose hash chains start
+# from the parent's hash alone, so two tenants' identical pages get one name (the file tier served tenant B the
+# pages tenant A wrote).
+SALTED_STORAGE_SOURCE = '''
+import hashlib
+from typing import Any, List, Optional
+
+
+def storage_namespace_seed(
+    extra_key: Optional[str], cache_salt: Optional[str]
+) -> Optional[str]:
+    """Seed storage chains; preserve unnamespaced keys and Rust byte parity."""
+    if extra_key is None and cache_salt is None:
+        return None
+    digest = hashlib.sha256(b"sglang-cache-namespace-v1")
+    # Presence and UTF-8 byte length distinguish absent, empty and joined parts.
+    for part in (extra_key, cache_salt):
+        if part is None:
+            digest.update(b"\\x00")
+            continue
+        encoded = part.encode("utf-8")
+        digest.update(b"\\x01" + len(encoded).to_bytes(8, "little") + encoded)
+    return digest.hexdigest()
+
+
+def get_storage_hash_str(
+    key: Any,
+    prior_hash: Optional[str] = None,
+    page_size: Optional[int] = None,
+) -> str | List[str]:
+    """Seed new storage chains with the request namespace."""
+    if prior_hash is None:
+        prior_hash = storage_namespace_seed(
+            getattr(key, "extra_key", None), getattr(key, "cache_salt", None)
+        )
+    return get_hash_str(key, prior_hash, page_size=page_size)
+'''
+UNSALTED_STORAGE_SOURCE = '''
+import hashlib
+from typing import List, Optional
+
+
+def get_hash_str(token_ids: List[int], prior_hash: Optional[str] = None) -> str:
+    hasher = hashlib.sha256()
+    if prior_hash:
+        hasher.update(bytes.fromhex(prior_hash))
+    for t in token_ids:
+        hasher.update(t.to_bytes(4, byteorder="little", signed=False))
+    return hasher.hexdigest()
+'''
+
+
+def storage_sources(utils_source: str | None) -> Any:
+    """A source reader for ``SGLangEngine(source_reader=...)``: SGLang's ``srt/mem_cache/utils.py`` reads as
+    ``utils_source`` (``None``: SGLang is not there)."""
+    def read(relative: str) -> str | None:
+        return utils_source if relative == "srt/mem_cache/utils.py" else None
+
+    return read
 RADIX_EVICTION_POLICY_CHOICES = ("lru", "lfu", "slru", "priority", "tlru")
 # The keys of each finish reason's ``to_json()`` (``managers/schedule_batch.py``).
 FINISH_REASON_KEYS = {
@@ -324,6 +391,15 @@ class FakeSGLangEngine:
         policy = kwargs.get("radix_eviction_policy", "lru")
         if policy not in RADIX_EVICTION_POLICY_CHOICES:
             raise ValueError(f"invalid radix_eviction_policy {policy!r}")
+        if kwargs.get("hicache_mem_layout", "page_first") not in HICACHE_MEM_LAYOUTS:
+            raise ValueError(f"invalid hicache_mem_layout {kwargs['hicache_mem_layout']!r}")
+        self.storage_dir: str | None = None
+        if kwargs.get("hicache_storage_backend") is not None:
+            if not kwargs.get("enable_hierarchical_cache"):
+                raise ValueError("a HiCache storage backend needs --enable-hierarchical-cache")
+            # The file backend makes its directory (HiCacheFile.__init__) from the JSON extra config.
+            extra = json.loads(str(kwargs.get("hicache_storage_backend_extra_config") or "{}"))
+            self.storage_dir = str(extra.get("file_storage_path") or "/tmp/hicache")
         logging.basicConfig(level=str(kwargs.get("log_level", "info")).upper(), format="[%(asctime)s] %(message)s",
                             force=True)
         self.server_args = kwargs

@@ -76,3 +76,55 @@ def test_the_cpu_check_warns_when_repacking_is_forced_on_an_amx_cpu(monkeypatch,
     assert forced.status == "warn" and "AMX" in forced.detail and "-> on" in forced.detail
     auto = doctor_module.check_cpu(make_settings())
     assert auto.status == "ok" and "engine.extra_buffer_types = auto -> off" in auto.detail
+
+
+def _tiered(tmp_path: Path, **overrides: object):  # noqa: ANN202
+    from edgecache.settings import resolve_settings
+
+    return resolve_settings("a100", {"data_dir": str(tmp_path), **overrides}, environ={})
+
+
+def test_the_hicache_build_check_runs_only_for_a_storage_tier(tmp_path: Path, make_settings) -> None:  # noqa: ANN001
+    from edgecache.doctor import check_hicache_build
+
+    never = lambda name: None  # noqa: E731 - no compiler anywhere
+    for settings in (make_settings(), _tiered(tmp_path)):  # the CPU engine; a host tier without storage
+        check = check_hicache_build(settings, environ={}, which=never)
+        assert check.status == "ok" and "not needed" in check.detail
+
+
+def test_the_hicache_build_check_fails_without_a_compiler_saying_what_to_install(tmp_path: Path) -> None:
+    from edgecache.doctor import check_hicache_build
+
+    asked: list[str] = []
+    check = check_hicache_build(_tiered(tmp_path, **{"engine.hicache_storage": "file"}), environ={"CXX": "clang++"},
+                                which=lambda name: asked.append(name))  # type: ignore[func-returns-value]
+    assert asked == ["clang++"]  # torch's compiler: $CXX, else c++
+    assert check.status == "fail"
+    assert "no C++ compiler (clang++)" in check.detail and "apt-get install g++ libssl-dev" in check.detail
+
+
+def test_the_hicache_build_check_fails_without_openssl_headers(tmp_path: Path) -> None:
+    from edgecache.doctor import check_hicache_build
+
+    compiler = tmp_path / "c++"  # a compiler that cannot find the header, as on a box without libssl-dev
+    compiler.write_text("#!/bin/sh\necho \"$1:1:10: fatal error: openssl/sha.h: No such file or directory\" >&2\n"
+                        "exit 1\n")
+    compiler.chmod(0o755)
+    check = check_hicache_build(_tiered(tmp_path, **{"engine.hicache_storage": "file"}), environ={},
+                                which=lambda name: str(compiler) if name == "c++" else None)
+    assert check.status == "fail"
+    assert "OpenSSL's headers or libcrypto are missing" in check.detail and "libssl-dev" in check.detail
+
+
+def test_the_hicache_build_check_passes_where_a_compiler_builds_against_openssl(tmp_path: Path) -> None:
+    import shutil
+
+    from edgecache.doctor import check_hicache_build
+
+    if shutil.which("c++") is None or not Path("/usr/include/openssl/sha.h").is_file():
+        import pytest
+
+        pytest.skip("no c++ and OpenSSL headers on this machine")
+    check = check_hicache_build(_tiered(tmp_path, **{"engine.hicache_storage": "file"}), environ={})
+    assert check.status == "ok", check.detail

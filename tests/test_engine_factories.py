@@ -16,6 +16,7 @@ from edgecache.engines.llamacpp import LlamaCppEngine
 from edgecache.engines.openai_upstream import OpenAIUpstreamEngine
 from edgecache.engines.sglang import SGLangEngine
 from edgecache.errors import EngineError
+from edgecache.hardware import hicache_host_gb, host_ram_bytes
 from edgecache.settings import ENGINE_KINDS, Settings, SettingsError, resolve_settings
 
 
@@ -128,3 +129,32 @@ def test_openai_kind_builds_the_upstream_engine(tmp_path: Path) -> None:
 def test_openai_kind_without_a_url_is_a_settings_error(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match="upstream_url"):
         engine_from_settings(settings(tmp_path, engine__kind="openai"))
+
+
+def test_gpu_profiles_size_the_host_tier_from_this_boxs_ram(tmp_path: Path, no_sglang: _RefuseSglang) -> None:
+    for profile in ("a100", "h100"):
+        s = settings(tmp_path, profile)
+        assert s.engine.hierarchical_cache and s.engine.hicache_host_share is not None
+        engine = engine_from_settings(s)
+        assert isinstance(engine, SGLangEngine)
+        share = s.engine.hicache_host_share
+        assert engine.options.server_args()["hicache_size"] == hicache_host_gb(share, host_ram_bytes())
+        assert engine.options.hicache_storage_root is None  # the file tier is opt-in
+    t4 = engine_from_settings(settings(tmp_path, "t4"))
+    assert isinstance(t4, SGLangEngine) and "hicache_size" not in t4.options.server_args()
+
+
+def test_the_file_tier_goes_under_the_data_dir(tmp_path: Path, no_sglang: _RefuseSglang) -> None:
+    engine = engine_from_settings(settings(tmp_path, "a100", engine__hicache_storage="file",
+                                           engine__hicache_storage_bytes="50GB"))
+    assert isinstance(engine, SGLangEngine)
+    assert engine.options.hicache_storage_root == str(tmp_path / "sglang-hicache")
+    assert engine.options.hicache_storage_bytes == 50 * 10**9
+    args = engine.options.server_args(storage_dir=tmp_path / "sglang-hicache" / "m")
+    assert args["hicache_storage_backend"] == "file"
+
+
+@pytest.mark.parametrize("override", [{"engine__hicache_storage": "file"}, {"engine__hicache_host_share": 0.3}])
+def test_a_tier_without_the_hierarchical_cache_is_a_settings_error(tmp_path: Path, override: dict[str, Any]) -> None:
+    with pytest.raises(SettingsError, match="hierarchical_cache"):
+        engine_from_settings(settings(tmp_path, "t4", **override))

@@ -25,7 +25,15 @@ from edgecache.engines.sglang import (
     sglang_version_supported,
 )
 from edgecache.errors import BadRequest, EngineError, NotReady, PromptTooLong
-from tests.sglang_double import BOS_ID, FakeSGLangEngine, OldFakeSGLangEngine, Script
+from tests.sglang_double import (
+    BOS_ID,
+    SALTED_STORAGE_SOURCE,
+    UNSALTED_STORAGE_SOURCE,
+    FakeSGLangEngine,
+    OldFakeSGLangEngine,
+    Script,
+    storage_sources,
+)
 
 
 class Factory:
@@ -696,3 +704,113 @@ async def test_vllm_stopping_controls_go_in_sglang_names_and_output_controls_rea
     assert not {"min_new_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens"} & set(plain)
     assert "reasoning_effort" not in seen[-1]
     await engine.close()
+
+
+# --- the hierarchical cache: host tier and file storage tier -----------------------------------------------------
+
+def model_dir(root: Path, name: str = "tiny-chat", dtype: str = "bfloat16", weights: bytes = b"\0" * 10) -> Path:
+    path = root / name
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "torch_dtype": dtype}))
+    (path / "model.safetensors").write_bytes(weights)
+    return path
+
+
+def tiered(model: Path, root: Path, **options: object) -> SGLangOptions:
+    return SGLangOptions(model_path=str(model), enable_hierarchical_cache=True, hicache_size_gb=24,
+                         hicache_storage_root=str(root), hicache_storage_bytes=5 * 10**9, **options)  # type: ignore[arg-type]
+
+
+def storage_engine(options: SGLangOptions, utils_source: str | None = SALTED_STORAGE_SOURCE,
+                   environ: dict[str, str] | None = None) -> tuple[SGLangEngine, Factory]:
+    factory = Factory()
+    engine = SGLangEngine(options, engine_factory=factory, source_reader=storage_sources(utils_source),
+                          environ=environ or {})
+    return engine, factory
+
+
+async def test_the_host_tier_and_the_file_tier_reach_sglang_with_a_directory_per_model_dtype_and_layout(
+        tmp_path: Path) -> None:
+    model = model_dir(tmp_path / "models")
+    engine, factory = storage_engine(tiered(model, tmp_path / "hicache"))
+    await engine.start()
+    args = factory.fake.server_args
+    assert args["enable_hierarchical_cache"] is True
+    assert args["hicache_size"] == 24
+    assert args["hicache_storage_backend"] == "file"
+    assert args["hicache_mem_layout"] == "page_first"
+    extra = json.loads(str(args["hicache_storage_backend_extra_config"]))
+    fingerprint = engine.version.rsplit("@", 1)[1]
+    expected = tmp_path / "hicache" / f"tiny-chat-{fingerprint}" / "kv-auto-bfloat16" / "page_first"
+    assert extra == {"file_storage_path": str(expected), "max_size": 5 * 10**9}
+    assert engine.storage_dir == expected and expected.is_dir()
+    assert factory.fake.storage_dir == str(expected)  # where the double's file backend, like SGLang's, writes
+    assert fingerprint == model_fingerprint(model)  # the directory and the cache keys name the same weights
+    await engine.close()
+
+
+async def test_other_weights_dtypes_or_layouts_never_share_a_storage_directory(tmp_path: Path) -> None:
+    root = tmp_path / "hicache"
+    first = model_dir(tmp_path / "a")
+    directories = []
+    for model, layout in [(first, "page_first"),
+                          (model_dir(tmp_path / "b", weights=b"\1" * 11), "page_first"),  # same name, other weights
+                          (model_dir(tmp_path / "c", dtype="float16"), "page_first"),  # same name, other KV dtype
+                          (first, "layer_first")]:  # the first model, another layout
+        engine, factory = storage_engine(tiered(model, root, hicache_mem_layout=layout))
+        await engine.start()
+        directories.append(json.loads(str(factory.fake.server_args["hicache_storage_backend_extra_config"]))
+                           ["file_storage_path"])
+        await engine.close()
+    assert len(set(directories)) == 4, directories
+    assert all(Path(d).parent.parent.parent == root for d in directories)
+    # The same model, dtype and layout again (a restart) finds its own directory.
+    assert Path(directories[0]).parent.parent == Path(directories[3]).parent.parent  # only the layout differs
+    assert Path(directories[2]).parent.name == "kv-auto-float16"
+    engine, factory = storage_engine(tiered(first, root))
+    await engine.start()
+    assert str(engine.storage_dir) == directories[0]
+    await engine.close()
+
+
+@pytest.mark.parametrize("source", [UNSALTED_STORAGE_SOURCE, None,
+                                    SALTED_STORAGE_SOURCE.replace("getattr(key, \"cache_salt\", None)", "None")])
+async def test_a_file_tier_on_an_sglang_that_does_not_salt_it_is_refused_before_launch(
+        tmp_path: Path, source: str | None) -> None:
+    engine, factory = storage_engine(tiered(model_dir(tmp_path / "m"), tmp_path / "hicache"), utils_source=source)
+    with pytest.raises(EngineError, match="hicache_storage = file is refused.*another"):
+        await engine.start()
+    assert factory.built is None  # nothing launched
+    assert not (tmp_path / "hicache").exists()
+
+
+async def test_the_host_tier_alone_needs_no_salted_storage(tmp_path: Path) -> None:
+    options = SGLangOptions(model_path="m", enable_hierarchical_cache=True, hicache_size_gb=8)
+    engine, factory = storage_engine(options, utils_source=UNSALTED_STORAGE_SOURCE)
+    await engine.start()
+    assert factory.fake.server_args["hicache_size"] == 8
+    assert "hicache_storage_backend" not in factory.fake.server_args
+    await engine.close()
+
+
+async def test_sglangs_own_storage_directory_variable_is_refused(tmp_path: Path) -> None:
+    engine, factory = storage_engine(tiered(model_dir(tmp_path / "m"), tmp_path / "hicache"),
+                                     environ={"SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": "/tmp/hicache"})
+    with pytest.raises(EngineError, match="SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR=/tmp/hicache is set"):
+        await engine.start()
+    assert factory.built is None
+
+
+async def test_a_file_tier_needs_the_model_on_local_disk(tmp_path: Path) -> None:
+    engine, factory = storage_engine(tiered(tmp_path / "no-such-model", tmp_path / "hicache"))
+    with pytest.raises(EngineError, match="must be on local disk before start"):
+        await engine.start()
+    assert factory.built is None
+
+
+@pytest.mark.parametrize("bad", [{"hicache_size_gb": 0}, {"hicache_storage_bytes": -1},
+                                 {"enable_hierarchical_cache": False, "hicache_size_gb": 4},
+                                 {"enable_hierarchical_cache": False, "hicache_storage_root": "/d"}])
+def test_bad_tier_options_fail_with_a_clear_message(bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="sglang"):
+        SGLangOptions(**{"model_path": "m", "enable_hierarchical_cache": True, **bad})  # type: ignore[arg-type]

@@ -20,12 +20,22 @@ from edgecache.hardware import (
     MIN_HEADROOM_GB,
     WEIGHTS_SHARE_GUIDANCE,
     MemorySplitError,
+    hicache_host_bytes,
+    hicache_host_gb,
+    host_ram_bytes,
     kv_bytes_per_token,
     memory_split,
     split_inputs_missing,
     validate_memory,
 )
-from edgecache.settings import Settings, pick_profile, profile_names, read_profile, resolve_settings
+from edgecache.settings import (
+    Settings,
+    SettingsError,
+    pick_profile,
+    profile_names,
+    read_profile,
+    resolve_settings,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 GPU_PROFILES = ["t4", "a100", "h100"]
@@ -288,3 +298,35 @@ def test_profiles_show_prints_every_setting_name_whole() -> None:
     for scenario in ("default", "support", "knowledge", "code"):
         assert f"scenarios.{scenario}.target_false_hit_rate" in result.output
     assert "semantic.learner_explore_share" in result.output and "…" not in result.output
+
+
+def test_the_box_ram_is_memtotal_or_the_cgroup_limit_when_lower(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       87654321 kB\nMemFree:        1000 kB\nMemAvailable:   5000 kB\n")
+    total = 87654321 * 1024
+    assert host_ram_bytes(meminfo, ()) == total
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    v2.write_text("max\n")  # no limit
+    v1.write_text(f"{2**63 - 4096}\n")  # v1's "no limit"
+    assert host_ram_bytes(meminfo, (v2, v1)) == total
+    v2.write_text(f"{32 * GIB}\n")
+    assert host_ram_bytes(meminfo, (v2, v1, tmp_path / "absent")) == 32 * GIB
+    with pytest.raises(SettingsError, match="MemTotal"):
+        host_ram_bytes(tmp_path / "absent", ())
+
+
+def test_the_host_tier_is_a_share_of_the_ram_in_whole_gb_and_never_under_one() -> None:
+    assert hicache_host_gb(0.35, 85 * 10**9) == 29  # 29.75 GB, rounded down
+    assert hicache_host_gb(0.4, 200 * 10**9) == 80
+    with pytest.raises(SettingsError, match="under 1 GB"):
+        hicache_host_gb(0.05, 16 * 10**9)  # 0.8 GB: SGLang would read 0 as "size by ratio"
+
+
+def test_only_a_sized_host_tier_of_the_sglang_engine_takes_ram(tmp_path: Path) -> None:
+    ram = 100 * 10**9
+    assert hicache_host_bytes(load("a100", tmp_path), ram) == 35 * 10**9
+    assert hicache_host_bytes(load("t4", tmp_path), ram) == 0  # no hierarchical cache
+    a100 = load("a100", tmp_path)
+    unsized = msgspec.structs.replace(a100, engine=msgspec.structs.replace(a100.engine, hicache_host_share=None))
+    assert hicache_host_bytes(unsized, ram) == 0  # SGLang sizes it
+    assert hicache_host_bytes(load("cpu", tmp_path), ram) == 0

@@ -27,12 +27,16 @@ from edgecache.engines.sglang import (
     _REQUEST_FIELD,
     SGLANG_REQUIREMENT,
     STATE_FIGURES,
+    STORAGE_DIR_VARIABLE,
+    STORAGE_SALT_SOURCE,
     SGLangOptions,
     _constraint,
     _sampling_params,
     _stopping,
     sglang_version_supported,
+    storage_salt_problem,
 )
+from edgecache.hardware import HICACHE_GB, SGLANG_HOST_RESERVE_BYTES
 from tests import sglang_double
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +56,15 @@ TOKENIZER_LOADER = "sglang/srt/utils/hf_transformers/tokenizer.py"
 TIKTOKEN = "sglang/srt/tokenizer/tiktoken_tokenizer.py"
 COMMON_UTILS = "sglang/srt/utils/common.py"
 FIELDS = "sglang/srt/arg_groups/fields/"
+MEMORY_FIELDS = "sglang/srt/arg_groups/fields/memory.py"
+MEM_CACHE_UTILS = "sglang/" + STORAGE_SALT_SOURCE
+RADIX_CACHE = "sglang/srt/mem_cache/radix_cache.py"
+HICACHE_STORAGE = "sglang/srt/mem_cache/hicache_storage.py"
+FILE_EVICTOR = "sglang/srt/mem_cache/storage/file/lru_file_evictor.py"
+HOST_POOL = "sglang/srt/mem_cache/pool_host/base.py"
+CACHE_CONTROLLER = "sglang/srt/managers/cache_controller.py"
+NATIVE_HASH = "sglang/srt/mem_cache/cpp_utils/native_hash.py"
+HASH_BINDING = "sglang/srt/mem_cache/cpp_utils/hash_binding.cpp"
 CHOICES = "sglang/srt/arg_groups/choices.py"
 
 
@@ -171,8 +184,9 @@ def adapter_server_args() -> set[str]:
     """Every keyword SGLangOptions.server_args() can pass (each option set away from SGLang's default)."""
     options = SGLangOptions(model_path="m", served_model_name="s", mem_fraction_static=0.5, max_running_requests=2,
                             chunked_prefill_size=64, context_length=128, radix_eviction_policy="lfu",
-                            enable_hierarchical_cache=True, incremental_streaming_output=True, log_level="info")
-    return set(options.server_args())
+                            enable_hierarchical_cache=True, hicache_size_gb=4, hicache_storage_root="/data/hicache",
+                            hicache_storage_bytes=10**9, incremental_streaming_output=True, log_level="info")
+    return set(options.server_args(storage_dir=Path("/data/hicache/m")))
 
 
 def adapter_sampling_keys() -> set[str]:
@@ -345,3 +359,101 @@ def test_the_tokenizers_sglang_loads_are_the_ones_the_adapter_handles(wheel: Whe
 
 def test_the_refused_field_pattern_reads_sglangs_wording() -> None:
     assert re.match(_REFUSED_FIELD, "top_p must be in (0, 1], got 0.0.").group(1) == "top_p"  # type: ignore[union-attr]
+
+
+# --- the hierarchical cache (HiCache) ----------------------------------------------------------------------------
+
+def test_the_host_and_storage_tier_fields_the_adapter_passes_mean_what_it_assumes(wheel: Wheel) -> None:
+    memory = wheel.cls(MEMORY_FIELDS, "Memory")
+    fields = {s.target.id: s for s in memory.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+    # hicache_size: an int of GB that overrides the ratio; 0 (the default) means "size by hicache_ratio".
+    size = fields["hicache_size"]
+    assert ast.unparse(size.annotation).startswith("A[int,") and ast.literal_eval(size.value) == 0
+    assert "Overrides --hicache-ratio" in ast.unparse(size.annotation)
+    # ... in GB of 10**9 bytes, and a pool over the free RAM less a 10 GiB reserve is refused at start.
+    host = strings(wheel.tree(HOST_POOL))
+    assert "int(host_size * 1000000000.0 // self.size_per_token)" in {ast.unparse(n) for n in ast.walk(wheel.tree(HOST_POOL))
+                                                             if isinstance(n, ast.Call)}
+    assert HICACHE_GB == 10**9
+    reserve = next(n.value for n in ast.walk(wheel.tree(HOST_POOL)) if isinstance(n, ast.AnnAssign)
+                   and ast.unparse(n.target) == "HICACHE_HOST_MEMORY_RESERVE_BYTES")
+    assert ast.unparse(reserve) == "10 * 1024 ** 3" and SGLANG_HOST_RESERVE_BYTES == 10 * 1024**3
+    assert any(t.startswith("Not enough host memory available") for t in host)
+    # The storage backend takes "file"; the layouts the adapter may pass are SGLang's.
+    backend = ast.unparse(fields["hicache_storage_backend"].annotation)
+    assert "'file'" in backend
+    layouts = ast.unparse(fields["hicache_mem_layout"].annotation)
+    assert all(f"'{layout}'" in layouts for layout in sglang_double.HICACHE_MEM_LAYOUTS)
+    assert ast.literal_eval(fields["hicache_mem_layout"].value) == SGLangOptions(model_path="m").hicache_mem_layout
+    assert set(typing.get_args(typing.get_type_hints(SGLangOptions)["hicache_mem_layout"])) <= set(
+        sglang_double.HICACHE_MEM_LAYOUTS)
+    assert ast.unparse(fields["hicache_storage_backend_extra_config"].annotation).startswith("A[Optional[str],")
+
+
+def test_the_file_tier_takes_its_directory_from_the_extra_config_unless_sglangs_variable_is_set(wheel: Wheel) -> None:
+    init = wheel.function(wheel.cls(HICACHE_STORAGE, "HiCacheFile"), "__init__")
+    (assignment,) = [n for n in ast.walk(init) if isinstance(n, ast.Assign)
+                     and any(ast.unparse(t) == "self.file_path" for t in n.targets)]
+    chosen = assignment.value
+    assert isinstance(chosen, ast.BoolOp) and isinstance(chosen.op, ast.Or)
+    first, second, _ = (ast.unparse(v) for v in chosen.values)
+    assert first == f"envs.{STORAGE_DIR_VARIABLE}.get()"  # the variable wins: the adapter refuses it when set
+    assert second == "(storage_config.extra_config or {}).get('file_storage_path')"
+    # The file names: the page's key, the model's name and the TP rank; no weights, KV dtype or layout.
+    suffix = next(n for n in ast.walk(init) if isinstance(n, ast.Assign)
+                  and any(ast.unparse(t) == "self.tp_config_suffix" for t in n.targets))
+    assert {ast.unparse(v.value) for v in ast.walk(suffix.value) if isinstance(v, ast.FormattedValue)} == \
+        {"model_name", "tp_rank", "tp_size", "shard_suffix"}
+    # The byte cap is the extra config's max_size.
+    load = wheel.function(wheel.cls(FILE_EVICTOR, "LRUFileEvictor"), "_load_config")
+    assert "max_size" in strings(load)
+
+
+def test_the_radix_tree_is_keyed_by_extra_key_and_cache_salt(wheel: Wheel) -> None:
+    key = wheel.cls(RADIX_CACHE, "RadixKey")
+    slots = next(n.value for n in key.body if isinstance(n, ast.Assign)
+                 and any(ast.unparse(t) == "__slots__" for t in n.targets))
+    assert {"extra_key", "cache_salt"} <= set(ast.literal_eval(slots))
+    child = wheel.function(key, "child_key_at")
+    returned = {ast.unparse(r.value) for r in ast.walk(child) if isinstance(r, ast.Return)}
+    assert "((self.extra_key, self.cache_salt), plain)" in returned
+    # Requests' keys carry the request's salt.
+    made = [c for c in ast.walk(wheel.tree(RADIX_CACHE)) if isinstance(c, ast.Call)
+            and ast.unparse(c.func) == "RadixKey"]
+    assert made and all(any(k.arg == "cache_salt" and ast.unparse(k.value) == "req.cache_salt" for k in c.keywords)
+                        for c in made if any(ast.unparse(a) == "req.extra_key" for a in c.args))
+
+
+def test_the_storage_hash_chains_are_seeded_with_extra_key_and_cache_salt(wheel: Wheel) -> None:
+    source = wheel.zip.read(MEM_CACHE_UTILS).decode("utf-8")
+    assert storage_salt_problem(source) is None
+    utils = wheel.tree(MEM_CACHE_UTILS)
+    seed = wheel.function(utils, "storage_namespace_seed")
+    assert parameters(seed) == (["extra_key", "cache_salt"], [], False)
+    hashed = [ast.unparse(c.args[0]) for c in ast.walk(seed) if isinstance(c, ast.Call)
+              and ast.unparse(c.func) == "digest.update"]
+    assert any("encoded" in h for h in hashed)  # each present part, its length and bytes
+    loop = next(n for n in ast.walk(seed) if isinstance(n, ast.For))
+    assert ast.unparse(loop.iter) == "(extra_key, cache_salt)"
+    # Every storage hash goes through get_storage_hash_str: the radix tree's node hashes and the L3 lookups.
+    node_hashes = wheel.function(utils, "compute_node_hash_values")
+    assert any(ast.unparse(c.func) == "get_storage_hash_str" for c in ast.walk(node_hashes) if isinstance(c, ast.Call))
+    lookup = wheel.function(wheel.cls(CACHE_CONTROLLER, "HiCacheController"), "_storage_hit_query")
+    assert {ast.unparse(c.func) for c in ast.walk(lookup) if isinstance(c, ast.Call)} >= {"get_storage_hash_str"}
+    # The double's salted source is the wheel's, function for function; its unsalted one is refused.
+    double = ast.parse(sglang_double.SALTED_STORAGE_SOURCE)
+    for name in ("storage_namespace_seed", "get_storage_hash_str"):
+        assert ast.dump(wheel.function(double, name)) == ast.dump(wheel.function(utils, name)), name
+    assert storage_salt_problem(sglang_double.SALTED_STORAGE_SOURCE) is None
+    assert storage_salt_problem(sglang_double.UNSALTED_STORAGE_SOURCE) is not None
+
+
+def test_the_page_hash_is_a_cpp_extension_built_on_first_use_with_openssl(wheel: Wheel) -> None:
+    loader = wheel.function(wheel.tree(NATIVE_HASH), "_load_native_hash_module")
+    call = next(c for c in ast.walk(loader) if isinstance(c, ast.Call)
+                and ast.unparse(c.func) == "load_extension_with_recovery")
+    keywords = {k.arg: ast.unparse(k.value) for k in call.keywords}
+    assert keywords["extra_ldflags"] == "['-lcrypto']"
+    assert "hash_binding.cpp" in keywords["sources"]
+    includes = re.findall(r"#include <([^>]+)>", wheel.zip.read(HASH_BINDING).decode("utf-8"))
+    assert "openssl/sha.h" in includes  # what `edgecache doctor` compiles against

@@ -14,6 +14,10 @@ if TYPE_CHECKING:
     from edgecache.settings import Settings
 
 
+HICACHE_STORAGE_DIR = "sglang-hicache"
+"""The data dir's folder for the sglang engine's file storage tier."""
+
+
 def llamacpp_from_settings(settings: Settings) -> Engine:
     from edgecache.engines.llamacpp import LlamaCppEngine
 
@@ -27,16 +31,29 @@ def llamacpp_from_settings(settings: Settings) -> Engine:
 
 def sglang_from_settings(settings: Settings) -> Engine:
     """SGLang in this process. Builds the adapter only: sglang itself is imported by ``start()``, which says
-    ``pip install "edgecache[gpu]"`` when it is missing."""
+    ``pip install "edgecache[gpu]"`` when it is missing.
+
+    The host KV tier is sized here, from this box's RAM (``engine.hicache_host_share``); the file storage tier goes
+    under the data dir, in :data:`HICACHE_STORAGE_DIR`, where ``start()`` gives each model, KV dtype and layout its
+    own directory."""
     from edgecache.engines.sglang import SGLangEngine, SGLangOptions
+    from edgecache.hardware import HICACHE_GB, hicache_host_bytes
 
     e = settings.engine
+    host_bytes = hicache_host_bytes(settings)
+    storage = e.hierarchical_cache and e.hicache_storage == "file"
+    if not e.hierarchical_cache and (e.hicache_storage != "none" or e.hicache_host_share is not None):
+        raise SettingsError("engine: hicache_host_share and hicache_storage size tiers of the hierarchical cache, "
+                            "which is off: set engine.hierarchical_cache = true, or leave them unset")
     try:
         options = SGLangOptions(model_path=e.model, served_model_name=e.model_id,
                                 mem_fraction_static=e.mem_fraction_static, max_running_requests=e.max_running_requests,
                                 chunked_prefill_size=e.chunked_prefill_size, context_length=e.context_tokens,
                                 radix_eviction_policy=e.radix_eviction_policy,
-                                enable_hierarchical_cache=e.hierarchical_cache)
+                                enable_hierarchical_cache=e.hierarchical_cache,
+                                hicache_size_gb=host_bytes // HICACHE_GB if host_bytes else None,
+                                hicache_storage_root=str(settings.data_path / HICACHE_STORAGE_DIR) if storage else None,
+                                hicache_storage_bytes=e.hicache_storage_bytes)
     except ValueError as exc:
         raise SettingsError(f"engine: {exc}") from exc
     return SGLangEngine(options)

@@ -30,6 +30,17 @@ What this adapter relies on in SGLang (``python/sglang/srt/entrypoints/engine.py
   ``python/sglang/srt/function_call/function_call_parser.py``). ``top_k``, ``min_p`` and ``repetition_penalty`` are
   sampling parameters of the same names.
 
+The hierarchical cache (HiCache, ``mem_cache/``): ``enable_hierarchical_cache`` adds a host-memory tier under the
+GPU's radix cache, sized by ``hicache_size`` (GB of 10**9 bytes); ``hicache_storage_backend="file"`` adds a storage
+tier whose directory is ``hicache_storage_backend_extra_config``'s ``file_storage_path`` (JSON), unless the variable
+``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`` is set, which wins (``HiCacheFile.__init__`` in ``hicache_storage.py``), and
+whose byte cap is its ``max_size`` (``storage/file/lru_file_evictor.py``). The file names carry the page's hash, the
+served model's name and the TP rank, never the weights, the KV dtype or the host layout
+(``hicache_mem_layout``), so this adapter gives each (model fingerprint, KV dtype, layout) its own directory. A page's
+hash chain starts from ``storage_namespace_seed(extra_key, cache_salt)`` (``mem_cache/utils.py``), so one tenant's
+pages never answer another's lookup; a release without that seed would, and an L3 tier is refused on it
+(:func:`storage_salt_problem`, read from SGLang's source before it launches).
+
 Every name, keyword and key listed here is checked against the source of the pinned release
 (:data:`SGLANG_REQUIREMENT`) by tests/test_sglang_contract.py, in CI, without CUDA.
 
@@ -43,13 +54,16 @@ per-model ``FunctionCallParser`` detectors (other native tool-call formats) are 
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import hashlib
 import importlib.metadata
+import importlib.util
 import inspect
 import json
 import logging
+import os
 import re
 import signal
 import threading
@@ -119,6 +133,16 @@ class SGLangOptions(msgspec.Struct, frozen=True, kw_only=True):
     radix_eviction_policy: Literal["lru", "lfu"] = "lru"
     enable_hierarchical_cache: bool = False
     """Spill evicted KV prefixes to host memory instead of dropping them."""
+    hicache_size_gb: int | None = None
+    """The host tier's size in GB (10**9 bytes, SGLang's ``hicache_size``); ``None`` lets SGLang size it."""
+    hicache_storage_root: str | None = None
+    """Where the ``file`` storage tier keeps its directories (one per model fingerprint, KV dtype and layout, made
+    by :meth:`SGLangEngine.start`); ``None``: no storage tier."""
+    hicache_storage_bytes: int = 0
+    """The storage tier's byte cap per directory (SGLang's file evictor ``max_size``); 0: no cap."""
+    hicache_mem_layout: Literal["layer_first", "page_first"] = "page_first"
+    """The host tier's memory layout, which the stored pages share (passed with a storage tier, so the directory's
+    name and SGLang's layout cannot disagree)."""
     incremental_streaming_output: bool = False
     """Ask SGLang for text deltas instead of cumulative text (saves O(n^2) copying on long outputs)."""
     chat_template: str | None = None
@@ -134,17 +158,28 @@ class SGLangOptions(msgspec.Struct, frozen=True, kw_only=True):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"sglang: {name} must be positive, got {value}")
+        if self.hicache_size_gb is not None and self.hicache_size_gb < 1:
+            raise ValueError(f"sglang: hicache_size_gb must be at least 1, got {self.hicache_size_gb}")
+        if self.hicache_storage_bytes < 0:
+            raise ValueError(f"sglang: hicache_storage_bytes cannot be negative, got {self.hicache_storage_bytes}")
+        if not self.enable_hierarchical_cache and (self.hicache_size_gb is not None
+                                                   or self.hicache_storage_root is not None):
+            raise ValueError("sglang: a host or storage KV tier needs the hierarchical cache "
+                             "(engine.hierarchical_cache = true)")
 
     def model_id(self) -> str:
         return self.served_model_name or Path(self.model_path.rstrip("/")).name
 
-    def server_args(self) -> dict[str, object]:
-        """The keyword arguments for ``sglang.Engine``.
+    def server_args(self, *, storage_dir: Path | None = None) -> dict[str, object]:
+        """The keyword arguments for ``sglang.Engine``; ``storage_dir`` is the file tier's directory for this model
+        (:func:`hicache_storage_dir`), given only with :attr:`hicache_storage_root`.
 
         Optional settings and settings left at SGLang's own default are omitted rather than passed: older SGLang
         releases reject unknown arguments (``radix_eviction_policy`` and ``incremental_streaming_output`` are
         recent), and leaving a default out means the same thing on every release.
         """
+        if (storage_dir is None) != (self.hicache_storage_root is None):
+            raise ValueError("sglang: a storage directory goes with hicache_storage_root, and only with it")
         args: dict[str, object] = {"model_path": self.model_path, "log_level": self.log_level}
         if self.served_model_name is not None:
             args["served_model_name"] = self.served_model_name
@@ -159,9 +194,87 @@ class SGLangOptions(msgspec.Struct, frozen=True, kw_only=True):
             args["radix_eviction_policy"] = self.radix_eviction_policy
         if self.enable_hierarchical_cache:
             args["enable_hierarchical_cache"] = True
+        if self.hicache_size_gb is not None:
+            args["hicache_size"] = self.hicache_size_gb
+        if storage_dir is not None:
+            extra: dict[str, object] = {"file_storage_path": str(storage_dir)}
+            if self.hicache_storage_bytes:
+                extra["max_size"] = self.hicache_storage_bytes
+            args["hicache_storage_backend"] = "file"
+            args["hicache_mem_layout"] = self.hicache_mem_layout
+            args["hicache_storage_backend_extra_config"] = json.dumps(extra)
         if self.incremental_streaming_output:
             args["incremental_streaming_output"] = True
         return args
+
+
+STORAGE_DIR_VARIABLE = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"
+"""SGLang's variable for the file tier's directory; it wins over the directory this adapter passes."""
+STORAGE_SALT_SOURCE = "srt/mem_cache/utils.py"
+"""Where SGLang seeds its storage hash chains, relative to the sglang package."""
+
+
+def read_sglang_source(relative: str) -> str | None:
+    """The text of one of the installed SGLang's source files (``srt/mem_cache/utils.py``), found without importing
+    more than the ``sglang`` package itself; ``None`` when SGLang or the file is not there."""
+    try:
+        spec = importlib.util.find_spec("sglang")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        path = Path(location) / relative
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    return None
+
+
+def storage_salt_problem(source: str | None) -> str | None:
+    """Why a storage tier on the SGLang whose ``mem_cache/utils.py`` reads ``source`` would not be salted per tenant,
+    or ``None`` when it is: ``storage_namespace_seed(extra_key, cache_salt)`` must hash the salt, and
+    ``get_storage_hash_str`` must start a page's hash chain from it, with the key's ``cache_salt``."""
+    if source is None:
+        return f"SGLang's {STORAGE_SALT_SOURCE} cannot be read, so whether its storage tier is salted is unknown"
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as exc:
+        return f"SGLang's {STORAGE_SALT_SOURCE} does not parse ({exc})"
+    functions = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    seed = functions.get("storage_namespace_seed")
+    if seed is None:
+        return "this SGLang has no storage_namespace_seed: its storage hash chains are not namespaced by cache_salt"
+    if [a.arg for a in seed.args.args][:2] != ["extra_key", "cache_salt"]:
+        return "this SGLang's storage_namespace_seed does not take (extra_key, cache_salt)"
+    if "cache_salt" not in {n.id for n in ast.walk(seed) if isinstance(n, ast.Name)}:
+        return "this SGLang's storage_namespace_seed does not hash cache_salt"
+    chain = functions.get("get_storage_hash_str")
+    seeded = chain is not None and any(
+        isinstance(call, ast.Call) and ast.unparse(call.func) == "storage_namespace_seed"
+        and "cache_salt" in ast.unparse(call) for call in ast.walk(chain))
+    if not seeded:
+        return "this SGLang's get_storage_hash_str does not start its hash chains from the key's cache_salt"
+    return None
+
+
+def hicache_storage_dir(root: Path, model_id: str, fingerprint: str, kv_dtype: str, layout: str) -> Path:
+    """The file tier's directory for one model (by its weights' fingerprint), KV dtype and host layout: SGLang's file
+    names include none of these, so pages of different ones must never share a directory."""
+    def part(text: str) -> str:
+        return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-.") or "x"
+
+    return root / f"{part(model_id)}-{part(fingerprint)}" / f"kv-{part(kv_dtype)}" / part(layout)
+
+
+def model_kv_dtype(model_dir: Path) -> str:
+    """The KV dtype SGLang's ``kv_cache_dtype = "auto"`` gives this model: the model's own dtype, as its config.json
+    states it (``torch_dtype``, or ``dtype`` in newer configs); ``auto`` when it states none."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "auto"
+    dtype = config.get("torch_dtype") or config.get("dtype") if isinstance(config, dict) else None
+    return f"auto-{dtype}" if isinstance(dtype, str) and dtype else "auto"
 
 
 class SGLangRuntime(Protocol):
@@ -430,8 +543,14 @@ class SGLangEngine:
                           "chat_template_kwargs", "min_tokens", "ignore_eos", "stop_token_ids",
                           "skip_special_tokens"})
 
-    def __init__(self, options: SGLangOptions, *, engine_factory: EngineFactory = load_sglang_engine) -> None:
+    def __init__(self, options: SGLangOptions, *, engine_factory: EngineFactory = load_sglang_engine,
+                 source_reader: Callable[[str], str | None] = read_sglang_source,
+                 environ: Mapping[str, str] | None = None) -> None:
         self.options = options
+        self._read_source = source_reader
+        self._environ = os.environ if environ is None else environ
+        self.storage_dir: Path | None = None
+        """The file tier's directory, once start() has made it (None without a storage tier)."""
         self.model_id = options.model_id()
         self.version = ""  # known once start() has found the weights
         self._factory = engine_factory
@@ -456,10 +575,13 @@ class SGLangEngine:
             return
         if self._closed:
             raise EngineError("the sglang engine was closed and cannot be started again")
+        fingerprint = None
+        if self.options.hicache_storage_root is not None:
+            self.storage_dir, fingerprint = await asyncio.to_thread(self._prepare_storage)
         on_sigterm = signal.getsignal(signal.SIGTERM)
         try:
             with _logging_kept():
-                engine = self._factory(**self.options.server_args())
+                engine = self._factory(**self.options.server_args(storage_dir=self.storage_dir))
         except EngineError:
             raise
         except Exception as exc:  # the boundary: SGLang's launch errors become one clean error
@@ -478,7 +600,37 @@ class SGLangEngine:
         # common renders tools natively).
         template = self.options.chat_template or getattr(tokenizer, "chat_template", None) or ""
         self._template_knows_tools = self._chat_prompt is None or "tools" in str(template)
-        self.version = await asyncio.to_thread(self._compute_version)
+        self.version = (f"{self.model_id}@{fingerprint}" if fingerprint is not None
+                        else await asyncio.to_thread(self._compute_version))
+
+    def _prepare_storage(self) -> tuple[Path, str]:
+        """Before SGLang launches: refuse a storage tier it would not salt per tenant, or whose directory SGLang's
+        own variable would override; then make this model's directory. Returns it and the weights' fingerprint (the
+        model version, so the directory and the cache keys name the same weights)."""
+        problem = storage_salt_problem(self._read_source(STORAGE_SALT_SOURCE))
+        if problem is not None:
+            raise EngineError(f"engine.hicache_storage = file is refused: {problem}, so one tenant's KV pages could "
+                              f"be read back for another. Use {SGLANG_REQUIREMENT}, or set engine.hicache_storage "
+                              "= none")
+        override = self._environ.get(STORAGE_DIR_VARIABLE)
+        if override:
+            raise EngineError(f"{STORAGE_DIR_VARIABLE}={override} is set and would put every model's KV pages in one "
+                              "directory, over the one EdgeCache gives each model, KV dtype and layout: unset it")
+        model_dir = _local_model_dir(self.options.model_path)
+        if model_dir is None:
+            raise EngineError(
+                f"engine.hicache_storage = file keys its directory by the weights' fingerprint, so the model must be "
+                f"on local disk before start: download it first (hf download {self.options.model_path}) or set "
+                "engine.model to a local directory")
+        fingerprint = model_fingerprint(model_dir, extra=self.options.chat_template or "")
+        assert self.options.hicache_storage_root is not None
+        directory = hicache_storage_dir(Path(self.options.hicache_storage_root), self.model_id, fingerprint,
+                                        model_kv_dtype(model_dir), self.options.hicache_mem_layout)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise EngineError(f"cannot make the KV storage directory {directory}: {exc}") from exc
+        return directory, fingerprint
 
     def _compute_version(self) -> str:
         extra = self.options.chat_template or ""
