@@ -115,6 +115,7 @@ class EdgeCacheTarget:
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = None
         self.starts_s: list[float] = []
+        self.stats_failed = False
 
     def start(self) -> None:
         t0 = time.perf_counter()
@@ -136,10 +137,18 @@ class EdgeCacheTarget:
         return {}
 
     def stats(self) -> dict[str, Any] | None:
-        resp = httpx.get(self.url + "/stats", headers={"authorization": f"Bearer {agents.ADMIN_KEY}"}, timeout=60)
-        resp.raise_for_status()
-        body = resp.json()
-        return {"spent_engine_s": body["ledger"]["total"]["spent_engine_s"], "engine": body.get("engine_state") or {}}
+        """The ledger's spent engine-seconds and the engine's counters; both unknown (None, {}) where /stats fails."""
+        try:
+            resp = httpx.get(self.url + "/stats", headers={"authorization": f"Bearer {agents.ADMIN_KEY}"}, timeout=60)
+            resp.raise_for_status()
+            body = resp.json()
+            return {"spent_engine_s": body["ledger"]["total"]["spent_engine_s"],
+                    "engine": body.get("engine_state") or {}}
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            if not self.stats_failed:
+                print(f"GET /stats failed ({exc!r:.200}): engine-seconds and tiers unknown", file=sys.stderr)
+            self.stats_failed = True
+            return {"spent_engine_s": None, "engine": {}}
 
 
 class VLLMTarget:
@@ -183,7 +192,8 @@ def measured(target: Any, client: httpx.Client, payload: dict[str, Any], tenant:
         res["engine_s"] = res["latency_s"]
         res["tier"] = "ram" if res["cached_tokens"] > 0 else "miss"  # vLLM's CPU KV cache lives in RAM
     else:
-        res["engine_s"] = round(after["spent_engine_s"] - before["spent_engine_s"], 4)
+        spent = (before["spent_engine_s"], after["spent_engine_s"])
+        res["engine_s"] = None if None in spent else round(spent[1] - spent[0], 4)
         res["tier"] = agents.tier_of(before["engine"], after["engine"], res["cached_tokens"])
         res["engine_state"] = {k: v for k, v in after["engine"].items() if k.startswith("prefix_cache")}
     return res
@@ -219,7 +229,7 @@ def run_phase(name: str, target: Any, cfg: agents.TraceConfig, probes: bool) -> 
                 records.append(rec)
                 print(f"[{name}] turn {step.turn} {sess.name}: {'ok' if res['ok'] else 'FAILED ' + str(res['error'])}"
                       f" prompt {res['prompt_tokens']} cached {res['cached_tokens']} tier {res['tier']} "
-                      f"TTFT {res['ttft_s']:.2f} s engine {res['engine_s']:.2f} s served {res['served']}",
+                      f"TTFT {res['ttft_s']:.2f} s engine {res['engine_s']} s served {res['served']}",
                       file=sys.stderr, flush=True)
             if probes and steps:
                 last = sessions[steps[-1].session]
