@@ -5,7 +5,9 @@ The trace (``edgecache.bench.agents``): T tenants x S agent sessions, each with 
 (instructions and tool definitions, a part shared by the tenant's sessions, the rest the session's own) of
 --prompt-tokens, then turns that grow: each turn appends the answer to the previous one and a new user message.
 The sessions go round-robin by turn (tenants alternating), so together they hold several times the RAM budget of
-the prefix cache; the server restarts once in the middle (SIGTERM, then a start on the same data dir). Every request
+the prefix cache (by default 6 sessions' ~90 MB states against 256 MiB for the box, half of it a tenant's share:
+each tenant keeps one state in RAM, and a session's next turn finds its own gone); the server restarts once in the
+middle (SIGTERM, then a start on the same data dir). Every request
 is a streamed chat completion, temperature 0, --max-tokens, with ``X-EdgeCache-Policy: no-cache`` (the exact store
 never answers; every prompt is new anyway) and the semantic layer off.
 
@@ -29,6 +31,10 @@ a RAM hit's; engine-seconds with the tiers <= 0.5x RAM only's; TTFT p50 with the
 
     python scripts/bench_agents.py [--tenants 2 --sessions 3 --turns 3 --prompt-tokens 3500] [--json out.json]
     python scripts/bench_agents.py --quick          # 1 tenant, 2 sessions, 600-token prompts, 2 turns
+
+On a 2-core box the defaults take about 20 minutes (llama.cpp prefills SmolLM2 at ~110 prompt tokens/s, so most of
+it is the RAM-only phase's cold turns; vLLM's CPU build prefills ~4x faster and starts in about a minute); --quick
+takes about 3 minutes, most of it vLLM's two starts.
 """
 
 from __future__ import annotations
@@ -267,7 +273,9 @@ def main() -> None:
     ap.add_argument("--probes", type=int, default=d.probes, help="RAM-hit probes after each EdgeCache phase")
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--quick", action="store_true", help="1 tenant, 2 sessions, 600-token prompts, 2 turns")
-    ap.add_argument("--ram-budget", default="128MiB", help="engine.prefix_cache_bytes (a 3.7k-token state: ~85 MB)")
+    ap.add_argument("--ram-budget", default="256MiB",
+                    help="engine.prefix_cache_bytes, the box's (a 4k-token state of SmolLM2: ~90 MB; a tenant may "
+                         "hold its plan's share, half by default: one such state)")
     ap.add_argument("--disk-budget", default="8GiB", help="engine.prefix_cache_disk_bytes in the tiers_on phase")
     ap.add_argument("--context-tokens", type=int, default=8192)
     ap.add_argument("--profile", default="cpu")
