@@ -420,12 +420,18 @@ class Runtime:
             self._prefix_gauges(engine)
         return stores
 
+    def prefix_cache_usage(self) -> dict[str, dict[str, int]]:
+        """Each tenant's bytes in each tier of the engine's prefix cache, where EdgeCache keeps it (else empty)."""
+        if not self.ready or not isinstance(self.engine, TieredPrefixEngine):
+            return {}
+        return self.engine.prefix_cache_usage()
+
     def _prefix_gauges(self, engine: dict[str, float | int | str]) -> None:
         """Each tenant's prefix-cache bytes by tier, and the tiers' hits, where EdgeCache keeps the states."""
         if not isinstance(self.engine, TieredPrefixEngine):
             return
         gauge = self.metrics.prefix_cache_bytes
-        usage = self.engine.prefix_cache_usage()
+        usage = self.prefix_cache_usage()
         for tenant, tier in list(gauge._metrics):  # prometheus_client has no public list of label sets
             if tenant not in usage:
                 gauge.remove(tenant, tier)

@@ -97,6 +97,9 @@ def test_e2e_a_restart_keeps_a_tenants_prefix_on_disk_and_no_other_tenant_reads_
     stats = httpx.get(server.url + "/stats", headers={"Authorization": "Bearer sk-acme-0001"}, timeout=10).json()
     assert stats["ledger"]["total"]["kv_prefix"]["by_tier"]["disk"]["prompt_tokens"] == cached(after)
     assert "beta" not in str(stats)
+    assert set(stats["prefix_cache"]) == {"acme"} and stats["prefix_cache"]["acme"]["disk"] > 0
+    admin = httpx.get(server.url + "/stats", headers=ADMIN, timeout=10).json()
+    assert set(admin["prefix_cache"]) == {"acme", "beta"}
     metrics = httpx.get(server.url + "/metrics", headers=ADMIN, timeout=10).text
     assert 'edgecache_engine_prefix_cache_bytes{tenant="acme",tier="disk"}' in metrics
     assert 'edgecache_saved_kv_prefix_tokens_total{scenario="default",tenant="acme",tier="disk"}' in metrics

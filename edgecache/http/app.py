@@ -330,6 +330,7 @@ async def stats(request: Request[Any, Any, Any]) -> Response[Any]:
     body["admission"] = {"running": rt.admission.running, "queued": rt.admission.queued,
                          "rejected": rt.admission.rejected, "max_running": rt.admission.max_running}
     body["engine_state"] = await rt.engine.stats() if rt.ready else {}
+    body["prefix_cache"] = rt.prefix_cache_usage()
     body["inflight"] = len(rt.inflight)
     body["model"] = {"id": rt.engine.model_id, "version": rt.engine.version, "ready": rt.ready}
     body["profile"] = rt.settings.profile
@@ -351,6 +352,7 @@ async def _tenant_stats(rt: Runtime, tenant: str) -> dict[str, Any]:
         stores[tenant] = await rt.stores(tenant).stats()
     return {"tenant": tenant, "requests": totals, "hit_rate": hits / served if served else 0.0,
             "by_tenant": {tenant: mine}, "stores": stores, "ledger": rt.ledger.report(tenant),
+            "prefix_cache": {t: usage for t, usage in rt.prefix_cache_usage().items() if t == tenant},
             "model": {"id": rt.engine.model_id, "version": rt.engine.version, "ready": rt.ready},
             "profile": rt.settings.profile}
 
