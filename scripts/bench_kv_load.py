@@ -62,7 +62,7 @@ def timed_restore(e: LlamaCppEngine, tokens: list[int]) -> tuple[float, int, str
     e._llm.reset()
     e._salt_in_context = None
     start = time.perf_counter()
-    loaded, found = e._restore_best_prefix("bench", tokens)
+    loaded, found, _ = e._restore_best_prefix("bench", tokens)
     return time.perf_counter() - start, loaded, found.tier if found is not None else "-"
 
 

@@ -352,9 +352,10 @@ class LlamaCppEngine:
 
         return self._chat_prompt.ids(render, [m.content for m in messages])
 
-    def _restore_best_prefix(self, salt: str, tokens: list[int]) -> tuple[int, Found | None]:
+    def _restore_best_prefix(self, salt: str, tokens: list[int]) -> tuple[int, Found | None, bool]:
         """Load the saved state that shares most of the prompt, if it beats the context. Returns how many of the
-        prompt's tokens the context now holds, and the saved state that shares most of them (None: none does)."""
+        prompt's tokens the context now holds, the saved state that shares most of them (None: none does), and
+        whether that state was loaded (else the context already held as much)."""
         llm = self._llm
         if self._salt_in_context != salt:
             llm.reset()  # another tenant's KV must not serve as this one's prefix
@@ -366,10 +367,10 @@ class LlamaCppEngine:
         if found is not None and found.length > in_context and found.length >= self._min_prefix:
             data = self.prefix_cache.load(found)
             if data is not None and self._set_state(found.entry.tokens, data):
-                return found.length, found
+                return found.length, found, True
             self._salt_in_context = salt
-            return 0, None
-        return in_context, found
+            return 0, None, False
+        return in_context, found, False
 
     def _set_state(self, tokens: np.ndarray, data: bytearray) -> bool:
         """Load a sequence's KV cells into the context (its only sequence); False (and an empty context) if
@@ -482,10 +483,11 @@ class LlamaCppEngine:
                              param=field)
         hints = request.cache
         disk = not (hints is not None and hints.memory_only)
-        in_context, found = self._restore_best_prefix(request.salt, tokens)
+        in_context, found, loaded = self._restore_best_prefix(request.salt, tokens)
         # Llama.generate re-decodes the last prompt token when the whole prompt is already in the context.
         cached = in_context - 1 if in_context == n_prompt else in_context
-        tier = "" if not cached else (found.tier if found is not None and found.length == in_context else "ram")
+        # The tier a loaded state came from; the context itself (what the last generation left) is RAM.
+        tier = "" if not cached else (found.tier if loaded and found is not None else "ram")
         kv_miss = self.prefix_cache.miss_reason(request.salt, tokens, cached, min_tokens=self._min_prefix) or ""
         writes, end_ttl = self._keep_at_breakpoints(request, tokens, cached, found, disk)
         end_keep = max(end_ttl, hints.retention_s if hints is not None else 0.0)
