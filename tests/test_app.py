@@ -252,3 +252,33 @@ async def test_generation_routes_behave_alike_whichever_way_they_are_dispatched(
     bad = await client.post("/v1/messages", json={"model": "m", "messages": []})  # no max_tokens
     assert bad.status_code == 400 and bad.json()["type"] == "error", bad.text
     assert bad.json()["error"]["type"] == "invalid_request_error"
+
+
+def _nested(depth: int) -> str:
+    return '{"a":' * depth + "1" + "}" * depth
+
+
+@pytest.mark.parametrize(("route", "body"), [
+    ("/v1/chat/completions", '{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function",'
+                             '"function":{"name":"f","parameters":%s}}]}'),
+    ("/v1/chat/completions", '{"model":"m","messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":%s}'),
+    ("/v1/chat/completions", '{"model":"m","messages":[{"role":"user","content":"hi"}],"response_format":'
+                             '{"type":"json_schema","json_schema":{"name":"x","schema":%s}}}'),
+    ("/v1/completions", '{"model":"m","prompt":"hi","metadata":%s}'),
+    ("/v1/responses", '{"model":"m","input":"hi","tools":[{"type":"function","name":"f","parameters":%s}]}'),
+    ("/v1/messages", '{"model":"m","max_tokens":4,"messages":[{"role":"user","content":"hi"}],"tools":[{"name":"f",'
+                     '"input_schema":%s}]}'),
+])
+@pytest.mark.parametrize("depth", [200, 5000])
+async def test_a_body_nested_too_deep_is_a_400_in_the_apis_shape(client: httpx.AsyncClient, route: str, body: str,
+                                                                 depth: int) -> None:
+    resp = await client.post(route, content=(body % _nested(depth)).encode(),
+                             headers={"content-type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    assert "deep" in resp.text and "Traceback" not in resp.text
+
+
+async def test_a_deep_string_is_no_nesting(client: httpx.AsyncClient) -> None:
+    text = "{[" * 3000  # brackets inside a string do not nest anything
+    resp = await client.post("/v1/chat/completions", json=chat_body(text))
+    assert resp.status_code == 200, resp.text

@@ -28,6 +28,7 @@ import re
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
+import numpy as np
 from msgspec import Meta
 
 from edgecache.call import PolicyName
@@ -601,12 +602,30 @@ def decode_request(body: bytes, request_type: type[_CommonRequest]) -> _CommonRe
     return decode_body(body, request_type)
 
 
+#: The deepest a request body may nest (objects and arrays). Real bodies (a tool's JSON schema included) nest a few
+#: levels; a body nested near Python's recursion limit would make a decoder, or any walk of its free-form fields
+#: (schemas, template variables) later on, fail with RecursionError.
+MAX_JSON_DEPTH = 128
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def json_depth(body: bytes) -> int:
+    """How deep ``body``'s objects and arrays nest (strings skipped), counted without recursion."""
+    marks = np.frombuffer(_JSON_STRING.sub(b'""', body), dtype=np.uint8)
+    steps = np.isin(marks, (ord("{"), ord("["))).astype(np.int64) - np.isin(marks, (ord("}"), ord("]")))
+    return int(np.cumsum(steps).max(initial=0))
+
+
 def decode_body(body: bytes, request_type: type[T]) -> T:
     """Strict decode of any request struct; any problem becomes a 400 naming the field, never a traceback."""
     if not body:
         raise BadRequest("the request body is empty; send a JSON object")
+    if body.count(b"{") + body.count(b"[") > MAX_JSON_DEPTH and json_depth(body) > MAX_JSON_DEPTH:
+        raise BadRequest(f"the request body nests objects and arrays more than {MAX_JSON_DEPTH} levels deep")
     try:
         return msgspec.json.decode(body, type=request_type)
+    except RecursionError as exc:  # the bound above keeps bodies far from it; a last guard all the same
+        raise BadRequest("the request body nests objects and arrays too deeply") from exc
     except msgspec.ValidationError as exc:
         if _INTEGRAL_FLOAT in str(exc):
             return _decode_integral_floats(body, request_type, exc)
