@@ -258,17 +258,20 @@ def _nested(depth: int) -> str:
     return '{"a":' * depth + "1" + "}" * depth
 
 
-@pytest.mark.parametrize(("route", "body"), [
-    ("/v1/chat/completions", '{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function",'
-                             '"function":{"name":"f","parameters":%s}}]}'),
+_DEEP_BODIES = [
+    ("/v1/chat/completions", ('{"model":"m","messages":[{"role":"user","content":"hi"}],"tools":[{"type":"function",'
+                              '"function":{"name":"f","parameters":%s}}]}')),
     ("/v1/chat/completions", '{"model":"m","messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":%s}'),
-    ("/v1/chat/completions", '{"model":"m","messages":[{"role":"user","content":"hi"}],"response_format":'
-                             '{"type":"json_schema","json_schema":{"name":"x","schema":%s}}}'),
+    ("/v1/chat/completions", ('{"model":"m","messages":[{"role":"user","content":"hi"}],"response_format":'
+                              '{"type":"json_schema","json_schema":{"name":"x","schema":%s}}}')),
     ("/v1/completions", '{"model":"m","prompt":"hi","metadata":%s}'),
     ("/v1/responses", '{"model":"m","input":"hi","tools":[{"type":"function","name":"f","parameters":%s}]}'),
-    ("/v1/messages", '{"model":"m","max_tokens":4,"messages":[{"role":"user","content":"hi"}],"tools":[{"name":"f",'
-                     '"input_schema":%s}]}'),
-])
+    ("/v1/messages", ('{"model":"m","max_tokens":4,"messages":[{"role":"user","content":"hi"}],"tools":[{"name":"f",'
+                      '"input_schema":%s}]}')),
+]
+
+
+@pytest.mark.parametrize(("route", "body"), _DEEP_BODIES)
 @pytest.mark.parametrize("depth", [200, 5000])
 async def test_a_body_nested_too_deep_is_a_400_in_the_apis_shape(client: httpx.AsyncClient, route: str, body: str,
                                                                  depth: int) -> None:
