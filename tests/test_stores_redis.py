@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import pytest
 
 from edgecache.errors import NotReady
@@ -59,6 +60,39 @@ async def test_keys_carry_tenant_and_model_version_and_expire(link: RedisLink) -
     assert 0 < ttl_ms <= 30_000
     # Another model version does not see it.
     assert await stores_on(link, version="m@2")("t1").get("k1") is None
+
+
+@pytest.mark.parametrize("poison", [
+    {"created_at": float("-inf")},
+    {"expires_at": float("nan")},
+    {"choices": ()},
+    {"finish_reason": "exploded"},
+    {"completion_tokens": -1},
+])
+async def test_a_poisoned_entry_is_dropped_counted_and_a_miss(link: RedisLink, poison: dict[str, Any]) -> None:
+    """What another writer of the shared Redis may leave under a key: never served, never a 500, never kept."""
+    node_a, node_b = stores_on(link), stores_on(link)
+    await node_a("t1").put("k1", answer("fine"))
+    store = node_b("t1")
+    bad = msgspec.structs.replace(answer("poison"), **poison)  # what another writer left in its place
+    await link.client.set(store.entry_key("k1"), msgspec.msgpack.encode(bad), keepttl=True)
+    assert await store.get("k1") is None
+    assert await link.client.exists(store.entry_key("k1")) == 0
+    assert (await store.stats())["dropped_unreadable"] == 1
+    assert not await node_b("t1").put("k2", bad)  # and this node never writes such an entry itself
+    await node_b("t1").put("k1", answer("good"))
+    got = await stores_on(link)("t1").get("k1")
+    assert got is not None and got.text == "good"
+
+
+async def test_a_poisoned_entry_on_disk_is_dropped_too(tmp_path: Any) -> None:
+    stores = TenantStores(tmp_path, quota_for=lambda tenant: 10**6, memory_bytes=10**6)
+    store = stores("t1")
+    await store.put("k1", msgspec.structs.replace(answer("poison"), choices=()))
+    store.forget_memory()
+    assert await store.get("k1") is None
+    assert (await store.stats())["dropped_unreadable"] == 1
+    stores.close()
 
 
 async def test_tenants_stay_apart(link: RedisLink) -> None:

@@ -8,6 +8,7 @@ in front, so a hot hit never leaves the event loop.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -33,6 +34,26 @@ class CachedAnswer(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     expires_at: float
     choices: tuple[Choice, ...] | None = None
     stop_sequence: str | None = None
+
+
+FINISH_REASONS = frozenset({"stop", "length", "tool_calls"})
+
+
+def unsound(answer: CachedAnswer) -> str | None:
+    """Why a decoded entry cannot be served (None: it can): what another writer of a shared store, a damaged file
+    or an incompatible version may leave that the decoder's types do not catch."""
+    if not (math.isfinite(answer.created_at) and math.isfinite(answer.expires_at)):
+        return "a time that is not finite"
+    if answer.created_at > answer.expires_at:
+        return "created after it expires"
+    if answer.prompt_tokens < 0 or answer.completion_tokens < 0:
+        return "a negative token count"
+    if answer.finish_reason not in FINISH_REASONS:
+        return f"finish reason {answer.finish_reason!r}"
+    if answer.choices is not None and (not answer.choices or
+                                       any(c.finish_reason not in FINISH_REASONS for c in answer.choices)):
+        return "no choices, or a choice's finish reason unknown"
+    return None
 
 
 class ResultStore(Protocol):

@@ -35,7 +35,7 @@ import msgspec
 from edgecache.data_dir import move_aside, salvage_rows
 from edgecache.errors import StorageUnavailable
 from edgecache.health import STORAGE_ERRORS, StorageFaults, fault_kind, quick_check
-from edgecache.stores import CachedAnswer
+from edgecache.stores import CachedAnswer, unsound
 from edgecache.stores.memory import MemoryTier
 
 log = logging.getLogger("edgecache")
@@ -63,6 +63,7 @@ class DiskResultStore:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(CachedAnswer)
         self._closed = False
+        self.dropped = 0  # entries read that could not be served (undecodable or unsound), dropped
         # The writes waiting for the writer thread, which takes them all at once (see put). The lock is held only
         # to add a write or to take the batch.
         self._batch: _WriteBatch | None = None
@@ -190,8 +191,11 @@ class DiskResultStore:
             if not isinstance(raw, bytes):
                 raise msgspec.DecodeError(f"not an answer: {type(raw).__name__}")
             answer = self._decoder.decode(raw)
+            if (why := unsound(answer)) is not None:
+                raise msgspec.DecodeError(why)
         except msgspec.DecodeError:
-            # An entry written by an incompatible version (or damaged): a miss, and dropped.
+            # An entry written by an incompatible version (or damaged): a miss, dropped and counted.
+            self.dropped += 1
             await self._on_disk(self._writer, "damaged entry kept", False, True, lambda disk: disk.delete(key))
             return None
         if answer.expires_at <= time.time():
@@ -297,7 +301,8 @@ class DiskResultStore:
 
         entries, volume, budget = await self._on_disk(self._writer, "stats not read", (0, 0, self._disk_bytes),
                                                       False, read)
-        return {"entries": entries, "bytes": volume, "budget_bytes": budget, **self._memory.stats()}
+        return {"entries": entries, "bytes": volume, "budget_bytes": budget, "dropped_unreadable": self.dropped,
+                **self._memory.stats()}
 
     def close(self) -> None:
         if self._closed:

@@ -19,6 +19,7 @@ node keeps serving what it holds and what its engine computes. A flush cannot re
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Sequence
 from urllib.parse import unquote
@@ -27,8 +28,10 @@ import msgspec
 
 from edgecache.errors import NotReady
 from edgecache.fleet.link import LinkDown, RedisLink, tenant_prefix
-from edgecache.stores import CachedAnswer
+from edgecache.stores import CachedAnswer, unsound
 from edgecache.stores.memory import MemoryTier
+
+log = logging.getLogger("edgecache")
 
 # Every tenant's byte counter, for a SCAN (on every primary of a cluster) of the tenants with entries.
 BYTE_COUNTERS = "ec:{*}:t:bytes"
@@ -155,6 +158,7 @@ class RedisResultStore:
         self._lru, self._sizes, self._tags, self._bytes = base + "lru", base + "sizes", base + "tags", base + "bytes"
         self._tag_prefix = base + "tag:"
         self._replays: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak references to tasks
+        self.dropped = 0  # entries read that could not be served (undecodable or unsound), dropped
 
     def entry_key(self, key: str) -> str:
         return f"{self._entry_prefix}{self._model_version()}:{key}"
@@ -196,8 +200,14 @@ class RedisResultStore:
             return None
         try:
             answer = self._decoder.decode(raw)
-        except msgspec.DecodeError:
-            # Written by an incompatible version: a miss; the next put of this key replaces it.
+            if (why := unsound(answer)) is not None:
+                raise msgspec.DecodeError(why)
+        except msgspec.DecodeError as exc:
+            # Written by an incompatible version, or by a writer that is not a node of this fleet: a miss, dropped
+            # (the next put of this key would replace it; a bad entry must not stay until its TTL) and counted.
+            self.dropped += 1
+            log.warning("redis store: dropped the unreadable entry %s of tenant %s: %s", entry, self.tenant, exc)
+            await self.delete(key)
             return None
         if answer.expires_at <= time.time():
             return None
@@ -205,6 +215,8 @@ class RedisResultStore:
         return answer
 
     async def put(self, key: str, answer: CachedAnswer, tag: str | None = None) -> bool:
+        if unsound(answer) is not None:
+            return False
         raw = self._encoder.encode(answer)
         ttl_ms = int((answer.expires_at - time.time()) * 1000)
         if ttl_ms <= 0:
@@ -262,7 +274,8 @@ class RedisResultStore:
         return int(dropped)
 
     async def stats(self) -> dict[str, int]:
-        out = {"entries": 0, "bytes": 0, "budget_bytes": self.quota_bytes, **self._memory.stats()}
+        out = {"entries": 0, "bytes": 0, "budget_bytes": self.quota_bytes, "dropped_unreadable": self.dropped,
+               **self._memory.stats()}
         if not self._link.up:
             return out
         try:
