@@ -121,6 +121,10 @@ class Metrics:
             "edgecache_engine_prefix_cache_hits",
             "Engine calls that loaded a saved prefix state, by the tier it came from (ram, disk), since start.",
             ["tier"], registry=self.registry)
+        self.fleet_records_skipped = Counter(
+            "edgecache_fleet_records_skipped",
+            "Fleet records this node could not decode or apply, skipped (its feeds go on), by feed (vectors, labels, "
+            "events).", ["feed"], registry=self.registry)
         self.upstream_prefix_cache_hit_ratio = Gauge(
             "edgecache_upstream_prefix_cache_hit_ratio",
             "The upstream server's own prefix-cache hit ratio, read from its /metrics (serve --upstream; vLLM: hits "

@@ -86,7 +86,8 @@ class Runtime:
             from edgecache.fleet import Fleet
             from edgecache.stores.redis import RedisTenantStores
 
-            self.fleet = Fleet(settings, on_flush=self.apply_remote_flush, on_link_state=self.metrics.observe_redis)
+            self.fleet = Fleet(settings, on_flush=self.apply_remote_flush, on_link_state=self.metrics.observe_redis,
+                               on_skip=lambda feed: self.metrics.fleet_records_skipped.labels(feed).inc())
             self.health.register("redis", self.fleet.health_check)
             from edgecache.inflight.redis import RedisFlightTable
 

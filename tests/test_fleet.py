@@ -345,3 +345,93 @@ async def test_a_label_that_cannot_be_taught_does_not_stop_the_label_follower(fl
         await sender.close()
         await receiver.close()
         await link.close()
+
+
+class _ListIndex:
+    """A semantic index that keeps what it is given (the vector feed's side of it)."""
+
+    dim = 4
+
+    def __init__(self) -> None:
+        self.added: list[str] = []
+
+    def remove_store_key(self, tenant: str, index: str, store_key: str) -> None:
+        pass
+
+    def add(self, tenant: str, index: str, vector: Any, store_key: str, text: str, cap: Any) -> int:
+        self.added.append(store_key)
+        return len(self.added)
+
+
+async def test_a_malformed_vector_record_is_skipped_and_the_feed_goes_on_after_a_restart_too(
+        fleet_redis_url: str, tmp_path: Path) -> None:
+    import msgspec
+    import numpy as np
+
+    from edgecache.fleet.link import RedisLink, SkippedRecords
+    from edgecache.fleet.vectors import VectorFeed, VectorRecord
+
+    async def on_thread(fn: Any) -> Any:
+        return await asyncio.to_thread(fn)
+
+    link = RedisLink(fleet_redis_url, timeout_s=5.0)
+    await link.start()
+    skipped: list[str] = []
+
+    def feed_on(index: _ListIndex) -> VectorFeed:
+        return VectorFeed(link, "node-b", embedder_version="e1", local_index=index, cursor_file=tmp_path / "cursors",
+                          cap_for=lambda tenant: None, index_thread=on_thread, skips=SkippedRecords(skipped.append))
+
+    index = _ListIndex()
+    receiver = feed_on(index)
+    stream = receiver.stream("t1")
+    good = np.ones(4, dtype=np.float16).tobytes()
+    for key, vector in (("short", b"\x01"), ("good", good)):  # a 1-byte vector first, as another writer left it
+        record = VectorRecord(origin="node-a", tenant="t1", index="default", store_key=key, text=key, vector=vector)
+        await link.client.xadd(stream, {"r": msgspec.msgpack.encode(record)})
+    await link.client.xadd(stream, {"r": b"\xc1 not msgpack"})
+    await link.client.sadd("ec:v:e1:streams", stream)
+    try:
+        receiver.start()
+        await until(lambda: index.added == ["good"] and len(skipped) == 2)
+        assert receiver.skips.counts == {"vectors": 2} and receiver.applied == 1
+    finally:
+        await receiver.close()
+    later = _ListIndex()
+    restarted = feed_on(later)  # from the saved cursor: past the bad records, and alive for the next one
+    record = VectorRecord(origin="node-a", tenant="t1", index="default", store_key="next", text="next", vector=good)
+    await link.client.xadd(stream, {"r": msgspec.msgpack.encode(record)})
+    try:
+        restarted.start()
+        await until(lambda: later.added == ["next"])
+        assert len(skipped) == 2
+    finally:
+        await restarted.close()
+        await link.close()
+
+
+async def test_a_flush_that_fails_here_does_not_stop_the_later_ones(fleet_redis_url: str) -> None:
+    from edgecache.fleet.events import FleetEvents
+    from edgecache.fleet.link import RedisLink
+
+    seen: list[str | None] = []
+
+    async def on_flush(tenant: str | None, scenario: str | None) -> None:
+        if tenant == "bad":
+            raise RuntimeError("the store is away")
+        seen.append(tenant)
+
+    link = RedisLink(fleet_redis_url, timeout_s=5.0)
+    await link.start()
+    sender, receiver = FleetEvents(link, "node-a", on_flush), FleetEvents(link, "node-b", on_flush)
+    try:
+        await receiver.start()
+        await sender.start()
+        await sender.publish_flush("bad", None)
+        await sender.publish_flush("good", None)
+        await until(lambda: seen == ["good"])
+        assert receiver.skips.counts == {"events": 1}
+    finally:
+        await sender.close()
+        await receiver.close()
+        await link.close()

@@ -20,7 +20,7 @@ from typing import Any
 
 from edgecache.fleet.events import FleetEvents, FlushHandler
 from edgecache.fleet.labels import LabelFeed, SharedLabel
-from edgecache.fleet.link import RedisLink
+from edgecache.fleet.link import RedisLink, SkippedRecords
 from edgecache.fleet.vectors import SharedIndex, VectorFeed
 from edgecache.health import READY, Health
 from edgecache.settings import Settings
@@ -30,12 +30,15 @@ class Fleet:
     """The Redis link and the event follower of one node; started by the runtime's lifespan, closed last."""
 
     def __init__(self, settings: Settings, on_flush: FlushHandler,
-                 on_link_state: Callable[[bool], None] | None = None) -> None:
+                 on_link_state: Callable[[bool], None] | None = None,
+                 on_skip: Callable[[str], None] | None = None) -> None:
         assert settings.store.redis_url is not None  # the settings refuse redis without a URL
         self.node_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.link = RedisLink(settings.store.redis_url, timeout_s=settings.store.redis_timeout_s,
                               on_state=on_link_state)
-        self.events = FleetEvents(self.link, self.node_id, on_flush)
+        # Records the feeds could not use: skipped and counted (``on_skip(feed)``), shown on /health while recent.
+        self.skips = SkippedRecords(on_skip)
+        self.events = FleetEvents(self.link, self.node_id, on_flush, self.skips)
         self.vectors: VectorFeed | None = None
         self.labels: LabelFeed | None = None
 
@@ -46,11 +49,17 @@ class Fleet:
     def health(self) -> dict[str, Any]:
         """The /health detail: this node, the fleet's epoch, the link's state, and the learner's labels shared."""
         labels = {"labels": self.labels.state()} if self.labels is not None else {}
-        return {"node": self.node_id, "epoch": self.events.epoch, **self.link.state(), **labels}
+        skipped = {"skipped": dict(self.skips.counts)} if self.skips.counts else {}
+        return {"node": self.node_id, "epoch": self.events.epoch, **self.link.state(), **labels, **skipped}
 
     def health_check(self) -> Health:
         """Redis away is ``degraded``, never ``failed``: the node still serves from its memory tier and engine."""
         if self.link.up:
+            skipped = self.skips.recent()
+            if skipped:
+                return Health("degraded", "fleet records skipped as unreadable in the last "
+                              f"{SkippedRecords.RECENT_S:.0f} s: " + ", ".join(f"{feed} {n} since start"
+                                                                        for feed, n in sorted(skipped.items())))
             return READY
         return Health("degraded", f"redis unreachable ({self.link.error}); serving from this node's memory tier "
                                   "and engine, reconnecting")
@@ -64,14 +73,14 @@ class Fleet:
             await self.vectors.close()
         self.vectors = VectorFeed(self.link, self.node_id, embedder_version=embedder_version,
                                   local_index=local_index, cursor_file=cursor_file, cap_for=cap_for,
-                                  index_thread=index_thread)
+                                  index_thread=index_thread, skips=self.skips)
         self.vectors.start()
         return SharedIndex(local_index, self.vectors)
 
     def share_labels(self, on_label: Callable[[SharedLabel], None]) -> LabelFeed:
         """Start sharing the semantic learner's labels: this node's go to the fleet, the others' to ``on_label``."""
         if self.labels is None:
-            self.labels = LabelFeed(self.link, self.node_id, on_label)
+            self.labels = LabelFeed(self.link, self.node_id, on_label, self.skips)
             self.labels.start()
         return self.labels
 

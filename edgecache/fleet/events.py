@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 import msgspec
 
-from edgecache.fleet.link import LinkDown, RedisLink
+from edgecache.fleet.link import LinkDown, RedisLink, SkippedRecords
 
 log = logging.getLogger("edgecache.fleet")
 
@@ -42,8 +42,10 @@ FlushHandler = Callable[[str | None, str | None], Awaitable[None]]
 class FleetEvents:
     """Publishes this node's flushes and applies everyone else's; keeps :attr:`epoch` current."""
 
-    def __init__(self, link: RedisLink, node_id: str, on_flush: FlushHandler) -> None:
+    def __init__(self, link: RedisLink, node_id: str, on_flush: FlushHandler,
+                 skips: SkippedRecords | None = None) -> None:
         self._link = link
+        self.skips = skips or SkippedRecords()
         self.node_id = node_id
         self._on_flush = on_flush
         self.epoch = 0
@@ -99,15 +101,19 @@ class FleetEvents:
     async def _apply(self, fields: dict[bytes, bytes]) -> None:
         try:
             event = self._decoder.decode(fields[b"e"])
-        except (KeyError, msgspec.DecodeError):
-            log.warning("ignored an unreadable fleet event")
+        except (KeyError, msgspec.DecodeError) as exc:
+            self.skips.skip("events", exc)
             return
         if event.kind == "flush":
             self.epoch = max(self.epoch, event.epoch)
             if event.origin != self.node_id:
                 log.info("flush from node %s: tenant=%s scenario=%s", event.origin, event.tenant or "*",
                          event.scenario or "*")
-                await self._on_flush(event.tenant, event.scenario)
+                try:
+                    await self._on_flush(event.tenant, event.scenario)
+                except Exception as exc:  # one flush that fails here must not stop the later ones
+                    self.skips.skip("events", exc)
+                    return
                 self.applied += 1
         elif event.kind == "model" and event.origin != self.node_id:
             log.info("node %s serves model version %s", event.origin, event.version)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from edgecache.fleet.link import LinkDown, RedisLink
+from edgecache.fleet.link import LinkDown, RedisLink, SkippedRecords
 
 log = logging.getLogger("edgecache.fleet")
 
@@ -55,8 +55,10 @@ class SharedLabel(msgspec.Struct, frozen=True, array_like=True):
 class LabelFeed:
     """Publishes this node's learner labels and hands everyone else's to ``on_label``."""
 
-    def __init__(self, link: RedisLink, node_id: str, on_label: Callable[[SharedLabel], None]) -> None:
+    def __init__(self, link: RedisLink, node_id: str, on_label: Callable[[SharedLabel], None],
+                 skips: SkippedRecords | None = None) -> None:
         self._link = link
+        self.skips = skips or SkippedRecords()
         self.node_id = node_id
         self._on_label = on_label
         self._queue: asyncio.Queue[SharedLabel] = asyncio.Queue(QUEUE_MAX)
@@ -134,14 +136,14 @@ class LabelFeed:
     def _apply(self, fields: dict[bytes, bytes]) -> None:
         try:
             label = self._decoder.decode(fields[b"l"])
-        except (KeyError, msgspec.DecodeError):
-            log.warning("ignored an unreadable fleet label")
+        except (KeyError, msgspec.DecodeError) as exc:
+            self.skips.skip("labels", exc)
             return
         if label.origin != self.node_id:
             try:
                 self._on_label(label)
-            except Exception:  # one label that cannot be taught must not stop the follower for all the others
-                log.exception("a fleet label could not be applied")
+            except Exception as exc:  # one label that cannot be taught must not stop the follower for all the others
+                self.skips.skip("labels", exc)
                 return
             self.applied += 1
 

@@ -323,6 +323,39 @@ def _reraise_cancellation(exc: BaseException) -> None:
         raise asyncio.CancelledError() from exc
 
 
+class SkippedRecords:
+    """Fleet records a feed could not decode or apply: each is skipped (the feed goes on with the next), counted by
+    feed, and logged once per feed and kind of failure, so one bad record never stops a feed and a stream of them
+    never floods the log. ``on_skip(feed)``: the runtime's counter (``edgecache_fleet_records_skipped_total``)."""
+
+    #: A node whose feeds skipped records this recently says so on /health.
+    RECENT_S = 300.0
+
+    def __init__(self, on_skip: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.counts: dict[str, int] = {}
+        self._on_skip = on_skip
+        self._clock = clock
+        self._logged: set[tuple[str, str]] = set()
+        self._last: dict[str, float] = {}
+
+    def skip(self, feed: str, why: BaseException | str) -> None:
+        self.counts[feed] = self.counts.get(feed, 0) + 1
+        self._last[feed] = self._clock()
+        kind = why if isinstance(why, str) else type(why).__name__
+        if (feed, kind) not in self._logged:
+            self._logged.add((feed, kind))
+            log.warning("fleet %s feed: skipped a record it could not use (%s); later ones of this kind are counted "
+                        "in edgecache_fleet_records_skipped_total, not logged", feed, why)
+        if self._on_skip is not None:
+            self._on_skip(feed)
+
+    def recent(self) -> dict[str, int]:
+        """The feeds that skipped records within :attr:`RECENT_S`, with their counts since start."""
+        now = self._clock()
+        return {feed: self.counts[feed] for feed, at in self._last.items() if now - at <= self.RECENT_S}
+
+
 class LinkDown(Exception):
     """Redis did not answer; the caller falls back to what this node has on its own."""
 

@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from edgecache.fleet.link import LinkDown, RedisLink, tenant_prefix
+from edgecache.fleet.link import LinkDown, RedisLink, SkippedRecords, tenant_prefix
 
 log = logging.getLogger("edgecache.fleet")
 
@@ -88,8 +88,10 @@ class VectorFeed:
 
     def __init__(self, link: RedisLink, node_id: str, *, embedder_version: str, local_index: Any,
                  cursor_file: Path, cap_for: Any,
-                 index_thread: Callable[[Callable[[], None]], Awaitable[object]]) -> None:
+                 index_thread: Callable[[Callable[[], None]], Awaitable[object]],
+                 skips: SkippedRecords | None = None) -> None:
         self._link = link
+        self.skips = skips or SkippedRecords()
         self.node_id = node_id
         self._embedder_version = embedder_version
         self._registry = f"ec:v:{embedder_version}:streams"
@@ -190,23 +192,35 @@ class VectorFeed:
             self._cursors[stream] = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
             try:
                 record = self._decoder.decode(fields[b"r"])
-            except (KeyError, msgspec.DecodeError):
+            except (KeyError, msgspec.DecodeError) as exc:
+                self.skips.skip("vectors", exc)
                 continue
             if record.origin != self.node_id:
                 records.append(record)
+        failed: list[BaseException | str] = []
 
-        def apply() -> None:
+        def apply() -> int:
+            applied = 0
             for record in records:
-                vector = np.frombuffer(record.vector, dtype=np.float16).astype(np.float32)
-                if vector.shape != (self._index.dim,):
+                if len(record.vector) != 2 * self._index.dim:
+                    failed.append(f"a vector of {len(record.vector)} bytes, not {2 * self._index.dim}")
                     continue
-                self._index.remove_store_key(record.tenant, record.index, record.store_key)
-                self._index.add(record.tenant, record.index, vector, record.store_key, record.text,
-                                self._cap_for(record.tenant))
+                try:
+                    vector = np.frombuffer(record.vector, dtype=np.float16).astype(np.float32)
+                    self._index.remove_store_key(record.tenant, record.index, record.store_key)
+                    self._index.add(record.tenant, record.index, vector, record.store_key, record.text,
+                                    self._cap_for(record.tenant))
+                except (ValueError, TypeError, KeyError) as exc:  # one record; the feed goes on
+                    failed.append(exc)
+                    continue
+                applied += 1
             self._save_cursors()
+            return applied
 
-        await self._index_thread(apply)
-        self.applied += len(records)
+        applied = await self._index_thread(apply)
+        for why in failed:
+            self.skips.skip("vectors", why)
+        self.applied += int(applied)  # type: ignore[call-overload]
 
     def _load_cursors(self) -> dict[str, str]:
         try:
