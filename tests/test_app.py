@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import os
 from typing import Any
 
 import pytest
@@ -285,3 +287,12 @@ async def test_a_deep_string_is_no_nesting(client: httpx.AsyncClient) -> None:
     text = "{[" * 3000  # brackets inside a string do not nest anything
     resp = await client.post("/v1/chat/completions", json=chat_body(text))
     assert resp.status_code == 200, resp.text
+
+
+async def test_response_ids_carry_no_shared_sequence(client: httpx.AsyncClient) -> None:
+    """Ids from one counter would tell a tenant how many others were answered between two of its own."""
+    ids = [(await client.post("/v1/chat/completions", json=chat_body(f"id {i}"))).json()["id"] for i in range(12)]
+    assert len(set(ids)) == len(ids) and all(i.startswith("chatcmpl-") and len(i) == 33 for i in ids)
+    tails = [i.removeprefix("chatcmpl-") for i in ids]
+    assert all(len(os.path.commonprefix([a, b])) < 6 for a, b in itertools.pairwise(tails))
+    assert all(a[-8:] != b[-8:] for a, b in itertools.pairwise(tails))

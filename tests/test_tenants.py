@@ -145,6 +145,9 @@ async def test_unknown_or_missing_keys_get_401(make_settings: Any, tenants_file:
         assert (await c.get("/stats", headers=headers)).status_code == 401
         own = await c.get("/stats", headers=auth("t01"))  # a tenant's key: its own figures, nobody else's
         assert own.status_code == 200 and own.json()["tenant"] == "t01"
+        # The cost fit rests on every tenant's engine calls: a tenant sees whether it is ready, not its basis.
+        assert own.json()["ledger"]["fit"] == {"ready": False}
+        assert "calls" in (await c.get("/stats", headers=ADMIN)).json()["ledger"]["fit"]
 
 
 async def test_keys_never_appear_in_logs_or_metrics(make_settings: Any, tenants_file: Path,

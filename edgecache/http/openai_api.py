@@ -9,6 +9,7 @@ the same code and in the same shape: a plain answer (one text choice) as today's
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import time
@@ -221,17 +222,19 @@ def usage(counts: Counts) -> Usage:
 
 
 class IdSource:
-    """Response ids: a random per-process prefix and a counter. Unique like uuid4, at a tenth of its cost."""
+    """Response ids: a counter hashed under a random per-process key (BLAKE2b, 96 bits). Unique, and unguessable
+    from any other id: no tenant can tell from its own ids how many others were answered between them."""
 
     def __init__(self) -> None:
-        self._prefix = os.urandom(8).hex()
+        self._key = os.urandom(16)
         self._counter = itertools.count()
 
     # Each API's own spelling: OpenAI's chatcmpl-/cmpl-/resp_, Anthropic's msg_.
     _KINDS: ClassVar[dict[str, str]] = {"chat": "chatcmpl-", "text": "cmpl-", "response": "resp_", "message": "msg_"}
 
     def next(self, kind: Literal["chat", "text", "response", "message"]) -> str:
-        return f"{self._KINDS[kind]}{self._prefix}{next(self._counter):08x}"
+        digest = hashlib.blake2b(next(self._counter).to_bytes(8, "little"), key=self._key, digest_size=12)
+        return self._KINDS[kind] + digest.hexdigest()
 
 
 class ResponseWriter:
