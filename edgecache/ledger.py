@@ -92,6 +92,7 @@ class CostFit:
 
     def __init__(self, *, min_calls: int, half_life_calls: float) -> None:
         self.min_calls = min_calls
+        self.half_life_calls = half_life_calls
         self._decay = 0.5 ** (1.0 / half_life_calls)
         self.calls = 0  # calls observed (unweighted)
         # Weighted sums: calls, prompt tokens n, prefill seconds y, n*n, n*y; decode seconds and tokens.
@@ -301,8 +302,22 @@ class KeyHistory:
         return {"keys": self._keys, "flushes": [[t, s, at] for (t, s), at in self._flushes.items()]}
 
     def restore(self, state: dict[str, Any]) -> None:
-        self._keys = {k: tuple(v) for k, v in state.get("keys", {}).items()}  # type: ignore[misc]
-        self._flushes = {(t, s): at for t, s, at in state.get("flushes", [])}
+        """Read back :meth:`state`; raises ValueError or TypeError, changing nothing, on anything else."""
+        keys = state.get("keys", {})
+        if not isinstance(keys, dict):
+            raise TypeError("the key history is not an object")
+        restored: dict[str, tuple[str, str, float, float, str]] = {}
+        for key, entry in keys.items():
+            if not isinstance(entry, (list, tuple)) or len(entry) != 5:
+                raise ValueError(f"the key history's entry {key!r} is not [tenant, scenario, stored, expires, why]")
+            tenant, scenario, stored_at, expires_at, removed = entry
+            restored[str(key)] = (str(tenant), str(scenario), float(stored_at), float(expires_at), str(removed))
+        flushes: dict[tuple[str, str], float] = {}
+        for flush in state.get("flushes", []):
+            if not isinstance(flush, (list, tuple)) or len(flush) != 3:
+                raise ValueError(f"a flush in the key history is not [tenant, scenario, at]: {flush!r}")
+            flushes[(str(flush[0]), str(flush[1]))] = float(flush[2])
+        self._keys, self._flushes = restored, flushes
 
 
 class _Saved(msgspec.Struct):
@@ -571,11 +586,27 @@ class Ledger:
     # ---- persistence ----
 
     def _load(self, path: Path) -> None:
+        """Read the ledger back. A file that does not decode to the ledger's shape, or is of another format
+        version, is moved aside (kept for whoever wants to read it), logged, and the ledger starts again."""
         if not path.is_file():
             return
         try:
             saved = msgspec.json.decode(path.read_bytes(), type=_Saved)
-        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            if saved.version != _FORMAT_VERSION:
+                raise ValueError(f"it is of format version {saved.version}; this server writes {_FORMAT_VERSION}")
+            rows: dict[tuple[str, str], Row] = {}
+            names = list(saved.rows) + [name for _, rows_then in saved.minutes for name in rows_then]
+            for name in names:
+                if "/" not in name:
+                    raise ValueError(f"a row {name!r} names no tenant/scenario")
+            for name, row in saved.rows.items():
+                tenant, scenario = name.split("/", 1)
+                rows[(tenant, scenario)] = row
+            history = KeyHistory(self.history.max_keys)
+            history.restore(saved.history)
+            fit = CostFit(min_calls=self.fit.min_calls, half_life_calls=self.fit.half_life_calls)
+            fit.restore(saved.fit)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
             # Kept for whoever wants to read it; the ledger starts again (the next write would overwrite it).
             aside = path.with_name(f"{path.name}.damaged-{int(time.time())}")
             try:
@@ -585,18 +616,15 @@ class Ledger:
             log.error("the ledger at %s could not be read (%s); kept as %s, the ledger starts again", path, exc,
                       aside)
             return
-        if saved.version != _FORMAT_VERSION:
-            return
         self.started_at = saved.started_at
-        self.fit.restore(saved.fit)
+        self.fit = fit
         self._busy_before = saved.busy_s
-        for name, row in saved.rows.items():
-            tenant, scenario = name.split("/", 1)
-            self._rows[(tenant, scenario)] = row
+        for row in rows.values():
             self._unpriced = self._unpriced or bool(row.unpriced_prompt_tokens or row.unpriced_completion_tokens
                                                     or row.unpriced_calls)
-        self._minutes = [(minute, rows) for minute, rows in saved.minutes]
-        self.history.restore(saved.history)
+        self._rows = rows
+        self._minutes = [(minute, rows_then) for minute, rows_then in saved.minutes]
+        self.history = history
 
     def save(self) -> None:
         """Write the ledger (blocking: call it off the event loop, with no recording running meanwhile, or from a

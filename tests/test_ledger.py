@@ -304,6 +304,36 @@ async def test_a_damaged_ledger_file_is_moved_aside_and_the_ledger_starts_again(
     assert json.loads(path.read_text())["version"] == 1
 
 
+_VALID = {"version": 1, "started_at": 1.0, "fit": {}, "rows": {}, "minutes": [], "history": {}, "busy_s": 0.0}
+
+
+@pytest.mark.parametrize("shape", [
+    {"rows": {"no-slash": {}}},
+    {"minutes": [[1, {"no-slash": {}}]]},
+    {"history": {"keys": ["a", "b"]}},
+    {"history": {"keys": {"abc": 7}}},
+    {"history": {"keys": {"abc": ["t", "s", 1.0]}}},
+    {"history": {"flushes": [["t", "s"]]}},
+    {"fit": {"calls": "many"}},
+    {"version": 2},
+])
+async def test_a_ledger_file_of_another_shape_or_version_is_moved_aside_and_logged(
+        make_settings: Callable[..., Settings], shape: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    """Valid JSON that is not the ledger (or not this version of it) must not stop the server from starting."""
+    settings = make_settings()
+    path = settings.data_path / "ledger" / "ledger.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({**_VALID, **shape}))
+    async with serve_in_process(create_app(settings, engine=FakeEngine())) as c:
+        assert (await ask(c, "What is a cache?")).status_code == 200
+        assert ledger_of(c).report()["total"]["misses"] == 1
+        flushed = await c.post("/admin/flush", json={"all": True})
+        assert flushed.status_code == 200
+        assert (await ask(c, "What is a cache?")).headers["x-edgecache"] == "miss"
+    assert [p.name for p in path.parent.glob("ledger.json.damaged-*")]
+    assert "could not be read" in caplog.text
+
+
 async def test_a_tenants_key_sees_only_its_own_figures_and_the_admin_key_sees_all(
         make_settings: Callable[..., Settings], tmp_path: Path) -> None:
     settings = make_settings(tenants_file=str(tenants_file(tmp_path / "tenants.toml")))
