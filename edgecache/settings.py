@@ -93,6 +93,9 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     read_timeout_s: Annotated[float, Meta(gt=0), _help(
         "Longest a client may take to send its headers, or between two parts of its body; past it, 408 and the "
         "connection closes (a slow-loris client holds nothing longer).")] = 30.0
+    request_deadline_s: Annotated[float, Meta(gt=0), _help(
+        "Longest a request's head and body may take to arrive in all, from its first byte; past it, 408 and the "
+        "connection closes, however steadily the client trickles.")] = 30.0
     keep_alive_s: Annotated[float, Meta(gt=0), _help(
         "How long an idle keep-alive connection stays open.")] = 5.0
     access_log: Annotated[bool, _help(

@@ -114,6 +114,32 @@ async def test_slow_loris_connections_get_408_and_are_closed(make_settings: Any)
         assert 'edgecache_refused_requests_total{reason="read_timeout"} 3.0' in metrics
 
 
+async def test_a_trickled_request_gets_408_at_its_deadline_whatever_its_pace(make_settings: Any) -> None:
+    """A byte every 0.2 s never trips the 5 s read timeout; the deadline on the whole request ends it."""
+    settings = make_settings(server__read_timeout_s=5.0, server__request_deadline_s=1.0)
+    engine = FakeEngine()
+    app = create_app(settings, engine=engine)
+    async with uvicorn_server(app, settings) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        whole = request_bytes(chat_body("hello " * 50))
+        answer = b""
+        for i in range(200):  # bounded: 40 s at most, the deadline ends it after ~5 bytes of body
+            try:
+                writer.write(whole[i:i + 1] if i else whole[:120])
+                await writer.drain()
+            except ConnectionError:
+                break
+            try:
+                answer = await asyncio.wait_for(reader.read(4096), timeout=0.2)
+            except TimeoutError:
+                continue
+            break
+        answer += await read_all(reader)
+        assert answer.startswith(b"HTTP/1.1 408") and b"not whole within 1 s" in answer
+        writer.close()
+        assert engine.calls == 0 and await get_ok(port)
+
+
 async def test_a_non_streaming_client_gone_frees_its_slot_unless_another_listens(make_settings: Any) -> None:
     settings = make_settings(admission__max_concurrent_misses=1)
     engine = FakeEngine()

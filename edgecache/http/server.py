@@ -8,7 +8,9 @@ client that sends half its headers (or half its body) and waits held a connectio
   counted as the bytes arrive, so an oversized head is refused before it is buffered;
 - a connection that goes ``server.read_timeout_s`` without completing its head, or between two parts of its body,
   gets 408 and closes (a silent new connection too). Idle keep-alive connections close after
-  ``server.keep_alive_s`` (uvicorn's own timer).
+  ``server.keep_alive_s`` (uvicorn's own timer);
+- a request whose head and body are not whole ``server.request_deadline_s`` after its first byte gets 408 and the
+  connection closes, however steadily it trickles (a byte every few seconds resets no deadline).
 
 Both refusals happen below the ASGI app, so they are reported to ``on_refused`` (the runtime's refusal counter and
 access log). :func:`uvicorn_config` is the one road from settings to a uvicorn ``Config``: ``edgecache serve``
@@ -41,6 +43,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     max_head_bytes: int = 64 * 2**10
     read_timeout_s: float = 30.0
+    request_deadline_s: float = 30.0
     on_refused: Refused | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -49,6 +52,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._tail = b""
         self._read_timer: asyncio.TimerHandle | None = None
+        self._deadline: asyncio.TimerHandle | None = None  # armed from a request's first byte to its last
         self._discarding = False  # refused: whatever else arrives is dropped until the connection closes
 
     # --- the read timer: armed while the server waits for a part of a request --------------------------------
@@ -66,9 +70,19 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._read_timer = None
         self._refuse(408, "the request did not arrive in time")
 
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _deadline_passed(self) -> None:
+        self._deadline = None
+        self._refuse(408, f"the request was not whole within {self.request_deadline_s:g} s")
+
     def _refuse(self, status: int, message: str) -> None:
         """Answer ``status`` if no response has started, and close the connection either way."""
         self._cancel_read_timer()
+        self._cancel_deadline()
         if self.transport.is_closing() or self._discarding:
             return
         cycle = self.cycle
@@ -101,6 +115,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_read_timer()
+        self._cancel_deadline()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -120,6 +135,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._arm_read_timer()
+        self._cancel_deadline()
+        self._deadline = self.loop.call_later(self.request_deadline_s, self._deadline_passed)
 
     def on_headers_complete(self) -> None:
         self._reading_head = False
@@ -132,6 +149,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._cancel_read_timer()
+        self._cancel_deadline()
         # Whatever arrives next on this connection is the next request's head (pipelined, or after the response;
         # idle time in between is the keep-alive timer's).
         self._reading_head, self._head_bytes, self._tail = True, 0, b""
@@ -143,6 +161,7 @@ def limited_protocol(settings: Settings, on_refused: Refused | None = None) -> t
     return type("EdgeCacheHttpProtocol", (LimitedHttpProtocol,), {
         "max_head_bytes": int(settings.server.max_header_bytes),
         "read_timeout_s": settings.server.read_timeout_s,
+        "request_deadline_s": settings.server.request_deadline_s,
         "on_refused": staticmethod(on_refused) if on_refused is not None else None,
     })
 
