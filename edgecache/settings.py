@@ -92,7 +92,7 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         "closes.")] = ByteSize(64 * 2**10)
     read_timeout_s: Annotated[float, Meta(gt=0), _help(
         "Longest a client may take to send its headers, or between two parts of its body; past it, 408 and the "
-        "connection closes (a slow-loris client holds nothing longer).")] = 30.0
+        "connection closes; server.request_deadline_s bounds the whole request.")] = 30.0
     request_deadline_s: Annotated[float, Meta(gt=0), _help(
         "Longest a request's head and body may take to arrive in all, from its first byte; past it, 408 and the "
         "connection closes, however steadily the client trickles.")] = 30.0
