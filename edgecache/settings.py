@@ -168,6 +168,10 @@ class EngineSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     upstream_url: Annotated[str | None, _help(
         "openai: the upstream server's base URL, e.g. http://10.0.0.5:30000/v1.")] = None
     upstream_key: Annotated[str | None, _help("openai: the API key sent upstream.")] = None
+    version: Annotated[str | None, _help(
+        "openai: pin the model version that goes into every cache key (for an upstream that says nothing of its "
+        "weights; change it when they change). Unset, it is read from the upstream: vLLM's /v1/models root and "
+        "max_model_len, SGLang's /get_model_info, again every minute.")] = None
 
 
 class AdmissionSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

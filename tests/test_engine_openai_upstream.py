@@ -21,6 +21,7 @@ import pytest
 
 from edgecache.bench.harness import stop_process
 from edgecache.engines.base import Chunk, Engine, GenerationRequest, Message, OutputFormat, SamplingParams, ToolSpec
+from edgecache.engines import openai_upstream
 from edgecache.engines.openai_upstream import OpenAIUpstreamEngine
 from edgecache.errors import BadRequest, EngineError, NotReady
 
@@ -336,7 +337,7 @@ async def test_cached_tokens_are_read_from_usage_and_the_salt_and_key_are_sent()
     chunks = await collect(engine, CHAT)
     assert [c.text for c in chunks] == ["Blue", ""]
     assert (chunks[-1].prompt_tokens, chunks[-1].completion_tokens, chunks[-1].cached_tokens) == (40, 1, 32)
-    request = seen[0]
+    request = next(r for r in seen if r.method == "POST")  # after the start's questions about the weights
     assert request.url == "http://sglang:30000/v1/chat/completions"
     assert request.headers["authorization"] == "Bearer k"
     body = json.loads(request.content)
@@ -517,3 +518,106 @@ async def test_the_stop_string_an_upstream_matched_is_the_answers_stop_sequence(
     assert final.choices is not None and final.choices[0].stop_sequence == "END"
     assert seen[0]["stop"] == ["END", "\n\n"]
     await engine.close()
+
+
+class _Weights:
+    """An upstream whose weights can change under the same served name: vLLM's /v1/models ``root`` and
+    ``max_model_len``, or SGLang's /get_model_info, or nothing at all."""
+
+    def __init__(self, root: str | None = "/models/a", info: dict[str, str] | None = None) -> None:
+        self.root, self.info = root, info
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            entry = {"id": "m", "object": "model", **({"root": self.root, "max_model_len": 4096} if self.root else {})}
+            return httpx.Response(200, json={"object": "list", "data": [entry]})
+        if request.url.path == "/get_model_info" and self.info is not None:
+            return httpx.Response(200, json=self.info)
+        return httpx.Response(404, json={"error": {"message": "no such route"}})
+
+
+async def test_the_version_follows_what_the_upstream_says_of_its_weights() -> None:
+    upstream = _Weights()
+    engine = OpenAIUpstreamEngine("http://vllm:8000/v1", model="m", transport=httpx.MockTransport(upstream))
+    await engine.start()
+    first = engine.version
+    assert first.startswith("m@http://vllm:8000/v1#") and "root" in engine.version_source
+    await engine.scrape()  # within the minute: not asked again
+    assert engine.version == first
+    upstream.root = "/models/b"
+    engine._identity_read_at -= openai_upstream.IDENTITY_REFRESH_S  # a minute later
+    await engine.scrape()
+    assert engine.version != first and engine.version_changes == 1
+    stats = await engine.stats()
+    assert stats["version"] == engine.version and stats["version_changes"] == 1
+    await engine.close()
+
+
+async def test_sglangs_model_info_counts_and_a_silent_upstream_or_a_pin_keeps_model_at_url() -> None:
+    sglang = OpenAIUpstreamEngine("http://sglang:30000/v1", model="m", transport=httpx.MockTransport(
+        _Weights(root=None, info={"model_path": "/w/qwen", "weight_version": "v7"})))
+    await sglang.start()
+    assert "#" in sglang.version and "weight_version" in sglang.version_source
+    await sglang.close()
+    silent = OpenAIUpstreamEngine("http://up/v1", model="m", transport=httpx.MockTransport(_Weights(root=None)))
+    await silent.start()
+    assert silent.version == "m@http://up/v1" and "pin engine.version" in silent.version_source
+    await silent.close()
+    pinned = OpenAIUpstreamEngine("http://vllm:8000/v1", model="m", version="release-42",
+                                  transport=httpx.MockTransport(_Weights()))
+    await pinned.start()
+    pinned._identity_read_at -= openai_upstream.IDENTITY_REFRESH_S
+    await pinned.scrape()
+    assert pinned.version == "release-42" and pinned.version_source == "pinned by engine.version"
+    await pinned.close()
+
+
+class _AnsweringWeights(_Weights):
+    """The same, answering every chat with the weights it serves now."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/chat/completions":
+            self.calls += 1
+            answer = {"choices": [{"index": 0, "finish_reason": "stop",
+                                   "message": {"role": "assistant", "content": f"from {self.root}"}}],
+                      "usage": {"prompt_tokens": 5, "completion_tokens": 2}}
+            return httpx.Response(200, json=answer)
+        return super().__call__(request)
+
+
+async def test_an_upstream_swapped_to_new_weights_never_gets_the_old_answers(make_settings: Any) -> None:
+    from edgecache.bench.harness import serve_in_process
+    from edgecache.http.app import create_app
+    from tests.conftest import chat_body
+
+    settings = make_settings(engine__kind="openai", engine__upstream_url="http://vllm:8000/v1")
+    upstream = _AnsweringWeights()
+
+    def node() -> Any:
+        engine = OpenAIUpstreamEngine("http://vllm:8000/v1", model="m", stream=False,
+                                      transport=httpx.MockTransport(upstream))
+        return create_app(settings, engine=engine)
+
+    question = chat_body("Which weights answer?", model="m")
+    running = node()
+    async with serve_in_process(running) as c:
+        assert (await c.post("/v1/chat/completions", json=question)).headers["x-edgecache"] == "miss"
+        assert (await c.post("/v1/chat/completions", json=question)).headers["x-edgecache"] == "exact"
+        upstream.root = "/models/b"  # restarted on other weights under the same name
+        rt = running.state.runtime
+        rt.engine._identity_read_at -= openai_upstream.IDENTITY_REFRESH_S
+        await rt.scrape_engine()  # the housekeeping's minute
+        after = await c.post("/v1/chat/completions", json=question)
+        assert after.headers["x-edgecache"] == "miss" and after.json()["choices"][0]["message"]["content"] == \
+            "from /models/b"
+        assert (await c.get("/stats")).json()["engine_state"]["version_changes"] == 1
+    upstream.root = "/models/c"  # and again, while no node runs: a node started now keys by what it reads
+    async with serve_in_process(node()) as c:
+        fresh = await c.post("/v1/chat/completions", json=question)
+        assert fresh.headers["x-edgecache"] == "miss" and fresh.json()["choices"][0]["message"]["content"] == \
+            "from /models/c"
+    assert upstream.calls == 3

@@ -67,4 +67,4 @@ def openai_from_settings(settings: Settings) -> Engine:
     e = settings.engine
     if not e.upstream_url:
         raise SettingsError("engine.kind is openai but engine.upstream_url is unset: pass --upstream http://HOST:PORT/v1")
-    return OpenAIUpstreamEngine(e.upstream_url, api_key=e.upstream_key, model=e.model_id)
+    return OpenAIUpstreamEngine(e.upstream_url, api_key=e.upstream_key, model=e.model_id, version=e.version)

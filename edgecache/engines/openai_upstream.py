@@ -26,8 +26,11 @@ an upstream whose ``/metrics`` is missing or unreachable only leaves the figure 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import logging
 import re
+import time
 import urllib.request
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
@@ -56,7 +59,15 @@ _DONE = b"[DONE]"
 _TRACEBACK = re.compile(r"\n\s*(File \"|Traceback \(most recent call last\))")
 _MAX_MESSAGE = 500
 # A scrape of the upstream's /metrics waits this long at most (it runs in the housekeeping loop, not a request).
+log = logging.getLogger("edgecache")
+
 SCRAPE_TIMEOUT_S = 2.0
+#: How often a running server asks the upstream again what weights it serves (a change starts a new key namespace).
+IDENTITY_REFRESH_S = 60.0
+#: What the upstream says of its weights, where it says it: vLLM's ``/v1/models`` entry and SGLang's
+#: ``/get_model_info`` (beside the ``/v1`` root).
+MODEL_FIELDS = ("root", "parent", "max_model_len")
+MODEL_INFO_FIELDS = ("model_path", "weight_version", "tokenizer_path")
 
 
 class OpenAIUpstreamEngine:
@@ -82,8 +93,11 @@ class OpenAIUpstreamEngine:
         """
         :param base_url: the upstream's API root, e.g. ``http://10.0.0.5:30000/v1``.
         :param model: the upstream model to call; by default the first one ``/models`` lists.
-        :param version: what goes into cache keys. The upstream cannot tell us its weights, so the default is
-            ``model@base_url``: change it when the upstream's model changes under the same name.
+        :param version: what goes into cache keys, pinned (``engine.version``). Unset, it is ``model@base_url``
+            plus a hash of what the upstream says of its weights (vLLM's ``/v1/models`` ``root`` and
+            ``max_model_len``, SGLang's ``/get_model_info`` ``model_path`` and ``weight_version``), read at start and
+            again every :data:`IDENTITY_REFRESH_S` while serving: an upstream restarted on other weights under the
+            same name starts a new namespace, and the old answers are never served for it.
         :param stream: ask the upstream to stream. ``False`` suits upstreams whose streaming is broken; the engine
             then yields the whole answer as one chunk.
         :param salt_field: the request field that carries the tenant salt (SGLang and vLLM call it ``cache_salt``);
@@ -93,6 +107,10 @@ class OpenAIUpstreamEngine:
         self.base_url = base_url.rstrip("/")
         self.model_id = model or ""
         self.version = version or ""
+        self._pinned = version is not None and version != ""
+        self.version_source = "pinned by engine.version" if self._pinned else "not read yet"
+        self.version_changes = 0
+        self._identity_read_at = 0.0
         self._api_key = api_key
         self._stream = stream
         self._salt_field = salt_field
@@ -109,6 +127,7 @@ class OpenAIUpstreamEngine:
         self._cached_tokens = 0
         self._completion_tokens = 0
         self._metrics_url = metrics_url(self.base_url)
+        self._root = self.base_url.removesuffix("/v1")  # where SGLang's native routes are
         self._upstream_cache: PrefixCacheFigures | None = None
         self._metrics_state = "not read yet"
 
@@ -135,8 +154,41 @@ class OpenAIUpstreamEngine:
         except BaseException:
             await client.aclose()
             raise
-        self.version = self.version or f"{self.model_id}@{self.base_url}"
         self._client = client
+        if not self._pinned:
+            self.version = await self._read_version(client)
+
+    async def _read_version(self, client: httpx.AsyncClient) -> str:
+        """``model@base_url``, with a hash of what the upstream says of its weights where it says anything."""
+        self._identity_read_at = time.monotonic()
+        said: dict[str, Any] = {}
+        with contextlib.suppress(EngineError, ValueError, httpx.HTTPError):
+            body = await self._request_json(client, "GET", "models")
+            for entry in (body.get("data") or ()) if isinstance(body, Mapping) else ():
+                if isinstance(entry, Mapping) and entry.get("id") == self.model_id:
+                    said.update({f: entry[f] for f in MODEL_FIELDS if entry.get(f) is not None})
+        try:
+            info = await client.get(self._root + "/get_model_info", timeout=SCRAPE_TIMEOUT_S)
+            if info.status_code == 200 and isinstance(found := info.json(), Mapping):
+                said.update({f: found[f] for f in MODEL_INFO_FIELDS if found.get(f) is not None})
+        except (httpx.HTTPError, ValueError):
+            pass
+        base = f"{self.model_id}@{self.base_url}"
+        if not said:
+            self.version_source = "the upstream says nothing of its weights: model@url (pin engine.version)"
+            return base
+        self.version_source = "the upstream's " + ", ".join(sorted(said))
+        digest = hashlib.blake2b(json.dumps(said, sort_keys=True, default=str).encode(), digest_size=6).hexdigest()
+        return f"{base}#{digest}"
+
+    async def _refresh_version(self, client: httpx.AsyncClient) -> None:
+        """Ask the upstream again what it serves; a change starts a new key namespace (logged and counted)."""
+        version = await self._read_version(client)
+        if version != self.version:
+            log.warning("the upstream %s now serves other weights (%s): model version %s -> %s; answers stored "
+                        "for the old one are no longer served", self.base_url, self.version_source, self.version,
+                        version)
+            self.version, self.version_changes = version, self.version_changes + 1
 
     async def _first_model(self, client: httpx.AsyncClient) -> str:
         body = await self._request_json(client, "GET", "models")
@@ -523,6 +575,8 @@ class OpenAIUpstreamEngine:
         client = self._client
         if client is None:
             return
+        if not self._pinned and time.monotonic() - self._identity_read_at >= IDENTITY_REFRESH_S:
+            await self._refresh_version(client)
         try:
             response = await client.get(self._metrics_url, timeout=SCRAPE_TIMEOUT_S)
             if response.status_code >= 400:
@@ -557,6 +611,9 @@ class OpenAIUpstreamEngine:
             "engine": "openai",
             "upstream": self.base_url,
             "model": self.model_id,
+            "version": self.version,
+            "version_source": self.version_source,
+            "version_changes": self.version_changes,
             "requests": self._requests,
             "errors": self._errors,
             "prompt_tokens": self._prompt_tokens,
