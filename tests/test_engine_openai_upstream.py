@@ -14,14 +14,15 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
 import pytest
 
 from edgecache.bench.harness import stop_process
-from edgecache.engines.base import Chunk, Engine, GenerationRequest, Message, OutputFormat, SamplingParams, ToolSpec
 from edgecache.engines import openai_upstream
+from edgecache.engines.base import Chunk, Engine, GenerationRequest, Message, OutputFormat, SamplingParams, ToolSpec
 from edgecache.engines.openai_upstream import OpenAIUpstreamEngine
 from edgecache.errors import BadRequest, EngineError, NotReady
 
