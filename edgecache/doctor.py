@@ -22,6 +22,7 @@ from typing import Literal
 import msgspec
 
 from edgecache.cpu import cpu_flags, cpu_model, extra_buffer_types_on, has_amx, llamacpp_flags
+from edgecache.errors import EdgeCacheError
 from edgecache.hardware import hicache_host_bytes
 from edgecache.settings import Settings, pick_profile, visible_gpu_memory_gb
 
@@ -44,7 +45,7 @@ class Check(msgspec.Struct, frozen=True):
 
 # The checks in the order they print; `doctor --json` has one entry per name.
 CHECK_NAMES = ("python", "cpu", "llama.cpp", "gpu", "gpu_metrics", "hicache_build", "memory", "data_dir", "redis",
-               "profile", "canary")
+               "profile", "model_version", "canary")
 
 # SGLang's HiCache hashes each stored page with a C++ extension that torch builds on its first use
 # (``mem_cache/cpp_utils/native_hash.py``: hash_binding.cpp includes <openssl/sha.h> and links -lcrypto), with the
@@ -264,6 +265,36 @@ def check_profile(settings: Settings, given: str | None) -> Check:
     return Check("profile", "ok", f"serve would use profile {settings.profile}, {why}: {settings.description}")
 
 
+def check_model_version(settings: Settings) -> Check:
+    """The model version that every cache key would hold, and where it comes from: pinned, what an upstream says of
+    its weights, or (an upstream that says nothing) ``model@url``, which a swap of weights would not change."""
+    e = settings.engine
+    if e.kind != "openai":
+        return Check("model_version", "ok", f"{e.kind}: the model's id and a fingerprint of its weights, computed "
+                     "when it loads")
+    if e.version:
+        return Check("model_version", "ok", f"pinned by engine.version: {e.version}")
+    import asyncio
+
+    from edgecache.engines.openai_upstream import OpenAIUpstreamEngine
+
+    async def read() -> tuple[str, str]:
+        engine = OpenAIUpstreamEngine(e.upstream_url or "", api_key=e.upstream_key, model=e.model_id,
+                                      timeout_s=5.0, connect_timeout_s=2.0)
+        try:
+            await engine.start()
+            return engine.version, engine.version_source
+        finally:
+            await engine.close()
+
+    try:
+        version, source = asyncio.run(read())
+    except EdgeCacheError as exc:
+        return Check("model_version", "fail", f"the upstream {e.upstream_url} could not be asked: {exc.message}")
+    status: CheckStatus = "warn" if "says nothing" in source else "ok"
+    return Check("model_version", status, f"{version}, from {source}")
+
+
 def check_canary(settings: Settings) -> Check:
     from edgecache.canary import CanaryFailed, settle
 
@@ -286,7 +317,8 @@ def run_checks(settings: Settings, *, profile_given: str | None, redis_url: str 
     steps: list[Callable[[], Check]] = [
         check_python, lambda: check_cpu(settings), lambda: check_llamacpp(settings), lambda: check_gpu(settings),
         check_gpu_metrics, lambda: check_hicache_build(settings), lambda: check_memory(settings), lambda: check_data_dir(settings), lambda: check_redis(redis_url),
-        lambda: check_profile(settings, profile_given), lambda: check_canary(settings)]
+        lambda: check_profile(settings, profile_given), lambda: check_model_version(settings),
+        lambda: check_canary(settings)]
     checks = []
     for name, step in zip(CHECK_NAMES, steps, strict=True):
         try:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 from pathlib import Path
 
 from edgecache.doctor import CHECK_NAMES
@@ -128,3 +129,16 @@ def test_the_hicache_build_check_passes_where_a_compiler_builds_against_openssl(
         pytest.skip("no c++ and OpenSSL headers on this machine")
     check = check_hicache_build(_tiered(tmp_path, **{"engine.hicache_storage": "file"}), environ={})
     assert check.status == "ok", check.detail
+
+
+def test_model_version_says_what_the_keys_hold_and_where_it_comes_from(make_settings: Any) -> None:
+    """Behind an upstream, the version doctor reports is the one the engine would key by (here a pinned one, and an
+    upstream nobody answers at), and the CPU engine's comes from its weights."""
+    from edgecache.doctor import check_model_version
+
+    assert "fingerprint" in check_model_version(make_settings()).detail
+    pinned = check_model_version(make_settings(engine__kind="openai", engine__upstream_url="http://127.0.0.1:9/v1",
+                                               engine__version="release-7"))
+    assert pinned.status == "ok" and "release-7" in pinned.detail
+    away = check_model_version(make_settings(engine__kind="openai", engine__upstream_url="http://127.0.0.1:9/v1"))
+    assert away.status == "fail" and "127.0.0.1:9" in away.detail
