@@ -6,8 +6,8 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from edgecache.doctor import CHECK_NAMES
 
