@@ -353,6 +353,8 @@ class Ledger:
         self.history = KeyHistory()
         self.started_at = clock()
         self._rows: dict[tuple[str, str], Row] = {}
+        self._scenarios_of: dict[str, set[str]] = {}  # tenant -> its rows' scenarios (a tenant's view reads these)
+        self._touched: set[tuple[str, str]] = set()  # rows changed since the last minute's snapshot
         # Requests not yet booked: (tenant, scenario, outcome) -> [requests, prompt tokens, completion tokens].
         self._counts: dict[tuple[str, str, str], list[int]] = {}
         self._unpriced = False
@@ -365,8 +367,11 @@ class Ledger:
     # ---- recording ----
 
     def _row(self, tenant: str, scenario: str) -> Row:
+        """A row about to change (the one road to a row for a write: it is marked for the next minute's snapshot)."""
+        self._touched.add((tenant, scenario))
         row = self._rows.get((tenant, scenario))
         if row is None:
+            self._scenarios_of.setdefault(tenant, set()).add(scenario)
             row = self._rows[(tenant, scenario)] = Row(requests={}, misses={}, saved_prompt_tokens={},
                                                        saved_completion_tokens={}, saved_engine_s={},
                                                        unpriced_prompt_tokens={}, unpriced_completion_tokens={},
@@ -424,7 +429,9 @@ class Ledger:
     def _price_pending(self) -> None:
         """The fit has a basis now: what was saved before it is priced at its rates."""
         self._unpriced = False
-        for row in self._rows.values():
+        for name, row in self._rows.items():
+            if row.unpriced_prompt_tokens or row.unpriced_completion_tokens or row.unpriced_calls:
+                self._touched.add(name)
             for layer in set(row.unpriced_prompt_tokens) | set(row.unpriced_completion_tokens):
                 seconds = self.fit.cost(row.unpriced_calls.get(layer, 0), row.unpriced_prompt_tokens.get(layer, 0),
                                         row.unpriced_completion_tokens.get(layer, 0)) or 0.0
@@ -461,7 +468,9 @@ class Ledger:
 
     def rows(self, tenant: str | None = None) -> dict[str, Row]:
         self._settle()
-        return {_row_key(t, s): row for (t, s), row in sorted(self._rows.items()) if tenant in (None, t)}
+        if tenant is not None:  # only this tenant's rows are read
+            return {_row_key(tenant, s): self._rows[(tenant, s)] for s in sorted(self._scenarios_of.get(tenant, ()))}
+        return {_row_key(t, s): row for (t, s), row in sorted(self._rows.items())}
 
     @property
     def busy_s(self) -> float:
@@ -566,17 +575,28 @@ class Ledger:
         minute = int((self._clock() if now is None else now) // 60)
         if self._minutes and self._minutes[-1][0] == minute:
             return
-        self._minutes.append((minute, {name: _copy(row) for name, row in self.rows().items()}))
-        while self._minutes and self._minutes[0][0] < minute - 60:
+        # The first kept minute holds every row as it stood; each later one only the rows changed since the one
+        # before (memory stays flat however many rows there are).
+        changed = self._rows if not self._minutes else {n: self._rows[n] for n in self._touched if n in self._rows}
+        self._touched = set()
+        self._minutes.append((minute, {_row_key(*name): _copy(row) for name, row in changed.items()}))
+        self._forget_before(minute - 60)
+
+    def _forget_before(self, minute: int) -> None:
+        """Drop the kept minutes older than ``minute``, folding each into the next so that the first kept one still
+        holds every row as it stood then."""
+        while len(self._minutes) > 1 and self._minutes[0][0] < minute:
+            _, base = self._minutes.pop(0)
+            at, changed = self._minutes[0]
+            self._minutes[0] = (at, {**base, **changed})
+        if self._minutes and self._minutes[0][0] < minute:
             self._minutes.pop(0)
 
     def _hour_ago(self) -> tuple[int, dict[str, Row]] | None:
-        """The oldest kept minute within the last hour (None: none kept yet, so the last hour is everything)."""
-        minute = int(self._clock() // 60)
-        for at, rows in self._minutes:
-            if at >= minute - 60:
-                return at, rows
-        return None
+        """The oldest kept minute within the last hour, with every row as it stood then (None: none kept yet, so
+        the last hour is everything)."""
+        self._forget_before(int(self._clock() // 60) - 60)
+        return self._minutes[0] if self._minutes else None
 
     # ---- Prometheus ----
 
@@ -623,6 +643,8 @@ class Ledger:
             self._unpriced = self._unpriced or bool(row.unpriced_prompt_tokens or row.unpriced_completion_tokens
                                                     or row.unpriced_calls)
         self._rows = rows
+        for tenant, scenario in rows:
+            self._scenarios_of.setdefault(tenant, set()).add(scenario)
         self._minutes = [(minute, rows_then) for minute, rows_then in saved.minutes]
         self.history = history
 

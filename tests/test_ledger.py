@@ -379,3 +379,28 @@ async def test_an_eviction_at_quota_is_counted_as_evicted(make_settings: Callabl
         resp = await ask(c, "flood 0: " + "x" * 10_000, auth("acme"))
         assert resp.headers["x-edgecache"] == "miss"
         assert ledger_of(c).report()["total"]["miss_reasons"].get(EVICTED) == 1
+
+
+def test_the_last_hour_is_now_less_the_oldest_minute_within_it_and_each_minute_keeps_only_what_changed() -> None:
+    clock = [0.0]
+    ledger = Ledger(clock=lambda: clock[0])
+
+    def at_minute(minute: float, *requests: tuple[str, int]) -> None:
+        clock[0] = minute * 60
+        for tenant, n in requests:
+            for _ in range(n):
+                ledger.request(tenant, "default", "exact", prompt_tokens=10, completion_tokens=5)
+        ledger.tick()
+
+    at_minute(0, ("t1", 1))
+    at_minute(5, ("t1", 2), ("t2", 1))
+    at_minute(30, ("t2", 4))
+    assert [len(rows) for _, rows in ledger._minutes] == [1, 2, 1]  # the first whole, then only rows changed
+    at_minute(40, ("t1", 7))
+    clock[0] = 66 * 60  # the hour starts at minute 6: the oldest kept minute within it is minute 30's
+    hour = ledger.report()["last_hour"]["by_tenant_scenario"]
+    assert hour["t1/default"]["requests"] == {"exact": 7} and hour["t2/default"]["requests"] == {"exact": 0}
+    assert ledger.report("t1")["by_tenant_scenario"].keys() == {"t1/default"}
+    clock[0] = 200 * 60  # nothing kept within the hour (no tick since): the last hour is everything
+    assert ledger.report()["last_hour"]["total"]["requests"] == {"exact": 15}
+    assert ledger._minutes == []
