@@ -1,7 +1,10 @@
 """Admission control in front of the engine: a cold cache must not send every request to the model at once.
 
 At most ``max_running`` engine calls run at once in total, and at most the plan's limit per tenant; up to
-``max_queue`` more wait for a slot (first come, first served) for at most ``queue_timeout_s``. Beyond that a call
+``max_queue`` more wait for a slot for at most ``queue_timeout_s``. A free slot goes to the waiting tenant with the
+fewest calls running, and among those to the one served longest ago (first come, first served within a tenant):
+tenants take turns, so one tenant's burst of waiting calls is served one for one with the others', never all ahead
+of them. Beyond that a call
 is refused at once with :class:`~edgecache.errors.Overloaded` (429 + Retry-After), which is better for everyone
 than a queue whose wait outgrows the client's patience ("all misses, GPU saturated, TTFT over 3 s, then an
 avalanche").
@@ -30,6 +33,8 @@ class AdmissionGate:
         self.running_by_tenant: dict[str, int] = {}
         self._waiters: deque[tuple[str, int | None, asyncio.Future[None]]] = deque()
         self.rejected = 0
+        self._grants = 0
+        self._last_grant: dict[str, int] = {}  # tenant -> when (in grants) it was last given a slot
 
     @property
     def queued(self) -> int:
@@ -45,6 +50,8 @@ class AdmissionGate:
             tenant_limit is None or self.running_by_tenant.get(tenant, 0) < tenant_limit)
 
     def _take(self, tenant: str) -> None:
+        self._grants += 1
+        self._last_grant[tenant] = self._grants
         self.running += 1
         self.running_by_tenant[tenant] = self.running_by_tenant.get(tenant, 0) + 1
 
@@ -102,16 +109,17 @@ class AdmissionGate:
         self._grant()
 
     def _grant(self) -> None:
-        # First come, first served, except that a waiter held back only by its own tenant's limit does not block
-        # other tenants behind it (one tenant's burst must not stall everyone).
-        for entry in list(self._waiters):
-            tenant, limit, future = entry
-            if self.running >= self.max_running:
+        # Each free slot to the waiter whose tenant runs the fewest calls, then was served longest ago, then came
+        # first; a waiter held back by its own tenant's limit never blocks the others.
+        for entry in [e for e in self._waiters if e[2].done()]:
+            self._remove(entry)
+        while self.running < self.max_running:
+            ready = [(self.running_by_tenant.get(tenant, 0), self._last_grant.get(tenant, -1), order,
+                      (tenant, limit, future))
+                     for order, (tenant, limit, future) in enumerate(self._waiters) if self._may_run(tenant, limit)]
+            if not ready:
                 return
-            if future.done():
-                self._remove(entry)
-                continue
-            if self._may_run(tenant, limit):
-                self._remove(entry)
-                self._take(tenant)
-                future.set_result(None)
+            *_, entry = min(ready, key=lambda r: r[:3])
+            self._remove(entry)
+            self._take(entry[0])
+            entry[2].set_result(None)

@@ -53,6 +53,10 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     """The most of the engine's prefix cache (KV states, in RAM and on disk) the tenant may hold, as a share of the
     box's budgets; past it the tenant's own least recently used prefixes go. (The default tenant of a server with
     no tenants file has all of it.)"""
+    max_request_tokens: Annotated[int, Meta(ge=1)] | None = None
+    """The most tokens one request may ask the engine for, ``max_tokens`` times ``n`` (unset: only the context
+    bounds it); a request over it is refused with a 400, so one tenant cannot hold the engine's slots with a few
+    enormous answers."""
     max_concurrent_misses: Annotated[int, Meta(ge=1)] | None = None
     """Most of the tenant's misses computing at once (unset: only the profile's global limit)."""
     policies: tuple[PolicyName, ...] = ALL_POLICIES

@@ -109,3 +109,34 @@ async def test_a_cancelled_waiter_leaves_the_queue() -> None:
     hold.set()
     await first
     assert gate.running == 0
+
+
+async def test_tenants_take_turns_for_free_slots() -> None:
+    """acme queues five calls before beta's one: beta's runs as soon as a slot frees, not after acme's five."""
+    gate = AdmissionGate(max_running=1, max_queue=10, queue_timeout_s=30, retry_after_s=1)
+    order: list[str] = []
+    release: dict[str, asyncio.Event] = {}
+
+    async def work(name: str, tenant: str) -> None:
+        release[name] = asyncio.Event()
+        async with gate.slot(tenant):
+            order.append(name)
+            await release[name].wait()
+
+    tasks = [asyncio.create_task(work(f"acme{i}", "acme")) for i in range(6)]
+    await asyncio.sleep(0)
+    tasks.append(asyncio.create_task(work("beta0", "beta")))
+    for _ in range(200):
+        if gate.queued == 6:
+            break
+        await asyncio.sleep(0.001)
+    assert order == ["acme0"] and gate.queued == 6
+    for served in range(1, 7):  # each call ends in turn, and the free slot goes to whoever waited its turn
+        release[order[-1]].set()
+        for _ in range(500):
+            if len(order) > served:
+                break
+            await asyncio.sleep(0.001)
+    release[order[-1]].set()
+    await asyncio.gather(*tasks)
+    assert order[:3] == ["acme0", "beta0", "acme1"] and len(order) == 7

@@ -36,7 +36,7 @@ def key_of(tenant: str) -> str:
 def write_tenants_file(path: Path, *, small_quota: str = "2GB") -> Path:
     lines = ['[plans.basic]\nstore_bytes = "2GB"\n',
              f'[plans.small]\nstore_bytes = "{small_quota}"\n',
-             '[plans.locked]\nstore_bytes = "1GB"\npolicies = ["default", "no-store"]\n',
+             '[plans.locked]\nstore_bytes = "1GB"\npolicies = ["default", "no-store"]\nmax_request_tokens = 64\n',
              '[admin]\nkeys = ["sk-admin-secret-01"]\n']
     for tenant in TENANTS:
         plan = {"t00": "small", "t09": "locked"}.get(tenant, "basic")
@@ -357,3 +357,16 @@ async def test_a_plan_caps_its_tenants_semantic_indexes(make_settings: Any, tmp_
         await settle(c)
         sizes = await c.app.state.runtime.semantic.sizes()  # type: ignore[attr-defined]
         assert sizes == {("small", "default"): 2, ("big", "default"): 3}
+
+
+async def test_a_plans_cap_on_tokens_a_request_refuses_more_with_a_400(make_settings: Any, tenants_file: Path) -> None:
+    engine = FakeEngine()
+    async with serve_in_process(create_app(make_settings(tenants_file=str(tenants_file)), engine=engine)) as c:
+        over = await c.post("/v1/chat/completions", json=chat_body("long", max_tokens=40, n=2), headers=auth("t09"))
+        assert over.status_code == 400 and over.json()["error"]["param"] == "max_tokens"
+        assert "80 tokens" in over.json()["error"]["message"] and engine.calls == 0
+        await ask(c, "t09", "short", max_tokens=64)  # within it
+        await ask(c, "t01", "long", max_tokens=400)  # another plan, no cap
+        messages = await c.post("/v1/messages", headers=auth("t09"), json={
+            "model": "fake-model", "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}]})
+        assert messages.status_code == 400 and messages.json()["type"] == "error"

@@ -93,6 +93,11 @@ def build_call(generation: GenerationRequest, options: CacheOptions | None, tena
     if options is not None and options.ttl is not None and options.ttl > longest_ttl_s(settings):
         raise BadRequest(f"edgecache.ttl is {options.ttl:g} s; the longest this server keeps an answer is "
                          f"{longest_ttl_s(settings):g} s (its longest TTL tier)", param="edgecache.ttl")
+    cap = tenant.plan.max_request_tokens
+    if cap is not None and generation.params.max_tokens * generation.n > cap:
+        asked = generation.params.max_tokens * generation.n
+        raise BadRequest(f"this request asks for up to {asked} tokens (max_tokens x n); this key's plan allows "
+                         f"{cap} a request", param="max_tokens")
     return Call(request=generation, tenant=tenant.id, tenant_limit=tenant.plan.max_concurrent_misses,
                 scenario=(options.scenario if options else None) or "default",
                 policy=(options.policy if options else None) or "default",
