@@ -209,3 +209,25 @@ def test_tune_leaves_the_callers_marks_out(tmp_path: Path) -> None:
     log.close()
     group = join(read_records(tmp_path), pooled=False)[("t", "s")]
     assert [(s.similarity, s.good) for s in group.labelled] == [(0.8, False)]
+
+
+def test_one_tenants_traffic_never_pushes_another_tenants_responses_out(tmp_path: Path) -> None:
+    """beta's flood of hits must not cost acme the responses it may still mark: past the bound the tenant holding
+    the most loses its oldest, and after a restart the same holds."""
+    from edgecache.call import Call
+    from edgecache.engines.base import GenerationRequest
+    from edgecache.http.feedback import ResponseLedger
+    from edgecache.pipeline import Reply
+
+    path = tmp_path / "responses.msgpack"
+    ledger = ResponseLedger(path, max_entries=50)
+    for i in range(10):
+        ledger.remember(f"acme-{i}", Call(request=GenerationRequest(prompt="q"), tenant="acme"), Reply(served="miss"))
+    for i in range(500):
+        ledger.remember(f"beta-{i}", Call(request=GenerationRequest(prompt="q"), tenant="beta"), Reply(served="exact"))
+    assert len(ledger) == 50
+    assert all(ledger.find("acme", f"acme-{i}") is not None for i in range(10))
+    assert ledger.find("beta", "beta-499") is not None and ledger.find("beta", "beta-449") is None
+    ledger.save()
+    again = ResponseLedger(path, max_entries=50)
+    assert all(again.find("acme", f"acme-{i}") is not None for i in range(10)) and len(again) == 50

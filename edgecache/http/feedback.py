@@ -97,15 +97,41 @@ class _Saved(msgspec.Struct, array_like=True):
 
 
 class ResponseLedger:
-    """The last ``max_entries`` responses by id, and the copies semantic hits stored (bounded alike)."""
+    """The last ``max_entries`` responses by id, and the copies semantic hits stored (bounded alike). Past the bound
+    the oldest entry of the tenant that holds the most goes: a tenant within its share (the bound over the tenants
+    that hold any) never loses an entry to another tenant's traffic."""
 
     def __init__(self, path: Path | None = None, max_entries: int = 65_536) -> None:
         self.path = path
         self.max_entries = max_entries
-        self._responses: OrderedDict[str, Responded] = OrderedDict()
+        self._responses: dict[str, Responded] = {}
+        self._ids_of: dict[str, OrderedDict[str, None]] = {}  # tenant -> its response ids, oldest first
         self._copies: OrderedDict[tuple[str, str], Responded] = OrderedDict()
+        self._copies_of: dict[str, int] = {}
         if path is not None:
             self._load(path)
+
+    def _add_response(self, response_id: str, entry: Responded) -> None:
+        self._responses[response_id] = entry
+        ids = self._ids_of.setdefault(entry.tenant, OrderedDict())
+        ids[response_id] = None
+        ids.move_to_end(response_id)
+        if len(self._responses) > self.max_entries:
+            largest = max(self._ids_of.values(), key=len)
+            oldest, _ = largest.popitem(last=False)
+            self._responses.pop(oldest, None)
+            if not largest:
+                self._ids_of = {t: i for t, i in self._ids_of.items() if i}
+
+    def _add_copy(self, tenant: str, key: str, entry: Responded) -> None:
+        if (tenant, key) not in self._copies:
+            self._copies_of[tenant] = self._copies_of.get(tenant, 0) + 1
+        self._copies[(tenant, key)] = entry
+        if len(self._copies) > self.max_entries:
+            largest = max(self._copies_of, key=self._copies_of.__getitem__)
+            oldest = next(pair for pair in self._copies if pair[0] == largest)
+            del self._copies[oldest]
+            self._copies_of[largest] -= 1
 
     def remember(self, response_id: str, call: Call, reply: Reply) -> None:
         """The response ``response_id`` answered ``call`` as ``reply`` says (the hit path: a few dict operations)."""
@@ -118,12 +144,8 @@ class ResponseLedger:
             entry = Responded(call.tenant, call.scenario, reply.served, reply.key, reply.decision_id, hit,
                               lookup.learned)
             if reply.key is not None:
-                self._copies[(call.tenant, reply.key)] = entry
-                if len(self._copies) > self.max_entries:
-                    self._copies.popitem(last=False)
-        self._responses[response_id] = entry
-        if len(self._responses) > self.max_entries:
-            self._responses.popitem(last=False)
+                self._add_copy(call.tenant, reply.key, entry)
+        self._add_response(response_id, entry)
 
     def find(self, tenant: str, response_id: str) -> Responded | None:
         """The response, if ``tenant`` received it and it is remembered."""
@@ -138,9 +160,11 @@ class ResponseLedger:
         """A flush: the copies it dropped are no semantic hit's any more (the responses stay markable)."""
         if tenant is None:
             self._copies.clear()
+            self._copies_of.clear()
             return
         for pair in [pair for pair in self._copies if pair[0] == tenant]:
             del self._copies[pair]
+        self._copies_of.pop(tenant, None)
 
     def __len__(self) -> int:
         return len(self._responses)
@@ -170,11 +194,11 @@ class ResponseLedger:
                         exc)
             return
         for response_id, entry in saved.responses[-self.max_entries:]:
-            self._responses[response_id] = entry
+            self._add_response(response_id, entry)
         for tenant, key, response_id in saved.copies[-self.max_entries:]:
             entry = self._responses.get(response_id)
             if entry is not None:
-                self._copies[(tenant, key)] = entry
+                self._add_copy(tenant, key, entry)
 
 
 async def apply_feedback(rt: Runtime, responses: ResponseLedger, tenant: str, mark: FeedbackRequest) -> FeedbackReply:
