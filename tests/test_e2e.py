@@ -262,3 +262,30 @@ def test_a_smaller_max_tokens_on_anthropic_messages(server: Server) -> None:
         streamed = stream.get_final_message()
     assert [b.text for b in streamed.content] == [b.text for b in reference.content]  # type: ignore[union-attr]
     assert (streamed.stop_reason, streamed.usage.output_tokens) == ("max_tokens", 10)
+
+
+def test_seeded_sampling_is_prefix_stable_on_the_engine_and_served_so(server: Server) -> None:
+    # The engine itself (no-store: neither read nor written): the same seed with max_tokens 48 and 12 writes the
+    # 48-token answer's first 12 tokens, which is what lets max_tokens leave a seeded request's key.
+    c = client(server)
+    messages = [{"role": "user", "content": "Tell me about the moon."}]
+    seeded = {"model": MODEL, "messages": messages, "temperature": 0.9, "seed": 7}
+    long = c.chat.completions.create(**seeded, max_tokens=48, extra_headers=BYPASS).choices[0].message.content
+    short = c.chat.completions.create(**seeded, max_tokens=12, extra_headers=BYPASS).choices[0].message.content
+    assert short and long.startswith(short) and len(long) > len(short)
+    calls = engine_calls(server)
+    assert c.chat.completions.with_raw_response.create(**seeded, max_tokens=48).headers["x-edgecache"] == "miss"
+    raw = c.chat.completions.with_raw_response.create(**seeded, max_tokens=12)
+    assert raw.headers["x-edgecache"] == "exact" and raw.parse().choices[0].message.content == short
+    with c.completions.with_streaming_response.create(
+            model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=20) as resp:
+        assert resp.headers["x-edgecache"] == "miss"
+    with c.completions.with_streaming_response.create(
+            model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=6, stream=True) as resp:
+        assert resp.headers["x-edgecache"] == "exact"
+        pieces = [chunk.choices[0] for chunk in resp.parse() if chunk.choices]
+    reference = c.completions.create(model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=6,
+                                     extra_headers=BYPASS).choices[0]
+    assert "".join(p.text for p in pieces) == reference.text
+    assert [p.finish_reason for p in pieces if p.finish_reason] == ["length"] == [reference.finish_reason]
+    assert engine_calls(server) == calls + 3  # the two misses and the reference
