@@ -29,10 +29,10 @@ import numpy as np
 
 from edgecache.admission import AdmissionGate
 from edgecache.call import CachePolicy, Call, Served
-from edgecache.engines.base import STREAM_BATCH_S, Chunk, Engine
+from edgecache.engines.base import STREAM_BATCH_S, Chunk, Engine, prefix_stable_of
 from edgecache.errors import EngineError, NotCached
 from edgecache.inflight import FlightTable, SharedFlight
-from edgecache.keys import is_cacheable, request_key
+from edgecache.keys import is_cacheable, prefix_stable, request_key
 from edgecache.ledger import EVICTED, FIRST_SEEN, NOT_CACHEABLE, POLICY, Ledger, semantic_reason
 from edgecache.metrics import Metrics
 from edgecache.semantic import refusals
@@ -42,7 +42,7 @@ from edgecache.semantic.guard import rule_of as guard_rule_of
 from edgecache.semantic.labeling import MissLabels
 from edgecache.semantic.lookup import Lookup, Probe, probe_for, record_lookup
 from edgecache.semantic.marks import MarkedWrong
-from edgecache.stores import CachedAnswer, ResultStore
+from edgecache.stores import CachedAnswer, ResultStore, serve_within
 
 
 class Reply(msgspec.Struct, kw_only=True):
@@ -84,27 +84,81 @@ def replay(answer: CachedAnswer) -> AsyncIterator[Chunk]:
     return chunks()
 
 
+class Keys(msgspec.Struct, frozen=True):
+    """A call's keys: ``full`` holds every output-affecting field (flights, semantic lookups, and the answers that
+    cannot be cut are keyed by it); ``any_max_tokens`` leaves ``max_tokens`` out, for a
+    :func:`~edgecache.keys.prefix_stable` request (None otherwise), and holds its answers that carry token ends."""
+
+    full: str
+    any_max_tokens: str | None = None
+
+    @property
+    def taught(self) -> str | None:
+        """Where a mark says that a warmup line taught this request an answer (for some ``max_tokens``): then its
+        computed answers keep ``max_tokens`` in their key too, so none of them covers, and hides, a taught one."""
+        return None if self.any_max_tokens is None else self.any_max_tokens + ".taught"
+
+    async def for_answer(self, answer: CachedAnswer, store: ResultStore) -> str:
+        """Where ``answer`` is stored for this call: under the key without ``max_tokens`` when it can be cut and
+        the request was taught no answer."""
+        if self.any_max_tokens is None or answer.token_ends is None:
+            return self.full
+        assert self.taught is not None
+        taught = store.get_memory(self.taught) or await store.get(self.taught)
+        return self.full if taught is not None else self.any_max_tokens
+
+
+def call_keys(call: Call, model_version: str, rule: str) -> Keys:
+    """The call's :class:`Keys` under the engine's ``prefix_stable`` rule."""
+    full = request_key(call.request, model_version=model_version, tenant=call.tenant, scenario=call.scenario)
+    if not prefix_stable(call.request, rule):
+        return Keys(full)
+    return Keys(full, request_key(call.request, model_version=model_version, tenant=call.tenant,
+                                  scenario=call.scenario, any_max_tokens=True))
+
+
 class CallKeys:
     """Request keys of recently served calls, by call identity.
 
     The HTTP layer hands the same :class:`Call` object back for a body it has seen before, so a repeated request
-    (the cache's common case) finds its key here instead of hashing its messages again. Entries hold their call, so
+    (the cache's common case) finds its keys here instead of hashing its messages again. Entries hold their call, so
     an id is never reused while its entry lives; bounded by count.
     """
 
     def __init__(self, max_entries: int = 4096) -> None:
         self.max_entries = max_entries
-        self._entries: OrderedDict[int, tuple[Call, str, str]] = OrderedDict()
+        self._entries: OrderedDict[int, tuple[Call, str, str, Keys]] = OrderedDict()
 
-    def key(self, call: Call, model_version: str) -> str:
+    def key(self, call: Call, model_version: str, rule: str = "") -> Keys:
         entry = self._entries.get(id(call))
-        if entry is not None and entry[0] is call and entry[1] == model_version:
-            return entry[2]
-        key = request_key(call.request, model_version=model_version, tenant=call.tenant, scenario=call.scenario)
-        self._entries[id(call)] = (call, model_version, key)
+        if entry is not None and entry[0] is call and entry[1] == model_version and entry[2] == rule:
+            return entry[3]
+        keys = call_keys(call, model_version, rule)
+        self._entries[id(call)] = (call, model_version, rule, keys)
         if len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
-        return key
+        return keys
+
+
+class Cuts:
+    """Stored answers served for a smaller ``max_tokens`` (:func:`~edgecache.stores.serve_within`), by answer object
+    and limit: the memory tier hands a hot answer out as the same object on every hit, so its cut is made once and
+    is the same object too (the HTTP front's renderings are keyed by answer object). Entries hold their answer, so
+    an id is never reused while its entry lives; bounded by count."""
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[int, int], tuple[CachedAnswer, CachedAnswer | None]] = OrderedDict()
+
+    def serve(self, answer: CachedAnswer, max_tokens: int) -> CachedAnswer | None:
+        entry = self._entries.get((id(answer), max_tokens))
+        if entry is not None and entry[0] is answer:
+            return entry[1]
+        served = serve_within(answer, max_tokens)
+        self._entries[(id(answer), max_tokens)] = (answer, served)
+        if len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        return served
 
 
 class SemanticAnswer(msgspec.Struct, frozen=True, kw_only=True):
@@ -117,6 +171,7 @@ class SemanticAnswer(msgspec.Struct, frozen=True, kw_only=True):
     first: bool = True
     dropped: str | None = None       # why a hit's answer did not serve: gone (expired, evicted) or too_old
     decision_id: str | None = None   # the decision log's record of it (labels name it)
+    stored_as: str | None = None     # the key a hit's answer was kept under for this request
 
 
 def _fresh_enough(answer: CachedAnswer, call: Call) -> bool:
@@ -151,6 +206,7 @@ class RequestPipeline:
         self.marks = marks          # candidates the callers marked wrong for a request (None: none kept)
         self.ledger = ledger if ledger is not None else Ledger()
         self._keys = CallKeys()
+        self._cuts = Cuts()
         self._semantic_lookups: dict[str, asyncio.Future[SemanticAnswer]] = {}
 
     def use_semantic(self, semantic: SemanticCache) -> None:
@@ -169,7 +225,8 @@ class RequestPipeline:
             return await self._uncached(call, NOT_CACHEABLE)
         if not (policy.read or policy.write):
             return await self._uncached(call, POLICY)  # bypass
-        key = self._keys.key(call, self.engine.version)
+        keys = self._keys.key(call, self.engine.version, prefix_stable_of(self.engine))
+        key = keys.full
         store = self.stores(call.tenant)  # the tenant's own store: its own quota, its own LRU
         probe: Probe | None = None
         lookup: Lookup | None = None
@@ -178,11 +235,11 @@ class RequestPipeline:
 
         if policy.read:
             # 1. exact result store (memory first: a hot hit never leaves the event loop)
-            reply = await self._exact(call, key, store)
+            reply = await self._exact(call, keys, store)
             if reply is not None:
                 return reply
 
-            # 2. in-flight de-duplication
+            # 2. in-flight de-duplication (by the full key: a follower joins only a leader of its own max_tokens)
             flight = self.inflight.get(key)
             if flight is not None:
                 return Reply(served="shared", chunks=flight.follow(batch_s=STREAM_BATCH_S), key=key)
@@ -199,14 +256,15 @@ class RequestPipeline:
             # 3. semantic cache: first-turn chat prompts only, the nearest candidates, accepted by threshold + guard or the verifier
             probe = await self._probe(call, policy)
             if probe is not None:
-                found = await self._semantic_once(call, key, probe, policy)
+                found = await self._semantic_once(call, keys, probe, policy)
                 lookup, decision_id = found.lookup, found.decision_id
                 if found.answer is not None:
                     return Reply(served="semantic" if found.first else "shared", answer=found.answer,
                                  similarity=found.similarity, ttl_s=found.answer.expires_at - time.time(),
-                                 key=key if policy.write else None, lookup=lookup, decision_id=decision_id)
+                                 key=found.stored_as if policy.write else None, lookup=lookup,
+                                 decision_id=decision_id)
                 # While this one looked, an identical request may have computed its answer or started to.
-                reply = await self._exact(call, key, store)
+                reply = await self._exact(call, keys, store)
                 if reply is not None:
                     return reply
                 flight = self.inflight.get(key)
@@ -215,7 +273,7 @@ class RequestPipeline:
 
         if not policy.compute:
             raise NotCached("only-if-cached, and no cached answer matches this request; nothing was computed")
-        reason = await self._why_missed(call, key, store, policy, found)
+        reason = await self._why_missed(call, keys.any_max_tokens or key, store, policy, found)
         purpose = "explore" if lookup is not None and lookup.explored else "warmup" if call.warmup else "miss"
         if not policy.write:
             return Reply(served="miss", chunks=self._engine_stream(call, purpose), lookup=lookup,
@@ -227,10 +285,10 @@ class RequestPipeline:
         ttl_s = self.ttl_for(call)
         if lookup is None and probe is not None:
             lookup = Lookup(vector=None)  # no-cache: the vector is computed after the answer, for the write
-        flight = self.inflight.lead(key, lambda f: self._compute_and_store(call, key, ttl_s, f, probe, lookup,
+        flight = self.inflight.lead(key, lambda f: self._compute_and_store(call, keys, ttl_s, f, probe, lookup,
                                                                             decision_id, purpose))
-        reply = Reply(served="miss", ttl_s=ttl_s, key=key, lookup=lookup, decision_id=decision_id,
-                      miss_reason=reason)
+        reply = Reply(served="miss", ttl_s=ttl_s, key=keys.any_max_tokens or key, lookup=lookup,
+                      decision_id=decision_id, miss_reason=reason)
         reply.chunks = _served_by_whom(reply, flight)
         return reply
 
@@ -276,27 +334,44 @@ class RequestPipeline:
         await self.engine.check_prompt(call.request)
         self.admission.refuse_if_full(call.tenant, call.tenant_limit)  # the check awaited: look again
 
-    async def _exact(self, call: Call, key: str, store: ResultStore) -> Reply | None:
-        answer = store.get_memory(key) or await store.get(key)
+    async def _exact(self, call: Call, keys: Keys, store: ResultStore) -> Reply | None:
+        """The stored answer for the call: under its full key (an answer made for exactly its ``max_tokens``: a
+        warmup line's, one that cannot be cut), else under its key without ``max_tokens`` where that answer covers
+        the call's (cut to it where it is longer). Memory first for both, so a hot hit never leaves the event
+        loop."""
+        free = keys.any_max_tokens
+        if free is None:
+            return self._exact_reply(call, keys.full, store.get_memory(keys.full) or await store.get(keys.full))
+        return (self._exact_reply(call, keys.full, store.get_memory(keys.full))
+                or self._exact_reply(call, free, store.get_memory(free))
+                or self._exact_reply(call, keys.full, await store.get(keys.full))
+                or self._exact_reply(call, free, await store.get(free)))
+
+    def _exact_reply(self, call: Call, key: str, answer: CachedAnswer | None) -> Reply | None:
         if answer is None or not _fresh_enough(answer, call):
             return None
+        if answer.token_ends is not None:  # stored under a key without max_tokens
+            answer = self._cuts.serve(answer, call.request.params.max_tokens)
+            if answer is None:
+                return None
         return Reply(served="exact", answer=answer, ttl_s=answer.expires_at - time.time(), key=key)
 
-    async def _semantic_once(self, call: Call, key: str, probe: Probe, policy: CachePolicy) -> SemanticAnswer:
+    async def _semantic_once(self, call: Call, keys: Keys, probe: Probe, policy: CachePolicy) -> SemanticAnswer:
         """The semantic lookup, once per key at a time: a burst of identical requests embeds once and writes a
         semantic hit under the key once; the others share the outcome (their label: ``shared``)."""
+        key = keys.full
         pending = self._semantic_lookups.get(key)
         if pending is not None:
             return msgspec.structs.replace(await asyncio.shield(pending), first=False)
-        pending = asyncio.ensure_future(self._semantic_answer(call, key, probe, policy))
+        pending = asyncio.ensure_future(self._semantic_answer(call, keys, probe, policy))
         self._semantic_lookups[key] = pending
         pending.add_done_callback(lambda done: self._semantic_lookups.pop(key, None)
                                   if self._semantic_lookups.get(key) is done else None)
         # Shielded: the first caller leaving (its client gone) must not cancel the lookup others wait on.
         return await asyncio.shield(pending)
 
-    async def _semantic_answer(self, call: Call, key: str, probe: Probe, policy: CachePolicy) -> SemanticAnswer:
-        found = await self._semantic_decide(call, key, probe, policy)
+    async def _semantic_answer(self, call: Call, keys: Keys, probe: Probe, policy: CachePolicy) -> SemanticAnswer:
+        found = await self._semantic_decide(call, keys, probe, policy)
         if found.answer is None and found.lookup.similarity is not None:
             # How near the nearest candidate of a miss was: where a scenario's misses sit against its cut.
             self.metrics.semantic_miss_similarity.labels(call.scenario).observe(found.lookup.similarity)
@@ -306,11 +381,12 @@ class RequestPipeline:
             self.decisions, call.tenant, call.scenario, probe.text, found.lookup, served=found.answer is not None,
             dropped=found.dropped))
 
-    async def _semantic_decide(self, call: Call, key: str, probe: Probe, policy: CachePolicy) -> SemanticAnswer:
+    async def _semantic_decide(self, call: Call, keys: Keys, probe: Probe, policy: CachePolicy) -> SemanticAnswer:
         assert self.semantic is not None
         lookup = await self.semantic.lookup(call.tenant, call.scenario, probe)
-        if lookup.hit is not None and self.marks is not None and self.marks.refuses(call.tenant, key,
-                                                                                    lookup.hit.store_key):
+        if lookup.hit is not None and self.marks is not None and any(
+                self.marks.refuses(call.tenant, key, lookup.hit.store_key)
+                for key in (keys.full, keys.any_max_tokens) if key is not None):
             lookup = msgspec.structs.replace(lookup, refusal=refusals.MARKED_WRONG)
         if lookup.score is not None:
             self.metrics.semantic_verifier_score.labels(call.scenario).observe(lookup.score)
@@ -325,27 +401,38 @@ class RequestPipeline:
             return SemanticAnswer(lookup=lookup)
         store = self.stores(call.tenant)
         answer = await store.get(hit.store_key)
-        if answer is None:
-            # The answer expired or was evicted: its vector goes too, and this is a miss.
+        # An answer under a key without max_tokens serves this request's max_tokens (the index's namespace holds
+        # it) when it covers it: one computed for another limit since may not.
+        served = answer if answer is None or answer.token_ends is None else \
+            self._cuts.serve(answer, call.request.params.max_tokens)
+        if answer is None or served is None:
+            # The answer expired or was evicted (or no longer covers the limit): its vector goes too, and this is
+            # a miss.
             await self.semantic.forget(call.tenant, call.scenario, probe, hit.vector_key, hit.store_key)
             return SemanticAnswer(lookup=lookup, dropped="gone")
         if not _fresh_enough(answer, call):
             return SemanticAnswer(lookup=lookup, dropped="too_old")
-        # Kept under this request's own key too (unless it writes nothing): its repeats are exact hits.
+        # Kept under this request's own key too (unless it writes nothing): its repeats are exact hits. Whole:
+        # under a key without max_tokens it serves this request's other limits too.
+        key = await keys.for_answer(answer, store)
         if policy.write and await store.put(key, answer, tag=call.scenario):
             self.ledger.history.stored(call.tenant, call.scenario, key, answer.expires_at)
-        return SemanticAnswer(lookup=lookup, answer=answer, similarity=hit.similarity)
+        return SemanticAnswer(lookup=lookup, answer=served, similarity=hit.similarity, stored_as=key)
 
     async def store_known_answers(self, known: Sequence[tuple[Call, str]]) -> list[bool | None]:
         """Warmup: keep each ``text`` as the answer to its ``call``, in the store and (first-turn chat) the semantic
         index, as if the engine had written it. Per item: True written, False already answered (in the store, or
         earlier in ``known``), None when the store refused the write (a full disk: counted by the store). Batched
         all the way down: one existence read and one write transaction per tenant, embeddings in large batches,
-        one index insert per index. Token counts are unknown for such an answer and are reported as 0."""
+        one index insert per index. Token counts are unknown for such an answer and are reported as 0.
+
+        Such an answer has no token ends, so it stays under the key with ``max_tokens`` and serves that limit only;
+        a request whose key can leave ``max_tokens`` out is marked taught (:attr:`Keys.taught`), and an answer
+        computed for it under the key without ``max_tokens`` is dropped, so no computed answer hides a taught one."""
         now = time.time()
-        version = self.engine.version
-        keys = [request_key(call.request, model_version=version, tenant=call.tenant, scenario=call.scenario)
-                for call, _ in known]
+        version, rule = self.engine.version, prefix_stable_of(self.engine)
+        call_keys_of = [call_keys(call, version, rule) for call, _ in known]
+        keys = [k.full for k in call_keys_of]
         outcome: list[bool | None] = [False] * len(known)
         by_tenant: dict[str, list[int]] = {}
         seen: set[tuple[str, str]] = set()
@@ -361,7 +448,19 @@ class RequestPipeline:
                                               completion_tokens=0, created_at=now,
                                               expires_at=now + self.ttl_for(known[i][0])), known[i][0].scenario)
                        for i in fresh]
-            stored = await store.put_many(answers)
+            # A taught request's mark lives as long as its answer (the mark is an empty answer under Keys.taught).
+            marks: list[tuple[str, CachedAnswer, str | None]] = []
+            free: list[str] = []
+            for i, (_, answer, scenario) in zip(fresh, answers):
+                taught_key, free_key = call_keys_of[i].taught, call_keys_of[i].any_max_tokens
+                if taught_key is not None and free_key is not None:
+                    marks.append((taught_key, msgspec.structs.replace(answer, text=""), scenario))
+                    free.append(free_key)
+            stored = await store.put_many([*answers, *marks])
+            if stored and free:
+                for key, there in zip(free, await store.contains_many(free)):
+                    if there:
+                        await store.delete(key)  # computed before the teaching: it would hide the taught answer
             for i, (_, answer, _) in zip(fresh, answers):
                 outcome[i] = True if stored else None
                 if stored:
@@ -416,7 +515,7 @@ class RequestPipeline:
             async for chunk in chunks:
                 yield chunk
 
-    async def _compute_and_store(self, call: Call, key: str, ttl_s: float, flight: SharedFlight,
+    async def _compute_and_store(self, call: Call, keys: Keys, ttl_s: float, flight: SharedFlight,
                                  probe: Probe | None = None, lookup: Lookup | None = None,
                                  decision_id: str | None = None, purpose: str = "miss") -> None:
         final: Chunk | None = None
@@ -435,12 +534,18 @@ class RequestPipeline:
             now = time.time()
             first = final.choices[0] if final.choices else None
             text = first.text if first else "".join(c.text for c in flight.chunks)
-            if await self.stores(call.tenant).put(key, CachedAnswer(
-                    text=text,
-                    finish_reason=first.finish_reason if first else final.finish_reason,
-                    prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
-                    created_at=now, expires_at=now + ttl_s, choices=final.choices,
-                    stop_sequence=first.stop_sequence if first else final.stop_sequence), tag=call.scenario):
+            # Token ends let the answer serve other max_tokens: kept only where the key leaves max_tokens out.
+            ends = final.token_ends if keys.any_max_tokens is not None and first is None else None
+            answer = CachedAnswer(
+                text=text,
+                finish_reason=first.finish_reason if first else final.finish_reason,
+                prompt_tokens=final.prompt_tokens, completion_tokens=final.completion_tokens,
+                created_at=now, expires_at=now + ttl_s, choices=final.choices,
+                stop_sequence=first.stop_sequence if first else final.stop_sequence,
+                token_ends=ends, max_tokens=call.request.params.max_tokens if ends is not None else 0)
+            store = self.stores(call.tenant)
+            key = await keys.for_answer(answer, store)
+            if await store.put(key, answer, tag=call.scenario):
                 self.ledger.history.stored(call.tenant, call.scenario, key, now + ttl_s)
             if probe is not None and lookup is not None and self.semantic is not None:
                 vector = (lookup.vector if lookup.vector is not None

@@ -507,12 +507,17 @@ def test_e2e_a_stop_sequence_that_ended_the_answer_is_named(server: Server) -> N
     for message in (miss.parse(), hit.parse()):
         assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop)
         assert message.content[0].text == text[:text.index(stop)]  # type: ignore[union-attr]
-    # Streamed, as a miss (another max_tokens: another key; the greedy answer stops at the same place).
-    with c.messages.stream(**dict(stopped, max_tokens=17)) as stream:
+    # Streamed, as a miss (no-cache: computed again; the greedy answer stops at the same place).
+    with c.messages.stream(**dict(stopped, max_tokens=17), extra_headers={"Cache-Control": "no-cache"}) as stream:
         assert stream.response.headers["x-edgecache"] == "miss"
         streamed = stream.get_final_message()
     assert (streamed.stop_reason, streamed.stop_sequence) == ("stop_sequence", stop)
     assert streamed.content[0].text == text[:text.index(stop)]  # type: ignore[union-attr]
+    # A larger max_tokens is served the answer that a stop sequence ended, and says so.
+    with c.messages.stream(**dict(stopped, max_tokens=40)) as stream:
+        assert stream.response.headers["x-edgecache"] == "exact"
+        larger = stream.get_final_message()
+    assert (larger.stop_reason, larger.stop_sequence, larger.content) == ("stop_sequence", stop, streamed.content)
 
 
 @pytest.mark.e2e

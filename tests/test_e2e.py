@@ -164,3 +164,128 @@ def test_restart_on_the_same_data_dir_is_still_exact(tmp_path: Path) -> None:
         assert "edgecache_engine_calls_total 0.0" in httpx.get(second.url + "/metrics").text
     finally:
         second.stop()
+
+
+# --- one answer for every max_tokens of a greedy request ------------------------------------------------------
+
+BYPASS = {"Cache-Control": "no-store"}  # the engine's own answer: neither read nor written
+
+
+def engine_calls(server: Server) -> float:
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    return float(next(line.split()[1] for line in metrics.splitlines()
+                      if line.startswith("edgecache_engine_calls_total ")))
+
+
+def test_a_greedy_answer_serves_a_smaller_max_tokens_as_the_engine_writes_it(server: Server) -> None:
+    c = client(server)
+    messages = [{"role": "user", "content": "Write a short poem about the sea."}]
+    reference = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                          extra_headers=BYPASS).choices[0]
+    assert reference.finish_reason == "length"
+    calls = engine_calls(server)
+    served, long = ask(c, messages[0]["content"], max_tokens=48)
+    assert served == "miss" and long.usage.completion_tokens == 48
+    served, short = ask(c, messages[0]["content"], max_tokens=12)
+    assert served == "exact"
+    assert short.choices[0].message.content == reference.message.content
+    assert long.choices[0].message.content.startswith(reference.message.content)
+    assert (short.choices[0].finish_reason, short.usage.completion_tokens) == ("length", 12)
+    with c.chat.completions.with_streaming_response.create(
+            model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True,
+            stream_options={"include_usage": True}) as resp:
+        assert resp.headers["x-edgecache"] == "exact"
+        chunks = list(resp.parse())
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == reference.message.content
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["length"]
+    assert [ch.usage.completion_tokens for ch in chunks if ch.usage] == [12]
+    assert engine_calls(server) == calls + 1
+    # A larger max_tokens than the stored answer's 48 is computed; an answer that ended by itself serves any larger
+    # max_tokens, whole.
+    served, again = ask(c, messages[0]["content"], max_tokens=300)
+    assert served == "miss" and again.choices[0].message.content.startswith(long.choices[0].message.content)
+    if again.choices[0].finish_reason == "stop":
+        served, whole = ask(c, messages[0]["content"], max_tokens=400)
+        assert served == "exact" and whole.choices[0].message.content == again.choices[0].message.content
+    assert engine_calls(server) == calls + 2
+
+
+def test_a_smaller_max_tokens_on_completions_and_responses(server: Server) -> None:
+    url = server.url
+    body = {"model": MODEL, "prompt": "The three primary colours are", "temperature": 0}
+    reference = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 7}, headers=BYPASS, timeout=60).json()
+    assert httpx.post(url + "/v1/completions", json={**body, "max_tokens": 30}, timeout=60).headers[
+        "x-edgecache"] == "miss"
+    short = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 7}, timeout=60)
+    assert short.headers["x-edgecache"] == "exact"
+    assert short.json()["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert short.json()["choices"][0]["finish_reason"] == "length" and short.json()["usage"]["completion_tokens"] == 7
+
+    request = {"model": MODEL, "input": "Describe a forest in one paragraph.", "temperature": 0}
+    reference = httpx.post(url + "/v1/responses", json={**request, "max_output_tokens": 16}, headers=BYPASS,
+                           timeout=60).json()
+    assert httpx.post(url + "/v1/responses", json={**request, "max_output_tokens": 40}, timeout=60).headers[
+        "x-edgecache"] == "miss"
+    short = httpx.post(url + "/v1/responses", json={**request, "max_output_tokens": 16}, timeout=60)
+    assert short.headers["x-edgecache"] == "exact"
+    assert response_text(short.json()) == response_text(reference) and response_text(reference)
+    assert short.json()["status"] == "incomplete" and short.json()["usage"]["output_tokens"] == 16
+    with httpx.stream("POST", url + "/v1/responses", json={**request, "max_output_tokens": 16, "stream": True},
+                      timeout=60) as resp:
+        assert resp.headers["x-edgecache"] == "exact"
+        events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert any('"response.incomplete"' in e for e in events)
+
+
+def response_text(response: dict) -> str:
+    return "".join(part["text"] for item in response["output"] if item["type"] == "message"
+                   for part in item["content"] if part["type"] == "output_text")
+
+
+def test_a_smaller_max_tokens_on_anthropic_messages(server: Server) -> None:
+    import anthropic
+
+    c = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    request: dict = {"model": MODEL, "extra_body": {"temperature": 0},
+                     "messages": [{"role": "user", "content": "Tell me a story about a dragon."}]}
+    reference = c.messages.create(**request, max_tokens=10, extra_headers=BYPASS)
+    assert reference.stop_reason == "max_tokens"
+    long = c.messages.with_raw_response.create(**request, max_tokens=48)
+    assert long.headers["x-edgecache"] == "miss"
+    short = c.messages.with_raw_response.create(**request, max_tokens=10)
+    assert short.headers["x-edgecache"] == "exact"
+    message = short.parse()
+    assert [b.text for b in message.content] == [b.text for b in reference.content]  # type: ignore[union-attr]
+    assert (message.stop_reason, message.usage.output_tokens) == ("max_tokens", 10)
+    with c.messages.stream(**request, max_tokens=10) as stream:
+        assert stream.response.headers["x-edgecache"] == "exact"
+        streamed = stream.get_final_message()
+    assert [b.text for b in streamed.content] == [b.text for b in reference.content]  # type: ignore[union-attr]
+    assert (streamed.stop_reason, streamed.usage.output_tokens) == ("max_tokens", 10)
+
+
+def test_seeded_sampling_is_prefix_stable_on_the_engine_and_served_so(server: Server) -> None:
+    # The engine itself (no-store: neither read nor written): the same seed with max_tokens 48 and 12 writes the
+    # 48-token answer's first 12 tokens, which is what lets max_tokens leave a seeded request's key.
+    c = client(server)
+    messages = [{"role": "user", "content": "Tell me about the moon."}]
+    seeded = {"model": MODEL, "messages": messages, "temperature": 0.9, "seed": 7}
+    long = c.chat.completions.create(**seeded, max_tokens=48, extra_headers=BYPASS).choices[0].message.content
+    short = c.chat.completions.create(**seeded, max_tokens=12, extra_headers=BYPASS).choices[0].message.content
+    assert short and long.startswith(short) and len(long) > len(short)
+    calls = engine_calls(server)
+    assert c.chat.completions.with_raw_response.create(**seeded, max_tokens=48).headers["x-edgecache"] == "miss"
+    raw = c.chat.completions.with_raw_response.create(**seeded, max_tokens=12)
+    assert raw.headers["x-edgecache"] == "exact" and raw.parse().choices[0].message.content == short
+    with c.completions.with_streaming_response.create(
+            model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=20) as resp:
+        assert resp.headers["x-edgecache"] == "miss"
+    with c.completions.with_streaming_response.create(
+            model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=6, stream=True) as resp:
+        assert resp.headers["x-edgecache"] == "exact"
+        pieces = [chunk.choices[0] for chunk in resp.parse() if chunk.choices]
+    reference = c.completions.create(model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=6,
+                                     extra_headers=BYPASS).choices[0]
+    assert "".join(p.text for p in pieces) == reference.text
+    assert [p.finish_reason for p in pieces if p.finish_reason] == ["length"] == [reference.finish_reason]
+    assert engine_calls(server) == calls + 3  # the two misses and the reference

@@ -11,8 +11,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from edgecache.engines.base import GenerationRequest, Message, SamplingParams
-from edgecache.keys import is_cacheable, request_key
+from edgecache.engines.base import GenerationRequest, Message, SamplingParams, ToolSpec
+from edgecache.keys import is_cacheable, prefix_stable, request_key
 
 BASE_MESSAGES = (Message("system", "You are terse."), Message("user", "What is the capital of France?"))
 BASE_PARAMS = SamplingParams(max_tokens=32, temperature=0.0, top_p=1.0, stop=(), seed=None,
@@ -165,3 +165,65 @@ def test_the_key_is_stable_across_processes(tmp_path: Path) -> None:
 def test_is_cacheable(params: dict[str, Any], cacheable: bool) -> None:
     request = GenerationRequest(messages=(Message("user", "hi"),), params=SamplingParams(**params))
     assert is_cacheable(request) is cacheable
+
+
+# --- max_tokens out of the key, where decoding is prefix-stable ----------------------------------------------
+
+
+def free_key(request: GenerationRequest, **namespace: str) -> str:
+    return request_key(request, **{**NAMESPACE, **namespace}, any_max_tokens=True)
+
+
+def test_the_key_without_max_tokens_is_the_same_for_every_max_tokens() -> None:
+    assert free_key(chat(max_tokens=12)) == free_key(chat(max_tokens=48)) == free_key(chat(max_tokens=256))
+    assert key(chat(max_tokens=12)) != key(chat(max_tokens=48))
+
+
+def test_the_key_without_max_tokens_never_equals_a_key_with_it() -> None:
+    # 256 is SamplingParams' default, which the encoding omits: a key that dropped max_tokens by setting the
+    # default would equal the full key of every request that asks for 256.
+    for max_tokens in (1, 12, 256):
+        assert free_key(chat(max_tokens=max_tokens)) != key(chat(max_tokens=max_tokens))
+
+
+@pytest.mark.parametrize("change", [
+    pytest.param({"stop": ("\n",)}, id="stop"),
+    pytest.param({"temperature": 0.5, "seed": 1}, id="temperature"),
+    pytest.param({"seed": 1}, id="seed"),
+    pytest.param({"top_p": 0.9}, id="top_p"),
+])
+def test_the_key_without_max_tokens_keeps_every_other_parameter(change: dict[str, Any]) -> None:
+    assert free_key(chat(**change)) != free_key(chat())
+
+
+@pytest.mark.parametrize("fields", [
+    pytest.param({"min_tokens": 4}, id="min_tokens"),
+    pytest.param({"n": 2}, id="n"),
+    pytest.param({"logprobs": 0}, id="logprobs"),
+])
+def test_the_key_without_max_tokens_keeps_the_stopping_and_shape_fields(fields: dict[str, Any]) -> None:
+    assert free_key(msgspec.structs.replace(chat(), **fields)) != free_key(chat())
+
+
+def test_the_key_schema_is_bumped_for_keys_without_max_tokens() -> None:
+    from edgecache.keys import KEY_SCHEMA
+    assert KEY_SCHEMA == 3
+
+
+@pytest.mark.parametrize("params, fields, rule, stable", [
+    pytest.param({"temperature": 0.0}, {}, "greedy", True, id="greedy"),
+    pytest.param({"temperature": 0.0}, {}, "", False, id="engine-reports-no-token-ends"),
+    pytest.param({"temperature": 0.7, "seed": 3}, {}, "greedy", False, id="seeded-on-a-greedy-only-engine"),
+    pytest.param({"temperature": 0.7, "seed": 3}, {}, "seeded", True, id="seeded"),
+    pytest.param({"temperature": 0.7}, {}, "seeded", False, id="sampled-without-seed"),
+    pytest.param({"temperature": 0.0}, {"n": 2}, "seeded", False, id="n"),
+    pytest.param({"temperature": 0.0}, {"logprobs": 0}, "seeded", False, id="logprobs"),
+    pytest.param({"temperature": 0.0}, {"echo": True}, "seeded", False, id="echo"),
+    pytest.param({"temperature": 0.0}, {"tools": (ToolSpec("f"),)}, "seeded", False, id="tools"),
+    pytest.param({"temperature": 0.0}, {"tools": (ToolSpec("f"),), "tool_choice": "none"}, "seeded", True,
+                 id="tools-not-offered"),
+    pytest.param({"temperature": 0.0}, {"min_tokens": 4}, "seeded", True, id="min_tokens"),
+])
+def test_prefix_stable(params: dict[str, Any], fields: dict[str, Any], rule: str, stable: bool) -> None:
+    request = GenerationRequest(messages=(Message("user", "hi"),), params=SamplingParams(**params), **fields)
+    assert prefix_stable(request, rule) is stable

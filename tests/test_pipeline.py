@@ -239,3 +239,155 @@ async def test_engine_calls_are_counted_in_metrics(pipeline: RequestPipeline) ->
     engine = pipeline.metrics.snapshot()["engine"]
     assert engine["calls"] == 1
     assert engine["prompt_tokens"] == 2
+
+
+# --- max_tokens out of the key, where decoding is prefix-stable ----------------------------------------------
+
+
+class WordEngine(FakeEngine):
+    """A prefix-stable engine: its answer is ``words`` words (`` w0 w1 ...``) and then the end token, one token
+    each, cut at ``max_tokens``; it reports each token's end like the llama.cpp engine."""
+
+    prefix_stable = "greedy"
+
+    def __init__(self, words: int = 20, **kw: object) -> None:
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.words = words
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+        self.calls += 1
+        self.requests.append(request)
+        if self.gate is not None:
+            await self.gate.wait()
+        n = min(self.words, request.params.max_tokens)
+        pieces = [f" w{i}" for i in range(n)]
+        for piece in pieces:
+            yield Chunk(text=piece)
+        ends = tuple(sum(len(p) for p in pieces[:i + 1]) for i in range(n))
+        self.completed += 1
+        yield Chunk(finish_reason="stop" if n == self.words else "length", prompt_tokens=2, completion_tokens=n,
+                    token_ends=ends)
+
+
+def words(n: int) -> str:
+    return "".join(f" w{i}" for i in range(n))
+
+
+async def test_a_smaller_max_tokens_is_served_the_stored_answers_first_tokens(store: DiskResultStore) -> None:
+    engine = WordEngine()
+    pipeline = make_pipeline(engine, store)
+    served, long = await serve_all(pipeline, Call(request=chat("q", max_tokens=12)))
+    assert served == "miss" and text_of(long) == words(12) and long[-1].finish_reason == "length"
+    for _ in range(2):  # the second from the cut made once
+        served, short = await serve_all(pipeline, Call(request=chat("q", max_tokens=5)))
+        assert served == "exact"
+        assert text_of(short) == words(5)
+        assert (short[-1].finish_reason, short[-1].completion_tokens) == ("length", 5)
+    assert engine.calls == 1
+
+
+async def test_an_answer_that_ended_by_itself_serves_larger_max_tokens(store: DiskResultStore) -> None:
+    engine = WordEngine(words=4)
+    pipeline = make_pipeline(engine, store)
+    await serve_all(pipeline, Call(request=chat("q", max_tokens=16)))
+    served, chunks = await serve_all(pipeline, Call(request=chat("q", max_tokens=300)))
+    assert served == "exact" and text_of(chunks) == words(4)
+    assert (chunks[-1].finish_reason, chunks[-1].completion_tokens) == ("stop", 4)
+    # Exactly 4: the engine would stop at the limit before the end token, so finish is length.
+    served, chunks = await serve_all(pipeline, Call(request=chat("q", max_tokens=4)))
+    assert served == "exact" and text_of(chunks) == words(4) and chunks[-1].finish_reason == "length"
+    assert engine.calls == 1
+
+
+async def test_a_larger_max_tokens_than_an_answer_cut_at_its_limit_is_computed_and_replaces_it(
+        store: DiskResultStore) -> None:
+    engine = WordEngine()
+    pipeline = make_pipeline(engine, store)
+    await serve_all(pipeline, Call(request=chat("q", max_tokens=4)))
+    served, chunks = await serve_all(pipeline, Call(request=chat("q", max_tokens=8)))
+    assert served == "miss" and text_of(chunks) == words(8)
+    served, chunks = await serve_all(pipeline, Call(request=chat("q", max_tokens=6)))
+    assert served == "exact" and text_of(chunks) == words(6)
+    assert engine.calls == 2
+    assert (await store.stats())["entries"] == 1  # one key for every max_tokens
+
+
+async def test_other_fields_than_max_tokens_still_split_the_key(store: DiskResultStore) -> None:
+    engine = WordEngine()
+    pipeline = make_pipeline(engine, store)
+    await serve_all(pipeline, Call(request=chat("q", max_tokens=12)))
+    served, _ = await serve_all(pipeline, Call(request=chat("q", max_tokens=5, stop=("w9",))))
+    assert served == "miss"
+    served, _ = await serve_all(pipeline, Call(request=chat("q", max_tokens=5, temperature=0.5, seed=1)))
+    assert served == "miss"  # seeded sampling: prefix-stable only on an engine that says "seeded"
+
+
+async def test_an_engine_without_token_ends_keeps_max_tokens_in_the_key(pipeline: RequestPipeline,
+                                                                        engine: FakeEngine) -> None:
+    await serve_all(pipeline, Call(request=chat("q", max_tokens=48)))
+    served, _ = await serve_all(pipeline, Call(request=chat("q", max_tokens=12)))
+    assert served == "miss" and engine.calls == 2
+
+
+async def test_a_taught_request_keeps_max_tokens_in_its_key(store: DiskResultStore) -> None:
+    # A warmup line's answer has no token ends: it serves its own max_tokens only, and no computed answer of the
+    # same request may cover (and hide) it, whichever is in memory. Taught after a computed answer, too.
+    engine = WordEngine(words=3)
+    pipeline = make_pipeline(engine, store)
+    await serve_all(pipeline, Call(request=chat("q", max_tokens=8)))
+    assert await pipeline.store_known_answer(Call(request=chat("q", max_tokens=16)), "the taught answer")
+    for max_tokens, served_by, text in ((16, "exact", "the taught answer"), (32, "miss", words(3)),
+                                        (16, "exact", "the taught answer"), (32, "exact", words(3)),
+                                        (8, "miss", words(3)), (8, "exact", words(3))):
+        served, chunks = await serve_all(pipeline, Call(request=chat("q", max_tokens=max_tokens)))
+        assert (max_tokens, served, text_of(chunks)) == (max_tokens, served_by, text)
+    assert engine.calls == 3
+
+
+async def test_a_follower_joins_only_a_leader_of_its_own_max_tokens(store: DiskResultStore) -> None:
+    engine = WordEngine()
+    engine.gate = asyncio.Event()
+    pipeline = make_pipeline(engine, store)
+    long = await pipeline.serve(Call(request=chat("q", max_tokens=12)))
+    same = await pipeline.serve(Call(request=chat("q", max_tokens=12)))
+    short = await pipeline.serve(Call(request=chat("q", max_tokens=5)))
+    assert (long.served, same.served, short.served) == ("miss", "shared", "miss")
+    engine.gate.set()
+    texts = [text_of(await collect(reply.stream())) for reply in (long, same, short)]
+    await pipeline.inflight.drain(timeout_s=5)
+    assert texts == [words(12), words(12), words(5)]
+    assert engine.calls == 2
+
+
+async def test_a_semantic_hit_serves_under_the_same_rule(store: DiskResultStore, tmp_path: Path) -> None:
+    from edgecache.semantic.cache import SemanticCache
+    from edgecache.semantic.embedders import load_embedder
+    from edgecache.semantic.index import SemanticIndex
+    from edgecache.semantic.lookup import MatchRule
+
+    embedder = load_embedder("use-multilingual")
+    index = SemanticIndex(tmp_path / "semantic", dim=embedder.dim, embedder_version=embedder.version)
+    semantic = SemanticCache(embedder=embedder, index=index, rule_for=lambda t, s: MatchRule(0.01, threshold=0.9))
+    engine = WordEngine()
+    pipeline = RequestPipeline(engine=engine, stores=lambda tenant: store, inflight=InflightTable(),
+                               metrics=Metrics(), ttl_for=lambda call: 3600.0, semantic=semantic,
+                               admission=AdmissionGate(max_running=8, max_queue=8, queue_timeout_s=5,
+                                                       retry_after_s=1))
+    try:
+        original, paraphrase = "How do I reset my password?", "How can I reset my password?"
+        assert (await serve_all(pipeline, Call(request=chat(original, max_tokens=12))))[0] == "miss"
+        # A larger limit is computed: the answer now ends by itself at 20 tokens, under the same key.
+        assert (await serve_all(pipeline, Call(request=chat(original, max_tokens=30))))[0] == "miss"
+        # The index's namespace holds max_tokens (the paraphrase of limit 12 finds the vector the 12-token miss
+        # indexed); the candidate's stored answer, now the 20-token one, serves 12 cut.
+        served, chunks = await serve_all(pipeline, Call(request=chat(paraphrase, max_tokens=12)))
+        assert served == "semantic" and text_of(chunks) == words(12)
+        assert (chunks[-1].finish_reason, chunks[-1].completion_tokens) == ("length", 12)
+        # Kept whole under the paraphrase's own key: its other limits are exact hits.
+        served, chunks = await serve_all(pipeline, Call(request=chat(paraphrase, max_tokens=5)))
+        assert served == "exact" and text_of(chunks) == words(5)
+        served, chunks = await serve_all(pipeline, Call(request=chat(paraphrase, max_tokens=100)))
+        assert served == "exact" and text_of(chunks) == words(20) and chunks[-1].finish_reason == "stop"
+        assert engine.calls == 2
+    finally:
+        semantic.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import codecs
 import threading
 import time
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ import diskcache
 import msgspec
 import pytest
 
-from edgecache.stores import CachedAnswer
+from edgecache.stores import CachedAnswer, serve_within
 from edgecache.stores.disk import DiskResultStore
 from edgecache.stores.memory import MemoryLRU, MemoryTier
 from tests.conftest import until
@@ -414,3 +415,88 @@ async def test_close_twice_is_safe(store_dir: Path) -> None:
     await store.put("a", answer())
     store.close()
     store.close()
+
+
+# --- an answer served for another max_tokens (serve_within) ---------------------------------------------------
+
+
+def tokens(*pieces: str, finish: str = "stop", max_tokens: int = 16, text: str | None = None,
+           stop_sequence: str | None = None) -> CachedAnswer:
+    """An answer of these token pieces; ``text``: the stored text when a stop string cut it."""
+    ends, total = [], 0
+    for piece in pieces:
+        total += len(piece.encode())
+        ends.append(total)
+    now = time.time()
+    return CachedAnswer(text="".join(pieces) if text is None else text, finish_reason=finish, prompt_tokens=3,
+                        completion_tokens=len(pieces), created_at=now, expires_at=now + 60,
+                        stop_sequence=stop_sequence, token_ends=tuple(ends), max_tokens=max_tokens)
+
+
+def test_an_answer_that_ended_by_itself_serves_any_larger_max_tokens_whole() -> None:
+    stored = tokens("Paris", " is", " nice", ".")
+    assert serve_within(stored, 5) is stored and serve_within(stored, 300) is stored
+
+
+def test_a_smaller_max_tokens_is_served_the_first_tokens_with_finish_length() -> None:
+    stored = tokens("Paris", " is", " nice", ".")
+    cut = serve_within(stored, 2)
+    assert cut is not None
+    assert (cut.text, cut.finish_reason, cut.completion_tokens, cut.token_ends) == ("Paris is", "length", 2, (5, 8))
+    assert (cut.prompt_tokens, cut.created_at, cut.expires_at) == (stored.prompt_tokens, stored.created_at,
+                                                                 stored.expires_at)
+
+
+def test_max_tokens_equal_to_an_answer_that_the_end_token_ended_is_cut_at_length() -> None:
+    # The engine stops at the limit before it samples the end-of-sequence token: the same text, finish length.
+    cut = serve_within(tokens("Paris", "."), 2)
+    assert cut is not None and (cut.text, cut.finish_reason) == ("Paris.", "length")
+
+
+def test_an_answer_that_ended_at_its_limit_serves_only_limits_it_covers() -> None:
+    stored = tokens("a", "b", "c", finish="length", max_tokens=3)
+    assert serve_within(stored, 4) is None and serve_within(stored, 48) is None
+    assert serve_within(stored, 3) is stored
+    cut = serve_within(stored, 1)
+    assert cut is not None and (cut.text, cut.finish_reason, cut.completion_tokens) == ("a", "length", 1)
+
+
+def test_an_answer_the_context_ended_serves_larger_limits() -> None:
+    # 3 tokens under a limit of 10 and finish length: the context had no more room, and will not for a larger one.
+    stored = tokens("a", "b", "c", finish="length", max_tokens=10)
+    assert serve_within(stored, 48) is stored
+
+
+def test_a_stop_string_answer_serves_its_own_count_whole_and_no_cut_past_the_stored_text() -> None:
+    # Tokens "Hi", "!\n", "\nBye": stop "\n\n" matched in the third token, the text cut at its start.
+    stored = tokens("Hi", "!\n", "\nBye", text="Hi!", stop_sequence="\n\n")
+    assert serve_within(stored, 3) is stored and serve_within(stored, 9) is stored
+    # Cut after the second token the engine writes "Hi!\n" (the held-back "\n" is sent at the end): not stored.
+    assert serve_within(stored, 2) is None
+    first = serve_within(stored, 1)
+    assert first is not None and (first.text, first.finish_reason, first.stop_sequence) == ("Hi", "length", None)
+
+
+def test_a_cut_inside_a_character_ends_in_a_replacement_character() -> None:
+    e_acute = "é".encode()
+    now = time.time()
+    stored = CachedAnswer(text="café!", finish_reason="stop", prompt_tokens=1, completion_tokens=3, created_at=now,
+                          expires_at=now + 60, token_ends=(4, 5, 6), max_tokens=16)  # "caf"+é's 1st byte, rest, "!"
+    cut = serve_within(stored, 1)
+    assert cut is not None and cut.text == "caf\ufffd"
+    # What an incremental decoder writes when told the bytes ended there: the engine's own words.
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    assert decoder.decode(b"caf" + e_acute[:1]) + decoder.decode(b"", final=True) == cut.text
+    assert serve_within(stored, 2) is not None and serve_within(stored, 2).text == "café"  # type: ignore[union-attr]
+
+
+def test_answers_without_token_ends_are_never_cut() -> None:
+    assert serve_within(answer(), 1) is None
+    assert serve_within(answer(), 100) is None
+
+
+def test_answers_stored_before_token_ends_existed_still_decode() -> None:
+    old = msgspec.msgpack.encode([  # the array a CachedAnswer was stored as before its last two fields
+        "hello", "stop", 3, 2, 1.0, 2.0, None, None])
+    decoded = msgspec.msgpack.decode(old, type=CachedAnswer)
+    assert (decoded.text, decoded.token_ends, decoded.max_tokens) == ("hello", None, 0)

@@ -220,6 +220,17 @@ class Chunk(msgspec.Struct, kw_only=True):
     cache_writes: tuple[tuple[float, int], ...] = ()
     choices: tuple[Choice, ...] | None = None
     stop_sequence: str | None = None
+    #: Last chunk of a one-choice text answer: where each completion token ends in the answer's text, as a count of
+    #: the text's UTF-8 bytes (the bytes a token leaves of a character it does not complete are counted: the text's
+    #: bytes cut there, decoded with replacement, are what the engine writes when it stops after that token). None
+    #: when the engine does not report them (then ``max_tokens`` stays in the request's key).
+    token_ends: tuple[int, ...] | None = None
+
+
+def cut_text(text: str, end: int) -> str:
+    """``text`` cut after a token that ends at UTF-8 byte ``end`` (:attr:`Chunk.token_ends`): a character left
+    incomplete becomes U+FFFD, as a decoder that is told the text ended there writes it."""
+    return text.encode()[:end].decode("utf-8", "replace")
 
 
 def matched_stop(reported: object, stops: tuple[str, ...]) -> str | None:
@@ -254,6 +265,11 @@ class Engine(Protocol):
     ``kind`` names the engine in errors; ``features`` lists the request fields beyond plain sampling that it
     honours (of :data:`FEATURES`): a request using another one is refused with a 400 that names the field and the
     engine, never silently ignored.
+
+    An engine may also say ``prefix_stable`` (read with :func:`prefix_stable_of`; absent means ""): "" when it does
+    not report :attr:`Chunk.token_ends`; ``greedy`` when it does and temperature 0 decodes the same tokens whatever
+    ``max_tokens`` is; ``seeded`` when sampling with a seed does too (tested against the engine itself). Then
+    ``max_tokens`` leaves such requests' keys (:func:`edgecache.keys.prefix_stable`).
     """
 
     model_id: str
@@ -286,6 +302,12 @@ class Engine(Protocol):
 
     async def close(self) -> None:
         """Release the model. Safe to call twice."""
+
+
+def prefix_stable_of(engine: object) -> str:
+    """The engine's ``prefix_stable`` rule (see :class:`Engine`): "", ``greedy`` or ``seeded``."""
+    rule = getattr(engine, "prefix_stable", "")
+    return rule if rule in ("greedy", "seeded") else ""
 
 
 @runtime_checkable

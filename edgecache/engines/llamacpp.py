@@ -100,12 +100,13 @@ _END = object()
 class _Generated:
     """One choice as it was generated: text, finish, token count, and per-token logprobs when asked."""
 
-    __slots__ = ("finish", "logprobs", "stop", "text", "tokens")
+    __slots__ = ("ends", "finish", "logprobs", "stop", "text", "tokens")
 
     def __init__(self, text: str, finish: str, tokens: int, logprobs: list[TokenLogprob] | None,
-                 stop: str | None = None) -> None:
+                 stop: str | None = None, ends: tuple[int, ...] = ()) -> None:
         self.text, self.finish, self.tokens, self.logprobs = text, finish, tokens, logprobs
         self.stop = stop  # the stop string that ended it, if one did
+        self.ends = ends  # each token's end in the text's UTF-8 bytes (Chunk.token_ends)
 
 
 class LlamaCppEngine:
@@ -127,6 +128,10 @@ class LlamaCppEngine:
     """
 
     kind = "llamacpp"
+    # Each position's token depends only on the tokens before it and, sampling, on the seed's draws in order (the
+    # same seed with max_tokens 48 and 12 gives the 48-token answer's first 12 tokens): max_tokens can leave the key
+    # of greedy and seeded requests, cut at the token ends each text answer reports.
+    prefix_stable = "seeded"
     # Generations run one at a time (the lock below): the ledger's meter charges busy time to the running one only.
     parallel_calls = 1
     features = frozenset({"tools", "tool_choice", "response_format", "n", "logprobs", "top_logprobs", "echo",
@@ -505,7 +510,8 @@ class LlamaCppEngine:
                 return  # nobody listens; the consumer raises, nothing is stored
             emit(Chunk(finish_reason=done.finish, prompt_tokens=n_prompt,  # type: ignore[arg-type]
                        completion_tokens=done.tokens, cached_tokens=cached, stop_sequence=done.stop,
-                       cache_tier=tier, kv_miss=kv_miss, cache_writes=writes))
+                       cache_tier=tier, kv_miss=kv_miss, cache_writes=writes,
+                       token_ends=None if echo else done.ends))
         else:
             choices, completion = [], 0
             for i in range(request.n):
@@ -550,6 +556,8 @@ class LlamaCppEngine:
         generated: list[int] = []
         logprobs: list[TokenLogprob] | None = [] if top_k is not None else None
         ends: list[int] = []  # the text length after each token, to cut logprobs at a stop string
+        byte_ends: list[int] = []  # the same in UTF-8 bytes, with a character's bytes so far (Chunk.token_ends)
+        text_bytes = 0
         finish = "length"
         matched: str | None = None  # the stop string that ended it
         stop_ids = frozenset(request.stop_token_ids)
@@ -570,8 +578,11 @@ class LlamaCppEngine:
                                        special=not request.skip_special_tokens)
                 if logprobs is not None:
                     logprobs.append(self._token_logprob(token, piece, top_k or 0))
-                text += decoder.decode(piece)
+                decoded = decoder.decode(piece)
+                text += decoded
                 ends.append(len(text))
+                text_bytes += len(decoded.encode())
+                byte_ends.append(text_bytes + len(decoder.getstate()[0]))
                 if stop_text_from is None and len(generated) >= request.min_tokens:
                     stop_text_from = len(text)  # the first min_tokens tokens' text is never cut
                 found = _first_stop(text, stops, sent, stop_text_from) if stop_text_from is not None else None
@@ -595,7 +606,7 @@ class LlamaCppEngine:
         if logprobs is not None:
             # Tokens wholly inside a stop string are not part of the answer.
             logprobs = [lp for lp, end in zip(logprobs, ends, strict=False) if end - len(lp.token) < len(text)]
-        return _Generated(text, finish, len(generated), logprobs, matched)
+        return _Generated(text, finish, len(generated), logprobs, matched, tuple(byte_ends))
 
     def _end_mask(self, request: GenerationRequest, generated: list[int]) -> list[Callable[..., Any]] | None:
         """A logits processor that keeps the answer from ending (``ignore_eos``: ever; ``min_tokens``: before

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import msgspec
 
-from edgecache.engines.base import Choice
+from edgecache.engines.base import Choice, cut_text
 
 
 class CachedAnswer(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -23,7 +23,12 @@ class CachedAnswer(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     ``choices`` holds the whole answer when it is more than one text choice (tool calls, logprobs, n > 1); then
     ``text`` and ``finish_reason`` repeat its first choice's. It is the last field, so entries written before it
     existed still decode (as plain answers). ``stop_sequence`` (the stop string that ended the answer, see
-    :class:`~edgecache.engines.base.Chunk`) came after it, last for the same reason.
+    :class:`~edgecache.engines.base.Chunk`) came after it, last for the same reason, and so did the last two.
+
+    ``token_ends`` (:attr:`Chunk.token_ends <edgecache.engines.base.Chunk.token_ends>`) and ``max_tokens`` (the limit
+    the answer was computed under) are set on an answer stored under a key without ``max_tokens``
+    (:func:`edgecache.keys.prefix_stable`): it serves other limits, cut where they are smaller
+    (:func:`serve_within`). None and 0 on every other answer, which serves only its own key's ``max_tokens``.
     """
 
     text: str
@@ -34,6 +39,35 @@ class CachedAnswer(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     expires_at: float
     choices: tuple[Choice, ...] | None = None
     stop_sequence: str | None = None
+    token_ends: tuple[int, ...] | None = None
+    max_tokens: int = 0
+
+
+def serve_within(answer: CachedAnswer, max_tokens: int) -> CachedAnswer | None:
+    """``answer`` (with token ends) as the engine writes it for ``max_tokens``, or None when it does not cover it.
+
+    An answer of K tokens serves a larger limit when it ended by itself (``stop``), or at ``length`` below the limit
+    it was computed under (the context ended it, and would again); one that ended at its own limit does not. A
+    limit of K is served as it is when the answer ended at ``length`` or on a stop string (the engine checks a stop
+    string before the limit); otherwise, and for any smaller limit, by its first ``max_tokens`` tokens with finish
+    ``length``, which is exactly what the engine writes when it stops there. A cut that a stop string already took
+    off the text (a token that ends past the stored text) cannot be served."""
+    ends = answer.token_ends
+    if ends is None or answer.choices is not None or max_tokens < 1:
+        return None
+    k = answer.completion_tokens
+    if max_tokens > k:
+        ended = answer.finish_reason != "length" or k < answer.max_tokens
+        return answer if ended else None
+    if max_tokens == k and (answer.finish_reason == "length" or answer.stop_sequence is not None):
+        return answer
+    if max_tokens > len(ends):
+        return None
+    end = ends[max_tokens - 1]
+    if end > len(answer.text.encode()):
+        return None
+    return msgspec.structs.replace(answer, text=cut_text(answer.text, end), finish_reason="length",
+                                   completion_tokens=max_tokens, stop_sequence=None, token_ends=ends[:max_tokens])
 
 
 FINISH_REASONS = frozenset({"stop", "length", "tool_calls"})
