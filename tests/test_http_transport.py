@@ -324,7 +324,8 @@ async def test_the_upstream_engine_streams_through_the_batching_transport_direct
 
     server = Server(handler)
     async with server as base:
-        engine = OpenAIUpstreamEngine(base + "/v1", api_key="k", model="m")
+        # The version pinned: this server answers every request with the stream (no /v1/models to ask at start).
+        engine = OpenAIUpstreamEngine(base + "/v1", api_key="k", model="m", version="pinned")
         await engine.start()
         try:
             assert engine._direct is not None  # the default transport is the batching one
@@ -364,7 +365,7 @@ async def test_a_stream_read_to_its_last_event_keeps_its_connection_for_the_next
     async with server as base:
         # A grace no busy test box outlasts: what is tested is that the end is read on, not how fast it comes.
         transport = BatchingTransport(batch_s=0.005, end_grace_s=60.0)
-        engine = OpenAIUpstreamEngine(base + "/v1", model="m", transport=transport)
+        engine = OpenAIUpstreamEngine(base + "/v1", model="m", transport=transport, version="pinned")
         await engine.start()
         try:
             for _ in range(3):
@@ -417,7 +418,7 @@ async def test_an_upstream_refusal_on_the_direct_path_is_the_engines_error(statu
 
     server = Server(handler)
     async with server as base:
-        engine = OpenAIUpstreamEngine(base + "/v1", model="m")
+        engine = OpenAIUpstreamEngine(base + "/v1", model="m", version="pinned")
         await engine.start()
         try:
             request = GenerationRequest(messages=(Message(role="user", content="x"),),
