@@ -661,6 +661,8 @@ class TieredPrefixCache:
                 self._pending_bytes -= len(data)
                 self._pending -= 1
                 entry.writing, entry.pending = False, None
+                if entry.dropped:  # flushed while it was written (its directory went): nothing failed
+                    return
                 self.write_failures += 1
                 self._release_disk(entry)
                 if entry.data is None:
