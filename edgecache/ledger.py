@@ -253,8 +253,9 @@ _KEY_CHARS = 16
 
 class KeyHistory:
     """Why a key this node stored an answer under has none now: expired, evicted or flushed (None: never stored
-    here, so the miss is a first sighting). Bounded: past ``max_keys`` the oldest are forgotten (their misses then
-    read as first seen). Kept with the ledger across restarts.
+    here, so the miss is a first sighting). Bounded: past ``max_keys`` the oldest key of the tenant that holds the
+    most is forgotten (its miss then reads as first seen), so a tenant within its share never loses its history to
+    another tenant's traffic. Kept with the ledger across restarts.
 
     A key's entry says when its answer was stored and when it expires; a flush of its tenant (or scenario, or all)
     after it was stored makes it flushed; a removal (a caller marked it wrong) is recorded as such. Neither: the
@@ -265,14 +266,20 @@ class KeyHistory:
         self.max_keys = max_keys
         # key -> (tenant, scenario, stored_at, expires_at, removed reason or "")
         self._keys: dict[str, tuple[str, str, float, float, str]] = {}
+        self._count_of: dict[str, int] = {}  # tenant -> its keys here
         self._flushes: dict[tuple[str, str], float] = {}  # ("" = any tenant / scenario) -> last flush time
 
     def stored(self, tenant: str, scenario: str, key: str, expires_at: float, now: float | None = None) -> None:
         key = key[:_KEY_CHARS]
-        self._keys.pop(key, None)  # re-inserted: the newest are kept longest
+        old = self._keys.pop(key, None)  # re-inserted: the newest are kept longest
+        if old is not None:
+            self._count_of[old[0]] -= 1
         self._keys[key] = (tenant, scenario, time.time() if now is None else now, expires_at, "")
+        self._count_of[tenant] = self._count_of.get(tenant, 0) + 1
         if len(self._keys) > self.max_keys:
-            del self._keys[next(iter(self._keys))]
+            largest = max(self._count_of, key=self._count_of.__getitem__)
+            del self._keys[next(k for k, entry in self._keys.items() if entry[0] == largest)]
+            self._count_of[largest] -= 1
 
     def removed(self, key: str, reason: str) -> None:
         key = key[:_KEY_CHARS]
@@ -318,6 +325,9 @@ class KeyHistory:
                 raise ValueError(f"a flush in the key history is not [tenant, scenario, at]: {flush!r}")
             flushes[(str(flush[0]), str(flush[1]))] = float(flush[2])
         self._keys, self._flushes = restored, flushes
+        self._count_of = {}
+        for tenant, *_ in restored.values():
+            self._count_of[tenant] = self._count_of.get(tenant, 0) + 1
 
 
 class _Saved(msgspec.Struct):

@@ -404,3 +404,17 @@ def test_the_last_hour_is_now_less_the_oldest_minute_within_it_and_each_minute_k
     clock[0] = 200 * 60  # nothing kept within the hour (no tick since): the last hour is everything
     assert ledger.report()["last_hour"]["total"]["requests"] == {"exact": 15}
     assert ledger._minutes == []
+
+
+def test_one_tenants_traffic_never_pushes_another_tenants_key_history_out() -> None:
+    history = KeyHistory(max_keys=50)
+    for i in range(10):
+        history.stored("acme", "default", f"acme{i:012d}", expires_at=10.0, now=1.0)
+    for i in range(500):
+        history.stored("beta", "default", f"beta{i:012d}", expires_at=10.0, now=1.0)
+    assert all(history.why_gone(f"acme{i:012d}", now=2.0) == EVICTED for i in range(10))
+    assert history.why_gone("beta000000000499", now=2.0) == EVICTED and history.why_gone("beta000000000000") is None
+    again = KeyHistory(max_keys=50)
+    again.restore(history.state())
+    again.stored("beta", "default", "beta000000009999", expires_at=10.0, now=1.0)
+    assert all(again.why_gone(f"acme{i:012d}", now=2.0) == EVICTED for i in range(10))
