@@ -266,20 +266,20 @@ class KeyHistory:
         self.max_keys = max_keys
         # key -> (tenant, scenario, stored_at, expires_at, removed reason or "")
         self._keys: dict[str, tuple[str, str, float, float, str]] = {}
-        self._count_of: dict[str, int] = {}  # tenant -> its keys here
+        self._order_of: dict[str, dict[str, None]] = {}  # tenant -> its keys here, oldest first
         self._flushes: dict[tuple[str, str], float] = {}  # ("" = any tenant / scenario) -> last flush time
 
     def stored(self, tenant: str, scenario: str, key: str, expires_at: float, now: float | None = None) -> None:
         key = key[:_KEY_CHARS]
         old = self._keys.pop(key, None)  # re-inserted: the newest are kept longest
         if old is not None:
-            self._count_of[old[0]] -= 1
+            self._order_of[old[0]].pop(key, None)
         self._keys[key] = (tenant, scenario, time.time() if now is None else now, expires_at, "")
-        self._count_of[tenant] = self._count_of.get(tenant, 0) + 1
+        self._order_of.setdefault(tenant, {})[key] = None
         if len(self._keys) > self.max_keys:
-            largest = max(self._count_of, key=self._count_of.__getitem__)
-            del self._keys[next(k for k, entry in self._keys.items() if entry[0] == largest)]
-            self._count_of[largest] -= 1
+            largest = max(self._order_of.values(), key=len)
+            del self._keys[next(iter(largest))]
+            del largest[next(iter(largest))]
 
     def removed(self, key: str, reason: str) -> None:
         key = key[:_KEY_CHARS]
@@ -325,9 +325,9 @@ class KeyHistory:
                 raise ValueError(f"a flush in the key history is not [tenant, scenario, at]: {flush!r}")
             flushes[(str(flush[0]), str(flush[1]))] = float(flush[2])
         self._keys, self._flushes = restored, flushes
-        self._count_of = {}
-        for tenant, *_ in restored.values():
-            self._count_of[tenant] = self._count_of.get(tenant, 0) + 1
+        self._order_of = {}
+        for key, (tenant, *_) in restored.items():
+            self._order_of.setdefault(tenant, {})[key] = None
 
 
 class _Saved(msgspec.Struct):

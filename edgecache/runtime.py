@@ -22,7 +22,7 @@ from edgecache.admission import AdmissionGate
 from edgecache.call import Call
 from edgecache.engines.base import Chunk, Engine, GenerationRequest, TieredPrefixEngine
 from edgecache.engines.kv_tiers import COMPONENT as KV_DISK
-from edgecache.engines.kv_tiers import TIERS
+from edgecache.engines.kv_tiers import TIERS, tenant_of
 from edgecache.errors import EdgeCacheError, NotReady
 from edgecache.health import READY, Health, HealthChecks, StorageFaults
 from edgecache.inflight import FlightTable
@@ -252,7 +252,7 @@ class Runtime:
         """One engine call for the judge, inside an admission slot like any miss (the judge asks only when one is
         free, so it does not wait). The ledger charges it to the tenant whose label it judges (its salt's tenant),
         under the default scenario."""
-        tenant = (request.salt or "default").split(":", 1)[0]
+        tenant = tenant_of(request.salt)
         async with (self.admission.slot(tenant),
                     aclosing(self.engine.generate(request)) as stream,
                     aclosing(metered_stream(self.ledger, self.metrics, stream, tenant, "default", "judge")) as chunks):
