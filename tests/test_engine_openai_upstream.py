@@ -119,7 +119,8 @@ async def test_streamed_chat(engine: OpenAIUpstreamEngine) -> None:
     assert len(chunks) > 2  # really streamed: several deltas, then the final chunk
     # llama-cpp-python ignores include_usage when streaming: the counts come from the stream's events and a
     # max_tokens-1 probe, and agree with the upstream's own unstreamed count.
-    assert chunks[-1].completion_tokens == len(chunks) - 1
+    # (A delta per token, but a reader that falls 5 ms behind gets two in one chunk: never more chunks than tokens.)
+    assert chunks[-1].completion_tokens >= len(chunks) - 1
     unstreamed = OpenAIUpstreamEngine(engine.base_url, stream=False)
     await unstreamed.start()
     whole = (await collect(unstreamed, CHAT))[-1]
