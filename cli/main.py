@@ -75,15 +75,18 @@ def serve(
     from edgecache.errors import EdgeCacheError
     from edgecache.hardware import validate_memory
     from edgecache.http.server import EdgeCacheServer, uvicorn_config
+    from edgecache.tenants import TenantDirectory
 
     def refuse(message: str) -> typer.Exit:
         typer.secho(f"error: {message}", fg="red", err=True)
         return typer.Exit(2)
 
     # Every check that can refuse runs before the banner and before any model loads, each as one line: the
-    # memory split, the data dir (one server per dir), the port (bound here and handed to uvicorn, so nothing can
-    # take it in between), the model file, the tenants file.
+    # tenants file, the memory split, the data dir (one server per dir), the port (bound here and handed to uvicorn,
+    # so nothing can take it in between), the model file.
     try:
+        if settings.tenants_file is not None:
+            TenantDirectory.from_file(settings.tenants_file)
         split = validate_memory(settings)
         ensure_free(settings.data_path)
     except SettingsError as exc:

@@ -437,6 +437,8 @@ def test_the_unit_restarts_on_failure_with_a_back_off_and_keeps_its_data_and_key
     assert "EDGECACHE_DATA_DIR=/var/lib/edgecache" in service["Environment"]
     assert "/var/lib/edgecache" in service["ReadWritePaths"]
     assert service["EnvironmentFile"] == ["-/etc/edgecache/edgecache.env"]
+    # serve's refusals of its configuration exit 2: systemd stops there instead of restarting into the same refusal
+    assert "2" in " ".join(service["RestartPreventExitStatus"]).split()
     exec_start = service["ExecStart"][0].split()
     assert exec_start[0].endswith("/edgecache") and exec_start[1] == "serve"
     assert service["KillSignal"] == ["SIGTERM"]
@@ -447,6 +449,42 @@ def test_the_unit_restarts_on_failure_with_a_back_off_and_keeps_its_data_and_key
     assert names
     for name in names:
         check_env_name(name)
+
+
+def unit_environment() -> dict[str, str]:
+    return dict(value.split("=", 1) for value in unit_sections(UNIT.read_text())["Service"]["Environment"])
+
+
+def test_the_unit_binds_a_public_address_only_with_a_tenants_file() -> None:
+    exec_start = unit_sections(UNIT.read_text())["Service"]["ExecStart"][0].split()
+    host = exec_start[exec_start.index("--host") + 1] if "--host" in exec_start else "127.0.0.1"
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        assert "--insecure" not in exec_start
+        assert "--tenants" in exec_start or unit_environment().get("EDGECACHE_TENANTS_FILE"), \
+            "serve refuses a public address without a tenants file"
+
+
+def test_the_unit_without_its_tenants_file_fails_once_with_one_line(tmp_path: Path) -> None:
+    """The unit's own command and environment on a box that lacks the tenants file: exit 2 (which the unit does not
+    restart) and one line naming the file, before any model loads."""
+    import os
+    import socket
+
+    environment = unit_environment()
+    if Path(environment["EDGECACHE_TENANTS_FILE"]).exists():
+        pytest.skip(f"{environment['EDGECACHE_TENANTS_FILE']} exists on this box")
+    words = unit_sections(UNIT.read_text())["Service"]["ExecStart"][0].split()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    args = [port if words[i - 1] == "--port" else word for i, word in enumerate(words) if i > 0]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EDGECACHE_")}
+    env |= environment | {"EDGECACHE_DATA_DIR": str(tmp_path / "data")}
+    result = subprocess.run([sys.executable, "-m", "edgecache.cli.main", *args], env=env, capture_output=True,
+                            text=True, timeout=120)
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr
+    assert "tenants file not found" in errors[0] and environment["EDGECACHE_TENANTS_FILE"] in errors[0]
 
 
 def check_env_name(name: str) -> None:

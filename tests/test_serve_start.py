@@ -1,5 +1,6 @@
-"""`edgecache serve` refuses what cannot work with one clear line, before its banner and before any model loads:
-a data dir another process holds, a busy port, a model that is not a GGUF file."""
+"""`edgecache serve` refuses what cannot work with one clear line and exit status 2, before its banner and before
+any model loads: a public address without a tenants file, a tenants file that is missing or wrong, a data dir
+another process holds, a busy port, a model that is not a GGUF file."""
 
 from __future__ import annotations
 
@@ -60,6 +61,28 @@ def test_a_busy_port_is_refused_before_the_model_loads(tmp_path: Path) -> None:
         result = serve(tmp_path, "--data-dir", str(tmp_path / "data"), "--model", str(tmp_path / "nope.gguf"),
                        port=port)
     assert_one_line_refusal(result, f"127.0.0.1:{port}", "--port")
+
+
+def test_a_public_address_without_a_tenants_file_is_refused(tmp_path: Path) -> None:
+    result = serve(tmp_path, "--data-dir", str(tmp_path / "data"), "--host", "0.0.0.0")
+    assert_one_line_refusal(result, "0.0.0.0", "no tenants file", "--tenants")
+
+
+def test_a_missing_tenants_file_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    missing = tmp_path / "tenants.toml"
+    # A model that does not exist: had the tenants file been read after the model, the refusal would name the model.
+    result = serve(tmp_path, "--data-dir", str(tmp_path / "data"), "--host", "0.0.0.0", "--tenants", str(missing),
+                   "--model", str(tmp_path / "nope.gguf"))
+    assert_one_line_refusal(result, "tenants file not found", str(missing))
+
+
+def test_a_tenant_on_an_unknown_plan_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('[plans.basic]\n\n[[tenants]]\nid = "acme"\nplan = "gold"\nkeys = ["sk-acme-1"]\n')
+    result = serve(tmp_path, "--data-dir", str(tmp_path / "data"), "--tenants", str(tenants),
+                   "--model", str(tmp_path / "nope.gguf"))
+    assert_one_line_refusal(result, "unknown plan 'gold'")
+    assert "sk-acme-1" not in result.stderr
 
 
 def test_a_data_dir_in_use_is_refused(tmp_path: Path) -> None:
