@@ -4,9 +4,11 @@ box's RAM the GPU engine's host KV tier takes.
 This is arithmetic on the numbers a profile states, done before anything is rented or loaded, so that
 ``edgecache profiles show t4`` can tell a user what the split buys (KV tokens) and refuse a split that cannot work.
 
-The model follows what SGLang does at start (``model_runner_kv_cache_mixin.py`` ``profile_max_num_token``,
-sglang v0.5.8): it measures the free memory after loading the weights and keeps
-``free_after_load - total * (1 - mem_fraction_static)`` for the KV pool. So the *static pool*
+The model follows what SGLang does at start (``KVCacheConfigurator._profile_available_bytes`` in
+``sglang/srt/mem_cache/kv_cache_configurator.py`` of the pinned release, which ``tests/test_sglang_contract.py``
+checks): it measures the free memory after loading the weights and keeps
+``free_after_load - free_before_load * (1 - mem_fraction_static)`` for the KV pool, ``free_before_load`` being the
+card's total when nothing else holds memory on it. So the *static pool*
 ``mem_fraction_static * total`` holds the weights, the CUDA context of SGLang's scheduler process and the KV pool; the
 rest, ``(1 - mem_fraction_static) * total``, is left for activations, CUDA graphs and every other process on the GPU,
 here the ONNX embedder.

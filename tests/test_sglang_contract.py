@@ -66,6 +66,7 @@ CACHE_CONTROLLER = "sglang/srt/managers/cache_controller.py"
 NATIVE_HASH = "sglang/srt/mem_cache/cpp_utils/native_hash.py"
 HASH_BINDING = "sglang/srt/mem_cache/cpp_utils/hash_binding.cpp"
 CHOICES = "sglang/srt/arg_groups/choices.py"
+KV_CONFIGURATOR = "sglang/srt/mem_cache/kv_cache_configurator.py"
 
 
 class Wheel:
@@ -457,3 +458,16 @@ def test_the_page_hash_is_a_cpp_extension_built_on_first_use_with_openssl(wheel:
     assert "hash_binding.cpp" in keywords["sources"]
     includes = re.findall(r"#include <([^>]+)>", wheel.zip.read(HASH_BINDING).decode("utf-8"))
     assert "openssl/sha.h" in includes  # what `edgecache doctor` compiles against
+
+
+def test_the_kv_pool_is_what_free_memory_leaves_past_the_static_fraction(wheel: Wheel) -> None:
+    """edgecache/hardware.py (and docs/configuration.md, "The memory model") size a GPU profile on SGLang's rule: the
+    KV pool is the free memory after the weights less ``pre_model_load_memory * (1 - mem_fraction_static)``."""
+    sizing = wheel.function(wheel.cls(KV_CONFIGURATOR, "KVCacheConfigurator"), "_profile_available_bytes")
+    slack = [node for node in ast.walk(sizing) if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)
+             and isinstance(node.left, ast.Name) and node.left.id == "pre_model_load_memory"
+             and isinstance(node.right, ast.BinOp) and isinstance(node.right.op, ast.Sub)
+             and isinstance(node.right.left, ast.Constant) and node.right.left.value == 1
+             and isinstance(node.right.right, ast.Attribute) and node.right.right.attr == "mem_fraction_static"]
+    assert slack, ast.unparse(sizing)
+    assert "get_available_gpu_memory" in ast.unparse(sizing)
