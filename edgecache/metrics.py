@@ -158,8 +158,8 @@ class Metrics:
             "labels of hits and explorations seen since start, by tenant and scenario.", ["tenant", "scenario"],
             registry=self.registry)
         self.semantic_false_hit_upper = Gauge(
-            "edgecache_semantic_false_hit_rate_upper", "The 95 % upper bound (Wilson) of that estimate; 1 until "
-            "a served decision is labelled.", ["tenant", "scenario"], registry=self.registry)
+            "edgecache_semantic_false_hit_rate_upper", "The 95 % upper bound (Wilson) of "
+            "edgecache_semantic_false_hit_rate; 1 until a served decision is labelled.", ["tenant", "scenario"], registry=self.registry)
         self.semantic_explorations = Counter(
             "edgecache_semantic_explorations", "Semantic candidates the learner would have served but refused, to "
             "label them against the engine's answer (semantic.decision = learner), by tenant and scenario.",
@@ -169,8 +169,9 @@ class Metrics:
             "share of its lookups, by tenant and scenario (what it holds under the scenario's target).",
             ["tenant", "scenario"], registry=self.registry)
         self.semantic_learner_false_hit_upper = Gauge(
-            "edgecache_semantic_learner_false_hit_rate_upper", "Its upper bound (one standard deviation of the "
-            "served decisions' estimated errors).", ["tenant", "scenario"], registry=self.registry)
+            "edgecache_semantic_learner_false_hit_rate_upper", "The upper bound of "
+            "edgecache_semantic_learner_false_hit_rate (one standard deviation of the served decisions' estimated "
+            "errors above it).", ["tenant", "scenario"], registry=self.registry)
         self.semantic_demoted_entries = Gauge(
             "edgecache_semantic_demoted_entries", "Cached answers the learner no longer serves semantically: "
             "labels showed them serving wrong answers.", registry=self.registry)

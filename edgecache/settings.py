@@ -534,7 +534,7 @@ def _description(field_type: Any) -> str:
     return str(schema.get("description", ""))
 
 
-CONFIGURATION_BEGIN = "<!-- the settings table: written by `python scripts/gen_configuration.py`; do not edit by hand -->"
+CONFIGURATION_BEGIN = "<!-- the settings table: written by `python scripts/gen_reference.py`; do not edit by hand -->"
 CONFIGURATION_END = "<!-- end of the settings table -->"
 
 
@@ -551,6 +551,16 @@ def configuration_table() -> str:
         rows.append(f"| `{path}` | " + " | ".join(cells) + " | " + help_text.replace("|", "\\|") + " |")
     for path, help_text in iter_fields(ScenarioSettings, "scenarios.NAME."):
         rows.append(f"| `{path}` | " + " | ".join("" for _ in names) + " | " + help_text.replace("|", "\\|") + " |")
+    # The shipped scenarios, each field a profile sets (an empty cell: the profile has no such scenario, or leaves
+    # the field unset).
+    shipped = {name: values[name]["scenarios"] for name in names}
+    scenarios = sorted({s for tree in shipped.values() for s in tree}, key=lambda s: (s != "default", s))
+    for scenario in scenarios:
+        for field, _ in iter_fields(ScenarioSettings):
+            cells = [_cell(shipped[name].get(scenario, {}).get(field)) for name in names]
+            if any(cells):
+                rows.append(f"| `scenarios.{scenario}.{field}` | " + " | ".join(cells) + f" | shipped scenario "
+                            f"`{scenario}` (`scenarios.NAME.{field}`) |")
     return "\n".join(rows)
 
 
