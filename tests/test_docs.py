@@ -198,10 +198,10 @@ def test_deploy_and_profiles_name_what_exists(path: Path) -> None:
 
 
 def readme_commands() -> list[str]:
-    """The `edgecache ...` lines of README's install and serve sections' code blocks."""
+    """The `edgecache ...` lines of README's quickstart, install and serve sections' code blocks."""
     text = (ROOT / "README.md").read_text()
     commands = []
-    for section in ("## Install and test", "## Serve"):
+    for section in ("## Quickstart", "## Install and test", "## Serve"):
         body = text.split(section, 1)[1].split("\n## ", 1)[0]
         for block in re.findall(r"```\n(.*?)```", body, flags=re.DOTALL):
             for line in block.splitlines():
