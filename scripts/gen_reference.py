@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from edgecache.reference import CLI_BEGIN, CLI_END, METRICS_BEGIN, METRICS_END, cli_reference, metrics_table
+from edgecache.cli.reference import CLI_BEGIN, CLI_END, METRICS_BEGIN, METRICS_END, cli_reference, metrics_table
 from edgecache.settings import CONFIGURATION_BEGIN, CONFIGURATION_END, configuration_table
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"

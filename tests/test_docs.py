@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from edgecache.reference import CLI_BEGIN, CLI_END, METRICS_BEGIN, METRICS_END, cli_reference, metrics_table
+from edgecache.cli.reference import CLI_BEGIN, CLI_END, METRICS_BEGIN, METRICS_END, cli_reference, metrics_table
 from edgecache.settings import CONFIGURATION_BEGIN, CONFIGURATION_END, configuration_table
 
 ROOT = Path(__file__).resolve().parent.parent
