@@ -1,7 +1,7 @@
 """The reference docs/ carries, generated from the code: every metric family ``/metrics`` may expose and every
-``edgecache`` command with its flags. It sits on the command's floor, the top one, since it reads the command itself. ``python scripts/gen_reference.py`` writes them (with the settings table,
+``edgecache`` command with its flags. ``python scripts/gen_reference.py`` writes them (with the settings table,
 :func:`edgecache.settings.configuration_table`) between their markers; ``tests/test_docs.py`` fails when a page
-differs from what these functions say.
+differs from what these functions say. It sits on the command's floor, the top one, since it reads the command.
 """
 
 from __future__ import annotations

@@ -159,7 +159,8 @@ class Metrics:
             registry=self.registry)
         self.semantic_false_hit_upper = Gauge(
             "edgecache_semantic_false_hit_rate_upper", "The 95 % upper bound (Wilson) of "
-            "edgecache_semantic_false_hit_rate; 1 until a served decision is labelled.", ["tenant", "scenario"], registry=self.registry)
+            "edgecache_semantic_false_hit_rate; 1 until a served decision is labelled.", ["tenant", "scenario"],
+            registry=self.registry)
         self.semantic_explorations = Counter(
             "edgecache_semantic_explorations", "Semantic candidates the learner would have served but refused, to "
             "label them against the engine's answer (semantic.decision = learner), by tenant and scenario.",

@@ -63,7 +63,8 @@ HISTORY = [
 
 
 @pytest.mark.parametrize("line", [
-    "I did not measure it", "I have not checked that", "I chose it over the brief's examples", "I followed the guidance",
+    "I did not measure it", "I have not checked that", "I chose it over the brief's examples",
+    "I followed the guidance",
     "we tried two cuts", "My estimate of the total", "A first version reached 1.24x", "before this change: 13.3",
     "an earlier version read two keys", "a one-off script on the loaded box", "a throwaway script, not in the repo",
     "Goal status, honestly:", "**Left to know.**", "see #46", "fixed in issue 46", "(lead's file)",
