@@ -309,6 +309,31 @@ class Runtime:
         return TenantBounds(vectors_per_index=plan.semantic_max_vectors, indexes=plan.semantic_max_indexes,
                             vectors=plan.semantic_max_tenant_vectors)
 
+    async def tenant_bounds(self, tenant_id: str) -> dict[str, dict[str, float | int | None]]:
+        """What ``tenant_id`` holds of everything it can grow, each beside its bound (its ``/stats``): its plan's
+        own bounds (the engine, its semantic indexes) and its use of the tables every tenant shares, each with a
+        share (past such a table's bound the tenant that holds the most gives way first). Its own figures only."""
+        tenant = self.tenants.get(tenant_id)
+        plan = tenant.plan if tenant else Plan()
+        semantic = self.semantic
+        used = await semantic.usage(tenant_id) if semantic is not None else TenantUsage()
+        learner = self.learner
+        return {
+            "engine_running": {"used": self.admission.running_by_tenant.get(tenant_id, 0),
+                               "bound": plan.max_concurrent_misses, "weight": plan.weight},
+            "engine_queued": {"used": self.admission.queued_of(tenant_id), "bound": self.admission.max_queue},
+            "request_tokens": {"bound": plan.max_request_tokens},
+            "request_engine_s": {"bound": plan.max_request_engine_s},
+            "semantic_indexes": {"used": used.indexes, "bound": plan.semantic_max_indexes},
+            "semantic_vectors": {"used": used.vectors, "bound": plan.semantic_max_tenant_vectors},
+            "semantic_vectors_per_index": {"used": used.largest, "bound": min(
+                plan.semantic_max_vectors, self.settings.semantic.max_vectors_per_index)},
+            "marks": {"used": self.marks.held(tenant_id), "bound": self.marks.max_entries},
+            "learner_entries": {"used": learner.entries_of(tenant_id) if learner is not None else 0,
+                                "bound": learner.max_entries if learner is not None else 0},
+            "key_history": {"used": self.ledger.history.held(tenant_id), "bound": self.ledger.history.max_keys},
+        }
+
     def ttl_for(self, call: Call) -> float:
         """The caller's explicit TTL or tier, else the scenario's TTL, else the tier the prompt reads as."""
         request = call.request
