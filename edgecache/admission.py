@@ -105,7 +105,7 @@ class AdmissionGate:
 
     def queue_share(self, tenant: str) -> int:
         """The most calls ``tenant`` may keep waiting when the queue is full: its weight's share of the queue."""
-        return max(1, math.ceil(self.max_queue * self._weight(tenant) / self._waiting_weight(tenant)))
+        return math.ceil(self.max_queue * self._weight(tenant) / self._waiting_weight(tenant))
 
     def _may_run(self, tenant: str, limit: int | None) -> bool:
         running = self.running_by_tenant.get(tenant, 0)

@@ -16,7 +16,7 @@ import socket
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from edgecache.fleet.events import FleetEvents, FlushHandler
 from edgecache.fleet.labels import LabelFeed, SharedLabel
@@ -24,9 +24,6 @@ from edgecache.fleet.link import RedisLink, SkippedRecords
 from edgecache.fleet.vectors import SharedIndex, VectorFeed
 from edgecache.health import READY, Health
 from edgecache.settings import Settings
-
-if TYPE_CHECKING:
-    from edgecache.semantic.index import TenantBounds
 
 
 class Fleet:
@@ -68,7 +65,7 @@ class Fleet:
                                   "and engine, reconnecting")
 
     async def share_vectors(self, local_index: Any, *, embedder_version: str, cursor_file: Path,
-                            cap_for: Callable[[str], TenantBounds | None],
+                            cap_for: Callable[[str], Any],  # tenant -> its bounds, handed to each add
                             index_thread: Callable[[Callable[[], None]], Awaitable[object]]) -> SharedIndex:
         """Wrap the node's semantic index so its additions reach the fleet, and start applying the fleet's (on
         ``index_thread``, the semantic cache's own index thread)."""

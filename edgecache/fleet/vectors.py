@@ -25,15 +25,12 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from edgecache.fleet.link import LinkDown, RedisLink, SkippedRecords, tenant_prefix
-
-if TYPE_CHECKING:
-    from edgecache.semantic.index import TenantBounds
 
 log = logging.getLogger("edgecache.fleet")
 
@@ -65,7 +62,7 @@ class SharedIndex:
         self._feed = feed
 
     def add(self, tenant: str, scenario: str, vector: np.ndarray, store_key: str, text: str,
-            bounds: TenantBounds | None = None) -> int:
+            bounds: Any = None) -> int:
         key = self.local.add(tenant, scenario, vector, store_key, text, bounds)
         self._feed.published_from_thread(VectorRecord(
             origin=self._feed.node_id, tenant=tenant, index=scenario, store_key=store_key, text=text,
@@ -73,7 +70,7 @@ class SharedIndex:
         return key
 
     def add_many(self, tenant: str, scenario: str, vectors: np.ndarray, store_keys: Sequence[str],
-                 texts: Sequence[str], bounds: TenantBounds | None = None, threads: int = 0) -> list[int]:
+                 texts: Sequence[str], bounds: Any = None, threads: int = 0) -> list[int]:
         keys = self.local.add_many(tenant, scenario, vectors, store_keys, texts, bounds, threads)
         halves = np.asarray(vectors, dtype=np.float16).reshape(len(store_keys), -1)
         self._feed.published_many_from_thread([
