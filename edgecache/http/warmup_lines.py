@@ -109,7 +109,8 @@ async def warm_lines(pipeline: RequestPipeline, lines: list[NumberedLine], *, te
                                       detail=f"unknown scenario {line.scenario!r}"))
         else:
             call = to_call(line, tenant=who.id, tenant_limit=who.plan.max_concurrent_misses,
-                           engine_time_s=who.plan.max_request_engine_s, default_max_tokens=settings.engine.default_max_tokens)
+                           engine_time_s=who.plan.max_request_engine_s,
+                           default_max_tokens=settings.engine.default_max_tokens)
             calls.append((numbered.line, call, line.answer))
             if line.group is not None:
                 groups[numbered.line] = line.group

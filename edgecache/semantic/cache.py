@@ -367,7 +367,8 @@ class SemanticCache:
 
     async def usage(self, tenant: str) -> TenantUsage:
         """What ``tenant``'s indexes hold (its ``/stats``)."""
-        return await self._on_disk("usage not read", TenantUsage(), False, self.index.usage, tenant)  # type: ignore[return-value]
+        usage = await self._on_disk("usage not read", TenantUsage(), False, self.index.usage, tenant)
+        return usage  # type: ignore[return-value]
 
     async def save(self) -> None:
         # A failed save loses nothing: the mapping holds every vector and the next open rebuilds the file.

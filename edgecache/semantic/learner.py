@@ -62,8 +62,9 @@ estimates and weighs the teaching down where the traffic asks what was never tau
 Memory is bounded: an entry (or its class) keeps its last ``entry_labels`` labels (and what the tenant taught about
 it, as large as the tenant's grouped file); at most ``max_entries`` entries are tracked, each tenant with a share
 (:class:`~edgecache.tenant_lru.TenantLru`: past the bound the least recently used entry of the tenant that holds the
-most is dropped, so one tenant's traffic never pushes out another's entries within its share); a pool is a few fixed-size arrays. Everything here is pure: no I/O, no clock, no threads; randomness comes
-from a seeded ``random.Random`` so a replay makes the same decisions. Measured with ``scripts/eval_semantic.py
+most is dropped, so one tenant's traffic never pushes out another's entries within its share); a pool is a few
+fixed-size arrays. Everything here is pure: no I/O, no clock, no threads; randomness comes from a seeded
+``random.Random`` so a replay makes the same decisions. Measured with ``scripts/eval_semantic.py
 --stream`` (docs/semantic.md has the figures).
 """
 

@@ -8,11 +8,11 @@ indexed as any miss, serves its repeats. The table is keyed by (tenant, request 
 version, scenario, system prompt, sampling and the user's text, so a mark is about that paraphrase in that context
 and nothing else; the candidate stays servable to other paraphrases unless its labels demote it (the learner's rule).
 
-Bounded: at most ``max_entries`` (tenant, key) pairs, each tenant with a share (:class:`~edgecache.tenant_lru.TenantLru`):
-past the bound the least recently marked pair of the tenant that holds the most goes, so one tenant's marks never
-push out another's within its share. Kept across a clean
-restart in ``path`` (written at close, read at start); a crash loses the marks made since the last start, not their
-labels (in the decision log) nor the copies already dropped.
+Bounded: at most ``max_entries`` (tenant, key) pairs, each tenant with a share
+(:class:`~edgecache.tenant_lru.TenantLru`): past the bound the least recently marked pair of the tenant that holds
+the most goes, so one tenant's marks never push out another's within its share. Kept across a clean restart in
+``path`` (written at close, read at start); a crash loses the marks made since the last start, not their labels (in
+the decision log) nor the copies already dropped.
 """
 
 from __future__ import annotations
