@@ -281,6 +281,10 @@ class KeyHistory:
             del self._keys[next(iter(largest))]
             del largest[next(iter(largest))]
 
+    def held(self, tenant: str) -> int:
+        """Keys of ``tenant`` remembered here (its ``/stats``)."""
+        return len(self._order_of.get(tenant, ()))
+
     def removed(self, key: str, reason: str) -> None:
         key = key[:_KEY_CHARS]
         entry = self._keys.get(key)

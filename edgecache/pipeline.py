@@ -28,7 +28,7 @@ from contextlib import aclosing, suppress
 import msgspec
 import numpy as np
 
-from edgecache.admission import AdmissionGate
+from edgecache.admission import AdmissionGate, within_engine_time
 from edgecache.call import CachePolicy, Call, Served
 from edgecache.engines.base import STREAM_BATCH_S, AnswerTokens, Chunk, Engine, cut_text, prefix_stable_of
 from edgecache.errors import EdgeCacheError, EngineError, NotCached
@@ -518,11 +518,12 @@ class RequestPipeline:
         return bool((await self.store_known_answers([(call, text)]))[0])
 
     async def _engine_stream(self, call: Call, purpose: str) -> AsyncIterator[Chunk]:
-        """One engine call, inside an admission slot (raises Overloaded, a 429, when none is to be had), metered for
-        the ledger under ``purpose`` (miss, explore, warmup)."""
+        """One engine call, inside an admission slot (raises Overloaded, a 429, when none is to be had) and within
+        the plan's engine time (a 400 past it), metered for the ledger under ``purpose`` (miss, explore, warmup)."""
         async with (self.admission.slot(call.tenant, call.tenant_limit),
                     aclosing(self.engine.generate(call.request)) as stream,
-                    aclosing(metered_stream(self.ledger, self.metrics, stream, call.tenant, call.scenario,
+                    aclosing(within_engine_time(stream, call.engine_time_s)) as bounded,
+                    aclosing(metered_stream(self.ledger, self.metrics, bounded, call.tenant, call.scenario,
                                             purpose)) as chunks):
             async for chunk in chunks:
                 yield chunk

@@ -99,6 +99,7 @@ def build_call(generation: GenerationRequest, options: CacheOptions | None, tena
         raise BadRequest(f"this request asks for up to {asked} tokens (max_tokens x n); this key's plan allows "
                          f"{cap} a request", param="max_tokens")
     return Call(request=generation, tenant=tenant.id, tenant_limit=tenant.plan.max_concurrent_misses,
+                engine_time_s=tenant.plan.max_request_engine_s,
                 scenario=(options.scenario if options else None) or "default",
                 policy=(options.policy if options else None) or "default",
                 ttl_s=options.ttl if options else None, ttl_tier=options.ttl_tier if options else None)
