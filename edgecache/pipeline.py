@@ -315,13 +315,11 @@ class RequestPipeline:
 
         stored = await buckets.read_slots(store, slots, usable) if policy.read else {}
         if len(stored) < size:
-            if not policy.compute:
-                raise NotCached(f"only-if-cached, and this request's bucket holds {len(stored)} of its {size} "
-                                "answers; nothing was computed")
-            await self._refuse_early(call)
-            if not policy.write:  # no-store: a new sample, kept nowhere
-                return Reply(served="miss", chunks=self._engine_stream(call, "warmup" if call.warmup else "miss"),
-                             miss_reason=BUCKET_FILLING)
+            if policy.compute:
+                await self._refuse_early(call)
+                if not policy.write:  # no-store: a new sample, kept nowhere
+                    return Reply(served="miss", chunks=self._engine_stream(call, "warmup" if call.warmup else "miss"),
+                                 miss_reason=BUCKET_FILLING)
             if policy.read:
                 buckets.recheck(store, slots, stored, usable)  # from here to the flights' start, no await
         running = {i for i, key in enumerate(slots) if self.inflight.get(key) is not None}

@@ -426,3 +426,22 @@ async def test_a_bucket_in_redis(make_settings: Callable[..., Settings], tmp_pat
         # A larger bucket extends it: the two slots stand, one more is filled (on the other node).
         more = await b.post(CHAT, json=sampled("In redis"), headers=bucket(3))
         assert more.headers["x-edgecache-bucket"] == "3/3" and [e.calls for e in engines] == [2, 1]
+
+
+async def test_only_if_cached_follows_a_running_fill(make_settings: Callable[..., Settings]) -> None:
+    """Following a fill costs no engine work, so only-if-cached takes it: a bucket of one being filled is followed."""
+    engine = SamplingEngine()
+    engine.gate = asyncio.Event()
+    async with serve_in_process(create_app(make_settings(), engine=engine)) as c:
+        filling = asyncio.create_task(c.post(CHAT, json=sampled("Follow me"), headers=bucket(1)))
+        await until(lambda: engine.calls == 1, "the fill to reach the engine")
+        follower = asyncio.create_task(c.post(CHAT, json=sampled("Follow me"),
+                                              headers={**bucket(1), "X-EdgeCache-Policy": "only-if-cached"}))
+        keys = buckets.slot_keys(engine.requests[0], 1, model_version=engine.version, tenant="default",
+                                 scenario="default")
+        await until(lambda: (flight := runtime_of(c).inflight.get(keys[0])) is not None and flight.listeners == 2,
+                    "the follower to join the fill")
+        engine.gate.set()
+        led, followed = await filling, await follower
+        assert (led.headers["x-edgecache"], followed.headers["x-edgecache"]) == ("miss", "shared")
+        assert text(led) == text(followed) and engine.calls == 1
