@@ -74,6 +74,10 @@ class Call(msgspec.Struct, frozen=True, kw_only=True):
     each narrows ``policy`` (:meth:`cache_policy`). ``max_age_s``: ``Cache-Control: max-age``, the oldest stored
     answer the caller accepts; it leaves the TTL an answer is written with alone. ``warmup``: a warmup line's call,
     not a client's (the ledger charges its engine time to warmup).
+
+    ``bucket_size``: how many answers a request that samples without a seed keeps and is served from
+    (:mod:`edgecache.buckets`); 0 or None: none. The HTTP front resolves the caller's, the scenario's and the plan's
+    into one number.
     """
 
     request: GenerationRequest
@@ -87,6 +91,7 @@ class Call(msgspec.Struct, frozen=True, kw_only=True):
     narrowed_by: tuple[PolicyName, ...] = ()
     max_age_s: float | None = None
     warmup: bool = False
+    bucket_size: int | None = None
 
     def cache_policy(self) -> CachePolicy:
         """What this call may do with the caches: its named policy, narrowed by its Cache-Control directives."""

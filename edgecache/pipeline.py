@@ -28,13 +28,14 @@ from contextlib import aclosing, suppress
 import msgspec
 import numpy as np
 
+from edgecache import buckets
 from edgecache.admission import AdmissionGate, within_engine_time
 from edgecache.call import CachePolicy, Call, Served
 from edgecache.engines.base import STREAM_BATCH_S, AnswerTokens, Chunk, Engine, cut_text, prefix_stable_of
 from edgecache.errors import EdgeCacheError, EngineError, NotCached
 from edgecache.inflight import FlightTable, SharedFlight
 from edgecache.keys import is_cacheable, prefix_stable, request_key
-from edgecache.ledger import EVICTED, FIRST_SEEN, NOT_CACHEABLE, POLICY, Ledger, semantic_reason
+from edgecache.ledger import BUCKET_FILLING, EVICTED, FIRST_SEEN, NOT_CACHEABLE, POLICY, Ledger, semantic_reason
 from edgecache.metrics import Metrics
 from edgecache.semantic import refusals
 from edgecache.semantic.cache import SemanticCache
@@ -52,7 +53,8 @@ class Reply(msgspec.Struct, kw_only=True):
     ``ttl_s`` is how long the answer lives in the cache (remaining, for a hit; None when it is not stored).
     What the caller's feedback on it needs (``POST /v1/feedback``): ``key``, the request's key in the result store
     (None: not cached), and the semantic ``lookup`` made for it with its ``decision_id`` in the decision log.
-    ``miss_reason``: why a miss missed (the ledger's reasons, :mod:`edgecache.ledger`)."""
+    ``miss_reason``: why a miss missed (the ledger's reasons, :mod:`edgecache.ledger`). ``bucket``: the slots of a
+    sampled request's bucket that answered, of its size (:func:`edgecache.buckets.label`); None without a bucket."""
 
     served: Served
     answer: CachedAnswer | None = None
@@ -63,6 +65,7 @@ class Reply(msgspec.Struct, kw_only=True):
     lookup: Lookup | None = None
     decision_id: str | None = None
     miss_reason: str | None = None
+    bucket: str | None = None
 
     def stream(self) -> AsyncIterator[Chunk]:
         if self.answer is not None:
@@ -208,6 +211,8 @@ class RequestPipeline:
 
     async def serve(self, call: Call) -> Reply:
         policy = call.cache_policy()
+        if call.bucket_size and (policy.read or policy.write) and not is_cacheable(call.request):
+            return await self._bucket(call, call.bucket_size, policy)  # sampling without a seed, with a bucket
         cacheable = is_cacheable(call.request) or policy.sampled
         if not policy.compute and not (cacheable and policy.read):
             raise NotCached("only-if-cached, and this request can have no cached answer: " +
@@ -280,6 +285,60 @@ class RequestPipeline:
         reply = Reply(served="miss", ttl_s=ttl_s, key=keys.any_max_tokens or key, lookup=lookup,
                       decision_id=decision_id, miss_reason=reason)
         reply.chunks = _served_by_whom(reply, flight)
+        return reply
+
+    async def _bucket(self, call: Call, size: int, policy: CachePolicy) -> Reply:
+        """A sampled request served from its bucket of ``size`` answers, or filling it (:mod:`edgecache.buckets`).
+        A fill is a flight of its own under its slot's key; the semantic layer has no part in it."""
+        n = call.request.n
+        if n > size:  # more different answers than the bucket keeps: computed, as without one
+            if not policy.compute:
+                raise NotCached(f"only-if-cached, and this request asks for {n} answers; its bucket keeps {size}")
+            return await self._uncached(call, NOT_CACHEABLE)
+        one = call if n == 1 else msgspec.structs.replace(call, request=buckets.one_answer(call.request))
+        slots = buckets.slot_keys(call.request, size, model_version=self.engine.version, tenant=call.tenant,
+                                  scenario=call.scenario)
+        store = self.stores(call.tenant)
+
+        def usable(answer: CachedAnswer) -> bool:
+            return _fresh_enough(answer, call)
+
+        stored = await buckets.read_slots(store, slots, usable) if policy.read else {}
+        if len(stored) < size:
+            if policy.compute:
+                await self._refuse_early(call)
+                if not policy.write:  # no-store: a new sample, kept nowhere
+                    return Reply(served="miss", chunks=self._engine_stream(call, "warmup" if call.warmup else "miss"),
+                                 miss_reason=BUCKET_FILLING)
+            if policy.read:
+                buckets.recheck(store, slots, stored, usable)  # from here to the flights' start, no await
+        running = {i for i, key in enumerate(slots) if self.inflight.get(key) is not None}
+        drawn = buckets.draw(size, n, stored, running, read=policy.read)
+        if drawn.lead and not policy.compute:
+            raise NotCached(f"only-if-cached, and this request's bucket holds {len(stored)} of its {size} answers; "
+                            "nothing was computed")
+        label = buckets.label(drawn.slots, size)
+        if not drawn.lead and not drawn.follow:
+            answer = buckets.combined([stored[i] for i in drawn.serve])
+            return Reply(served="exact", answer=answer, ttl_s=answer.expires_at - time.time(),
+                         key=slots[drawn.serve[0]] if n == 1 else None, bucket=label)
+        ttl_s, purpose = self.ttl_for(call), "warmup" if call.warmup else "miss"
+        led = [self.inflight.lead(slots[i], lambda flight, keys=Keys(full=slots[i]): self._compute_and_store(
+            one, keys, ttl_s, flight, purpose=purpose)) for i in drawn.lead]
+        followed = [flight for i in drawn.follow if (flight := self.inflight.get(slots[i])) is not None]
+        reply = Reply(served="miss" if led else "shared", ttl_s=ttl_s if led else None,
+                      key=slots[drawn.slots[0]] if n == 1 else None, bucket=label,
+                      miss_reason=BUCKET_FILLING if led else None)
+        if n == 1:
+            reply.chunks = _served_by_whom(reply, led[0]) if led else followed[0].follow(batch_s=STREAM_BATCH_S)
+            return reply
+
+        def computed_elsewhere() -> None:  # a fleet's other node led every fill this one took
+            if all(getattr(flight, "led_elsewhere", False) for flight in led):
+                reply.served, reply.ttl_s, reply.miss_reason = "shared", None, None
+
+        reply.chunks = buckets.gathered([*led, *followed], [stored[i] for i in drawn.serve], batch_s=STREAM_BATCH_S,
+                                        before_answer=computed_elsewhere)
         return reply
 
     async def _probe(self, call: Call, keys: Keys, policy: CachePolicy) -> Probe | None:

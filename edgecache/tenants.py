@@ -38,7 +38,7 @@ from msgspec import Meta
 
 from edgecache.call import POLICIES, PolicyName
 from edgecache.errors import BadRequest, Unauthorized
-from edgecache.settings import ByteSize, SettingsError, _dec_hook
+from edgecache.settings import BucketSize, ByteSize, SettingsError, _dec_hook
 
 ALL_POLICIES: tuple[PolicyName, ...] = tuple(POLICIES)
 TenantId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
@@ -76,6 +76,10 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     weights, and while others wait the tenant runs at most its weight's share of the slots."""
     policies: tuple[PolicyName, ...] = ALL_POLICIES
     """The cache policies the tenant may ask for."""
+    bucket_size: BucketSize = 0
+    """Answers kept per request of the tenant that samples without a seed, where neither the request
+    (``X-EdgeCache-Bucket-Size``) nor its scenario says (docs/api.md, "Buckets for sampled requests"); 0: none, such a
+    request always reaches the engine."""
     log_prompts: bool = False
     """Keep the tenant's query text in the decision log (for `edgecache tune` and audits); off, the log holds a
     keyed hash of it and the scores only."""
