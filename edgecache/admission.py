@@ -1,13 +1,28 @@
-"""Admission control in front of the engine: a cold cache must not send every request to the model at once.
+"""Admission control in front of the engine: a cold cache must not send every request to the model at once, and no
+tenant may hold the engine against the others.
 
-At most ``max_running`` engine calls run at once in total, and at most the plan's limit per tenant; up to
-``max_queue`` more wait for a slot for at most ``queue_timeout_s``. A free slot goes to the waiting tenant with the
-fewest calls running, and among those to the one served longest ago (first come, first served within a tenant):
-tenants take turns, so one tenant's burst of waiting calls is served one for one with the others', never all ahead
-of them. Beyond that a call
-is refused at once with :class:`~edgecache.errors.Overloaded` (429 + Retry-After), which is better for everyone
-than a queue whose wait outgrows the client's patience ("all misses, GPU saturated, TTFT over 3 s, then an
-avalanche").
+At most ``max_running`` engine calls run at once in total; up to ``max_queue`` more wait for a slot for at most
+``queue_timeout_s``. Beyond that a call is refused at once with :class:`~edgecache.errors.Overloaded` (429 +
+Retry-After), which is better for everyone than a queue whose wait outgrows the client's patience ("all misses, GPU
+saturated, TTFT over 3 s, then an avalanche").
+
+Fair by tenant, weighted by plan (``weight_of``: a tenant's plan ``weight``, 1 by default):
+
+- Waiting calls queue per tenant, first come first served within a tenant, and a free slot goes round the tenants
+  weighted by plan: to the waiting tenant with the fewest calls running for its weight, then to the one whose turn
+  it is (stride scheduling: each grant moves a tenant's pass on by 1/weight, so a tenant of weight 2 is served
+  twice for another's once). A tenant that sent many calls is served one for one with the others, never ahead.
+- A tenant's share caps its running calls while others wait: ``ceil(max_running * weight / W)``, W the weights of
+  the tenants that have calls waiting, the tenant's own included. Alone, a tenant may use every slot (nothing idles
+  for a tenant that is not there); once another waits, the next free slots go to the other until each is within its
+  share. Running calls are never cut for it, so a newcomer waits behind at most one call of another tenant per slot
+  (the first to end). How long one call may hold its slot is the plan's ``max_request_engine_s``
+  (:func:`within_engine_time`).
+- The queue is shared the same way: a tenant's share of it is ``ceil(max_queue * weight / W)``. A call that finds
+  the queue full while its tenant waits less than its share takes the place of the newest waiting call of the
+  tenant most over its share (that one gets the 429). So one tenant's burst can neither fill the queue against the
+  others nor make another tenant's call time out in it.
+- A plan's ``max_concurrent_misses`` caps its tenant's running calls whatever the others do.
 
 Only engine calls take a slot. Hits (exact, semantic, shared) never pass through here, so they never queue behind
 misses. Event-loop only.
@@ -16,88 +31,171 @@ misses. Event-loop only.
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
-from edgecache.errors import Overloaded
+from edgecache.errors import BadRequest, EdgeCacheError, Overloaded
+
+if TYPE_CHECKING:
+    from edgecache.engines.base import Chunk
+
+
+class _Waiter:
+    """One call waiting for a slot: its tenant, its plan's cap on running calls, and the future a grant resolves."""
+
+    __slots__ = ("tenant", "limit", "future")
+
+    def __init__(self, tenant: str, limit: int | None, future: asyncio.Future[None]) -> None:
+        self.tenant = tenant
+        self.limit = limit
+        self.future = future
 
 
 class AdmissionGate:
-    def __init__(self, *, max_running: int, max_queue: int, queue_timeout_s: float, retry_after_s: int) -> None:
+    def __init__(self, *, max_running: int, max_queue: int, queue_timeout_s: float, retry_after_s: int,
+                 weight_of: Callable[[str], float] = lambda tenant: 1.0) -> None:
         self.max_running = max_running
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
         self.retry_after_s = retry_after_s
+        self.weight_of = weight_of  # tenant -> its plan's weight (> 0)
         self.running = 0
         self.running_by_tenant: dict[str, int] = {}
-        self._waiters: deque[tuple[str, int | None, asyncio.Future[None]]] = deque()
-        self.rejected = 0
+        self._queues: dict[str, deque[_Waiter]] = {}  # tenant -> its waiting calls, oldest first (none empty)
+        self._queued = 0
+        self._pass: dict[str, float] = {}  # tenant -> its stride pass: the lowest waiting one is served next
+        self._now = 0.0                    # the pass of the last grant: a tenant back from idle starts there
         self._grants = 0
-        self._last_grant: dict[str, int] = {}  # tenant -> when (in grants) it was last given a slot
+        self._last_grant: dict[str, int] = {}  # tenant -> when (in grants) it last got a slot: ties go to the older
+        self.rejected = 0
 
     @property
     def queued(self) -> int:
-        return len(self._waiters)
+        return self._queued
+
+    def queued_of(self, tenant: str) -> int:
+        """Calls of ``tenant`` waiting for a slot."""
+        queue = self._queues.get(tenant)
+        return len(queue) if queue is not None else 0
 
     def is_free(self) -> bool:
         """Whether the engine has a free slot and nothing waits for one: the only time optional engine work (an
         exploration, a label, the judge) may start, since it would otherwise take a slot from a caller."""
-        return self.queued == 0 and self.running < self.max_running
+        return self._queued == 0 and self.running < self.max_running
 
-    def _may_run(self, tenant: str, tenant_limit: int | None) -> bool:
-        return self.running < self.max_running and (
-            tenant_limit is None or self.running_by_tenant.get(tenant, 0) < tenant_limit)
+    # ---- shares ----
 
-    def _take(self, tenant: str) -> None:
-        self._grants += 1
-        self._last_grant[tenant] = self._grants
-        self.running += 1
-        self.running_by_tenant[tenant] = self.running_by_tenant.get(tenant, 0) + 1
+    def _weight(self, tenant: str) -> float:
+        weight = self.weight_of(tenant)
+        return weight if weight > 0 else 1.0
+
+    def _waiting_weight(self, tenant: str) -> float:
+        """W: the weights of the tenants with calls waiting, ``tenant``'s own included."""
+        total = sum(self._weight(t) for t in self._queues)
+        return total if tenant in self._queues else total + self._weight(tenant)
+
+    def share(self, tenant: str) -> int:
+        """The most calls ``tenant`` may start running now: its weight's share of the slots among the tenants that
+        wait (all of them while it is the only one)."""
+        return max(1, math.ceil(self.max_running * self._weight(tenant) / self._waiting_weight(tenant)))
+
+    def queue_share(self, tenant: str) -> int:
+        """The most calls ``tenant`` may keep waiting when the queue is full: its weight's share of the queue."""
+        return math.ceil(self.max_queue * self._weight(tenant) / self._waiting_weight(tenant))
+
+    def _may_run(self, tenant: str, limit: int | None) -> bool:
+        running = self.running_by_tenant.get(tenant, 0)
+        return (self.running < self.max_running and (limit is None or running < limit)
+                and running < self.share(tenant))
+
+    # ---- the queue ----
+
+    def _enqueue(self, waiter: _Waiter) -> None:
+        queue = self._queues.get(waiter.tenant)
+        if queue is None:
+            queue = self._queues[waiter.tenant] = deque()
+            if not self.running_by_tenant.get(waiter.tenant):
+                # Back from idle: it starts at the current pass, with no credit saved up while away.
+                self._pass[waiter.tenant] = max(self._pass.get(waiter.tenant, 0.0), self._now)
+        queue.append(waiter)
+        self._queued += 1
+
+    def _remove(self, waiter: _Waiter) -> bool:
+        queue = self._queues.get(waiter.tenant)
+        if queue is None:
+            return False
+        try:
+            queue.remove(waiter)
+        except ValueError:
+            return False
+        self._queued -= 1
+        if not queue:
+            del self._queues[waiter.tenant]
+        return True
+
+    def _make_room(self, tenant: str) -> bool:
+        """The queue is full: if ``tenant`` waits less than its share, refuse the newest waiting call of the tenant
+        most over its share (its caller gets the 429) and say True."""
+        if self.queued_of(tenant) > self.queue_share(tenant):  # its new call counted
+            return False
+        over = [(len(queue) / self._weight(t), t) for t, queue in self._queues.items()
+                if t != tenant and len(queue) > self.queue_share(t)]
+        if not over:
+            return False
+        _, heaviest = max(over)
+        pushed = self._queues[heaviest][-1]
+        self._remove(pushed)
+        pushed.future.set_exception(self._reject(f"{tenant}'s call took the place of one of {heaviest}'s, which "
+                                                 f"had more than its share of the queue waiting"))
+        return True
 
     def _reject(self, why: str) -> Overloaded:
         self.rejected += 1
         return Overloaded(f"the model is busy ({why}); retry after {self.retry_after_s} s",
                           retry_after_s=self.retry_after_s)
 
+    def _full(self) -> Overloaded:
+        return self._reject(f"{self.running} generating, {self._queued} waiting")
+
     def refuse_if_full(self, tenant: str, tenant_limit: int | None = None) -> None:
-        """Raise Overloaded now if a call arriving at the gate would be refused: no slot for it and the queue full.
-        The pipeline asks before any work a refused call would waste (embedding its prompt)."""
-        if len(self._waiters) >= self.max_queue and not self._may_run(tenant, tenant_limit):
-            raise self._reject(f"{self.running} generating, {len(self._waiters)} waiting")
+        """Raise Overloaded now if a call arriving at the gate would be refused: no slot for it, the queue full, and
+        its tenant already waiting its share of it. The pipeline asks before any work a refused call would waste
+        (embedding its prompt)."""
+        if self._queued >= self.max_queue and not self._may_run(tenant, tenant_limit) and \
+                self.queued_of(tenant) >= self.queue_share(tenant):
+            raise self._full()
 
     @asynccontextmanager
     async def slot(self, tenant: str, tenant_limit: int | None = None) -> AsyncIterator[None]:
         """Hold one engine slot for ``tenant`` for the body of the ``async with``."""
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (tenant, tenant_limit, future)
-        self._waiters.append(entry)
-        self._grant()  # in queue order: this call runs now if nobody who may run is ahead of it
+        waiter = _Waiter(tenant, tenant_limit, future)
+        self._enqueue(waiter)
+        self._grant()  # this call runs now if nobody who may run is ahead of it
+        if not future.done() and self._queued > self.max_queue and not self._make_room(tenant):
+            self._remove(waiter)
+            raise self._full()
         if not future.done():
-            if len(self._waiters) > self.max_queue:
-                self._remove(entry)
-                raise self._reject(f"{self.running} generating, {len(self._waiters)} waiting")
             try:
                 await asyncio.wait_for(asyncio.shield(future), self.queue_timeout_s)
             except (TimeoutError, asyncio.CancelledError) as exc:
-                if future.done() and not future.cancelled():
+                if future.done() and not future.cancelled() and future.exception() is None:
                     self._release(tenant)  # granted just as we gave up: hand the slot on
-                else:
+                elif not future.done():
                     future.cancel()
-                    self._remove(entry)
+                    self._remove(waiter)
                 if isinstance(exc, TimeoutError):
                     raise self._reject(f"waited {self.queue_timeout_s:.0f} s for a slot") from None
                 raise
+        future.result()  # raises the 429 of a call whose place in the queue another tenant's call took
         try:
             yield
         finally:
             self._release(tenant)
-
-    def _remove(self, entry: tuple[str, int | None, asyncio.Future[None]]) -> None:
-        try:
-            self._waiters.remove(entry)
-        except ValueError:
-            pass
 
     def _release(self, tenant: str) -> None:
         self.running -= 1
@@ -106,20 +204,66 @@ class AdmissionGate:
             self.running_by_tenant[tenant] = left
         else:
             self.running_by_tenant.pop(tenant, None)
+            if tenant not in self._queues:
+                # Idle: nothing to remember (it comes back at the current pass).
+                self._pass.pop(tenant, None)
+                self._last_grant.pop(tenant, None)
         self._grant()
 
     def _grant(self) -> None:
-        # Each free slot to the waiter whose tenant runs the fewest calls, then was served longest ago, then came
-        # first; a waiter held back by its own tenant's limit never blocks the others.
-        for entry in [e for e in self._waiters if e[2].done()]:
-            self._remove(entry)
-        while self.running < self.max_running:
-            ready = [(self.running_by_tenant.get(tenant, 0), self._last_grant.get(tenant, -1), order,
-                      (tenant, limit, future))
-                     for order, (tenant, limit, future) in enumerate(self._waiters) if self._may_run(tenant, limit)]
+        # Each free slot to the waiting tenant with the fewest calls running for its weight, then the lowest pass,
+        # then the one served longest ago; a tenant held back by its limit or its share never blocks the others.
+        while self.running < self.max_running and self._queues:
+            ready = [(self.running_by_tenant.get(t, 0) / self._weight(t), self._pass.get(t, 0.0),
+                      self._last_grant.get(t, -1), t)
+                     for t, queue in self._queues.items() if self._may_run(t, queue[0].limit)]
             if not ready:
                 return
-            *_, entry = min(ready, key=lambda r: r[:3])
-            self._remove(entry)
-            self._take(entry[0])
-            entry[2].set_result(None)
+            *_, tenant = min(ready)
+            waiter = self._queues[tenant][0]
+            self._remove(waiter)
+            self._now = self._pass.get(tenant, self._now)
+            self._pass[tenant] = self._now + 1.0 / self._weight(tenant)
+            self._grants += 1
+            self._last_grant[tenant] = self._grants
+            self.running += 1
+            self.running_by_tenant[tenant] = self.running_by_tenant.get(tenant, 0) + 1
+            waiter.future.set_result(None)
+
+
+class EngineTimeExceeded(BadRequest):
+    """A call ran past the engine time its tenant's plan allows one request (``max_request_engine_s``)."""
+
+    code = "engine_time_exceeded"
+
+
+async def within_engine_time(chunks: AsyncIterator[Chunk], limit_s: float | None) -> AsyncIterator[Chunk]:
+    """``chunks`` (an engine call's stream, inside its slot) ended with :class:`EngineTimeExceeded`, a 400, once it
+    has run ``limit_s`` seconds: the call is aborted (its stream closed) and its slot freed for the next caller.
+
+    Refused rather than cut short with ``finish_reason: "length"``: the engine's last chunk alone carries the token
+    counts and the token ends, and an answer with tool calls, logprobs or several choices comes whole at the end, so
+    a cut here would have to invent counts or give nothing; and a cut made at a moment of the wall clock would be
+    stored as the answer to a request that, on a quieter engine, writes more. Nothing of a refused call is cached."""
+    if limit_s is None:
+        async for chunk in chunks:
+            yield chunk
+        return
+    deadline = asyncio.get_running_loop().time() + limit_s
+    started = time.monotonic()
+    while True:
+        timeout = asyncio.timeout_at(deadline)
+        try:
+            async with timeout:
+                chunk = await anext(chunks)
+        except StopAsyncIteration:
+            return
+        except (TimeoutError, EdgeCacheError):
+            if not timeout.expired():
+                raise
+            # An engine may answer the cancellation with its own error (an aborted generation): still the cap's.
+            raise EngineTimeExceeded(
+                f"this request ran {time.monotonic() - started:.0f} s in the engine, past the {limit_s:g} s this "
+                f"key's plan allows one request; ask for fewer tokens (max_tokens x n)",
+                param="max_tokens") from None
+        yield chunk

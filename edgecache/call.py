@@ -67,12 +67,17 @@ class Call(msgspec.Struct, frozen=True, kw_only=True):
     """One request as the pipeline sees it: what to generate, for whom, under which scenario and policy.
 
     ``ttl_s`` / ``ttl_tier`` are the caller's explicit choice of how long the answer may live (None: let the
-    scenario or the classifier decide). ``tenant_limit`` is the plan's cap on the tenant's concurrent misses.
+    scenario or the classifier decide). ``tenant_limit`` is the plan's cap on the tenant's concurrent misses,
+    ``engine_time_s`` its cap on one request's engine time (:func:`edgecache.admission.within_engine_time`).
 
     ``narrowed_by``: the policies the request's ``Cache-Control`` directives amount to (:data:`CACHE_CONTROL`);
     each narrows ``policy`` (:meth:`cache_policy`). ``max_age_s``: ``Cache-Control: max-age``, the oldest stored
     answer the caller accepts; it leaves the TTL an answer is written with alone. ``warmup``: a warmup line's call,
     not a client's (the ledger charges its engine time to warmup).
+
+    ``bucket_size``: how many answers a request that samples without a seed keeps and is served from
+    (:mod:`edgecache.buckets`); 0 or None: none. The HTTP front resolves the caller's, the scenario's and the plan's
+    into one number.
     """
 
     request: GenerationRequest
@@ -82,9 +87,11 @@ class Call(msgspec.Struct, frozen=True, kw_only=True):
     ttl_s: float | None = None
     ttl_tier: str | None = None
     tenant_limit: int | None = None
+    engine_time_s: float | None = None
     narrowed_by: tuple[PolicyName, ...] = ()
     max_age_s: float | None = None
     warmup: bool = False
+    bucket_size: int | None = None
 
     def cache_policy(self) -> CachePolicy:
         """What this call may do with the caches: its named policy, narrowed by its Cache-Control directives."""

@@ -62,7 +62,8 @@ FLUSHED = "flushed"              # its answer was flushed (`edgecache flush`, he
 NOT_CACHEABLE = "not_cacheable"  # sampling without a seed: no layer may keep or share it
 POLICY = "policy"                # the caller's policy read no cache (bypass, no-cache), or its max-age refused one
 ENGINE_ERROR = "engine_error"    # the engine was asked and failed
-MISS_REASONS = (FIRST_SEEN, EXPIRED, EVICTED, FLUSHED, NOT_CACHEABLE, POLICY, ENGINE_ERROR)
+BUCKET_FILLING = "bucket_filling"  # sampling without a seed, its bucket holds fewer answers than its size
+MISS_REASONS = (FIRST_SEEN, EXPIRED, EVICTED, FLUSHED, NOT_CACHEABLE, POLICY, ENGINE_ERROR, BUCKET_FILLING)
 SEMANTIC_PREFIX = "semantic:"
 
 
@@ -280,6 +281,10 @@ class KeyHistory:
             largest = max(self._order_of.values(), key=len)
             del self._keys[next(iter(largest))]
             del largest[next(iter(largest))]
+
+    def held(self, tenant: str) -> int:
+        """Keys of ``tenant`` remembered here (its ``/stats``)."""
+        return len(self._order_of.get(tenant, ()))
 
     def removed(self, key: str, reason: str) -> None:
         key = key[:_KEY_CHARS]
@@ -735,7 +740,7 @@ class _LedgerCollector(Collector):
                                         labels=["tenant", "scenario", "reason"])
         misses = CounterMetricFamily("edgecache_misses", "Misses by tenant, scenario and reason (first_seen, "
                                      "expired, evicted, flushed, not_cacheable, policy, engine_error, "
-                                     "semantic:<refusal>).", labels=["tenant", "scenario", "reason"])
+                                     "bucket_filling, semantic:<refusal>).", labels=["tenant", "scenario", "reason"])
         cost = (CounterMetricFamily("edgecache_saved_cost", "What the engine-seconds saved cost at the box's price "
                                     "(ledger.price_per_hour), by tenant, scenario and layer.",
                                     labels=["tenant", "scenario", "layer", "currency"])

@@ -5,6 +5,7 @@
     key: canonical hash of (model version, tenant, scenario, messages, output-affecting params)
     ├─ 1. exact result store       hit -> replay the stored answer                         X-EdgeCache: exact
     ├─ 2. in-flight de-dup         an identical request is computing -> follow its stream  X-EdgeCache: shared
+    │                              (cut at a smaller max_tokens; a larger one waits for its end)
     ├─ 3. semantic cache           a paraphrase's answer, similar enough and guarded       X-EdgeCache: semantic
     │                              (each decision appended to the decision log; a learner may
     │                              explore: refuse a candidate it would serve, to label it)
@@ -22,18 +23,19 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import aclosing
+from contextlib import aclosing, suppress
 
 import msgspec
 import numpy as np
 
-from edgecache.admission import AdmissionGate
+from edgecache import buckets
+from edgecache.admission import AdmissionGate, within_engine_time
 from edgecache.call import CachePolicy, Call, Served
-from edgecache.engines.base import STREAM_BATCH_S, Chunk, Engine, prefix_stable_of
-from edgecache.errors import EngineError, NotCached
+from edgecache.engines.base import STREAM_BATCH_S, AnswerTokens, Chunk, Engine, cut_text, prefix_stable_of
+from edgecache.errors import EdgeCacheError, EngineError, NotCached
 from edgecache.inflight import FlightTable, SharedFlight
 from edgecache.keys import is_cacheable, prefix_stable, request_key
-from edgecache.ledger import EVICTED, FIRST_SEEN, NOT_CACHEABLE, POLICY, Ledger, semantic_reason
+from edgecache.ledger import BUCKET_FILLING, EVICTED, FIRST_SEEN, NOT_CACHEABLE, POLICY, Ledger, semantic_reason
 from edgecache.metrics import Metrics
 from edgecache.semantic import refusals
 from edgecache.semantic.cache import SemanticCache
@@ -51,7 +53,8 @@ class Reply(msgspec.Struct, kw_only=True):
     ``ttl_s`` is how long the answer lives in the cache (remaining, for a hit; None when it is not stored).
     What the caller's feedback on it needs (``POST /v1/feedback``): ``key``, the request's key in the result store
     (None: not cached), and the semantic ``lookup`` made for it with its ``decision_id`` in the decision log.
-    ``miss_reason``: why a miss missed (the ledger's reasons, :mod:`edgecache.ledger`)."""
+    ``miss_reason``: why a miss missed (the ledger's reasons, :mod:`edgecache.ledger`). ``bucket``: the slots of a
+    sampled request's bucket that answered, of its size (:func:`edgecache.buckets.label`); None without a bucket."""
 
     served: Served
     answer: CachedAnswer | None = None
@@ -62,6 +65,7 @@ class Reply(msgspec.Struct, kw_only=True):
     lookup: Lookup | None = None
     decision_id: str | None = None
     miss_reason: str | None = None
+    bucket: str | None = None
 
     def stream(self) -> AsyncIterator[Chunk]:
         if self.answer is not None:
@@ -85,27 +89,17 @@ def replay(answer: CachedAnswer) -> AsyncIterator[Chunk]:
 
 
 class Keys(msgspec.Struct, frozen=True):
-    """A call's keys: ``full`` holds every output-affecting field (flights, semantic lookups, and the answers that
-    cannot be cut are keyed by it); ``any_max_tokens`` leaves ``max_tokens`` out, for a
-    :func:`~edgecache.keys.prefix_stable` request (None otherwise), and holds its answers that carry token ends."""
+    """A call's keys: ``full`` holds every output-affecting field (flights, and the answers that cannot be cut are
+    keyed by it); ``any_max_tokens`` leaves ``max_tokens`` out, for a :func:`~edgecache.keys.prefix_stable` request
+    (None otherwise), and holds its answers that carry token ends: computed ones, and a warmup line's given answer
+    counted in the model's tokens."""
 
     full: str
     any_max_tokens: str | None = None
 
-    @property
-    def taught(self) -> str | None:
-        """Where a mark says that a warmup line taught this request an answer (for some ``max_tokens``): then its
-        computed answers keep ``max_tokens`` in their key too, so none of them covers, and hides, a taught one."""
-        return None if self.any_max_tokens is None else self.any_max_tokens + ".taught"
-
-    async def for_answer(self, answer: CachedAnswer, store: ResultStore) -> str:
-        """Where ``answer`` is stored for this call: under the key without ``max_tokens`` when it can be cut and
-        the request was taught no answer."""
-        if self.any_max_tokens is None or answer.token_ends is None:
-            return self.full
-        assert self.taught is not None
-        taught = store.get_memory(self.taught) or await store.get(self.taught)
-        return self.full if taught is not None else self.any_max_tokens
+    def for_answer(self, answer: CachedAnswer) -> str:
+        """Where ``answer`` is stored for this call: under the key without ``max_tokens`` when it can be cut."""
+        return self.full if self.any_max_tokens is None or answer.token_ends is None else self.any_max_tokens
 
 
 def call_keys(call: Call, model_version: str, rule: str) -> Keys:
@@ -208,6 +202,8 @@ class RequestPipeline:
         self._keys = CallKeys()
         self._cuts = Cuts()
         self._semantic_lookups: dict[str, asyncio.Future[SemanticAnswer]] = {}
+        # Flights this node leads, by key without max_tokens, then max_tokens (see _lead).
+        self._leaders: dict[str, dict[int, SharedFlight]] = {}
 
     def use_semantic(self, semantic: SemanticCache) -> None:
         """The semantic layer opened (again) after the pipeline was built: lookups use it from the next call."""
@@ -215,6 +211,8 @@ class RequestPipeline:
 
     async def serve(self, call: Call) -> Reply:
         policy = call.cache_policy()
+        if call.bucket_size and (policy.read or policy.write) and not is_cacheable(call.request):
+            return await self._bucket(call, call.bucket_size, policy)  # sampling without a seed, with a bucket
         cacheable = is_cacheable(call.request) or policy.sampled
         if not policy.compute and not (cacheable and policy.read):
             raise NotCached("only-if-cached, and this request can have no cached answer: " +
@@ -239,10 +237,10 @@ class RequestPipeline:
             if reply is not None:
                 return reply
 
-            # 2. in-flight de-duplication (by the full key: a follower joins only a leader of its own max_tokens)
-            flight = self.inflight.get(key)
-            if flight is not None:
-                return Reply(served="shared", chunks=flight.follow(batch_s=STREAM_BATCH_S), key=key)
+            # 2. in-flight de-duplication: a leader of the same request (of another max_tokens, where it answers)
+            reply = await self._in_flight(call, keys, store)
+            if reply is not None:
+                return reply
 
         # Bounds before any work that grows with the prompt or waits: a prompt the context cannot hold is refused
         # (400) and a full engine queue refuses at once (429), before the prompt is embedded. A call that will not
@@ -254,7 +252,7 @@ class RequestPipeline:
 
         if policy.read:
             # 3. semantic cache: first-turn chat prompts only, the nearest candidates, accepted by threshold + guard or the verifier
-            probe = await self._probe(call, policy)
+            probe = await self._probe(call, keys, policy)
             if probe is not None:
                 found = await self._semantic_once(call, keys, probe, policy)
                 lookup, decision_id = found.lookup, found.decision_id
@@ -264,12 +262,9 @@ class RequestPipeline:
                                  key=found.stored_as if policy.write else None, lookup=lookup,
                                  decision_id=decision_id)
                 # While this one looked, an identical request may have computed its answer or started to.
-                reply = await self._exact(call, keys, store)
+                reply = await self._exact(call, keys, store) or await self._in_flight(call, keys, store)
                 if reply is not None:
                     return reply
-                flight = self.inflight.get(key)
-                if flight is not None:
-                    return Reply(served="shared", chunks=flight.follow(batch_s=STREAM_BATCH_S), key=key)
 
         if not policy.compute:
             raise NotCached("only-if-cached, and no cached answer matches this request; nothing was computed")
@@ -281,26 +276,85 @@ class RequestPipeline:
 
         # 4. engine: lead a flight that streams to every listener and stores the complete answer.
         if probe is None and not policy.read:
-            probe = await self._probe(call, policy)  # no-cache skipped the read: index the answer
+            probe = await self._probe(call, keys, policy)  # no-cache skipped the read: index the answer
         ttl_s = self.ttl_for(call)
         if lookup is None and probe is not None:
             lookup = Lookup(vector=None)  # no-cache: the vector is computed after the answer, for the write
-        flight = self.inflight.lead(key, lambda f: self._compute_and_store(call, keys, ttl_s, f, probe, lookup,
-                                                                            decision_id, purpose))
+        flight = self.inflight.lead(key, lambda f: self._lead(call, keys, ttl_s, f, probe, lookup, decision_id,
+                                                              purpose))
         reply = Reply(served="miss", ttl_s=ttl_s, key=keys.any_max_tokens or key, lookup=lookup,
                       decision_id=decision_id, miss_reason=reason)
         reply.chunks = _served_by_whom(reply, flight)
         return reply
 
-    async def _probe(self, call: Call, policy: CachePolicy) -> Probe | None:
+    async def _bucket(self, call: Call, size: int, policy: CachePolicy) -> Reply:
+        """A sampled request served from its bucket of ``size`` answers, or filling it (:mod:`edgecache.buckets`).
+        A fill is a flight of its own under its slot's key; the semantic layer has no part in it."""
+        n = call.request.n
+        if n > size:  # more different answers than the bucket keeps: computed, as without one
+            if not policy.compute:
+                raise NotCached(f"only-if-cached, and this request asks for {n} answers; its bucket keeps {size}")
+            return await self._uncached(call, NOT_CACHEABLE)
+        one = call if n == 1 else msgspec.structs.replace(call, request=buckets.one_answer(call.request))
+        slots = buckets.slot_keys(call.request, size, model_version=self.engine.version, tenant=call.tenant,
+                                  scenario=call.scenario)
+        store = self.stores(call.tenant)
+
+        def usable(answer: CachedAnswer) -> bool:
+            return _fresh_enough(answer, call)
+
+        stored = await buckets.read_slots(store, slots, usable) if policy.read else {}
+        if len(stored) < size:
+            if policy.compute:
+                await self._refuse_early(call)
+                if not policy.write:  # no-store: a new sample, kept nowhere
+                    return Reply(served="miss", chunks=self._engine_stream(call, "warmup" if call.warmup else "miss"),
+                                 miss_reason=BUCKET_FILLING)
+            if policy.read:
+                buckets.recheck(store, slots, stored, usable)  # from here to the flights' start, no await
+        running = {i for i, key in enumerate(slots) if self.inflight.get(key) is not None}
+        drawn = buckets.draw(size, n, stored, running, read=policy.read)
+        if drawn.lead and not policy.compute:
+            raise NotCached(f"only-if-cached, and this request's bucket holds {len(stored)} of its {size} answers; "
+                            "nothing was computed")
+        label = buckets.label(drawn.slots, size)
+        if not drawn.lead and not drawn.follow:
+            answer = buckets.combined([stored[i] for i in drawn.serve])
+            return Reply(served="exact", answer=answer, ttl_s=answer.expires_at - time.time(),
+                         key=slots[drawn.serve[0]] if n == 1 else None, bucket=label)
+        ttl_s, purpose = self.ttl_for(call), "warmup" if call.warmup else "miss"
+        led = [self.inflight.lead(slots[i], lambda flight, keys=Keys(full=slots[i]): self._compute_and_store(
+            one, keys, ttl_s, flight, purpose=purpose)) for i in drawn.lead]
+        followed = [flight for i in drawn.follow if (flight := self.inflight.get(slots[i])) is not None]
+        reply = Reply(served="miss" if led else "shared", ttl_s=ttl_s if led else None,
+                      key=slots[drawn.slots[0]] if n == 1 else None, bucket=label,
+                      miss_reason=BUCKET_FILLING if led else None)
+        if n == 1:
+            reply.chunks = _served_by_whom(reply, led[0]) if led else followed[0].follow(batch_s=STREAM_BATCH_S)
+            return reply
+
+        def computed_elsewhere() -> None:  # a fleet's other node led every fill this one took
+            if all(getattr(flight, "led_elsewhere", False) for flight in led):
+                reply.served, reply.ttl_s, reply.miss_reason = "shared", None, None
+
+        reply.chunks = buckets.gathered([*led, *followed], [stored[i] for i in drawn.serve], batch_s=STREAM_BATCH_S,
+                                        before_answer=computed_elsewhere)
+        return reply
+
+    async def _probe(self, call: Call, keys: Keys, policy: CachePolicy) -> Probe | None:
         """The semantic probe of a call, or None when the semantic layer has no part in it: off, not a first-turn
         chat prompt, or a prompt longer than the embedder takes whole."""
         if self.semantic is None or not policy.semantic:
             return None
-        probe = probe_for(call.request, self.engine.version)
+        probe = self._probe_of(call, keys)
         if probe is None or not await self.semantic.accepts(probe.text):
             return None
         return probe
+
+    def _probe_of(self, call: Call, keys: Keys) -> Probe | None:
+        """The call's probe; its namespace leaves ``max_tokens`` out where its key does, so a candidate computed or
+        taught for another limit is found and serves this one under the store's rule."""
+        return probe_for(call.request, self.engine.version, any_max_tokens=keys.any_max_tokens is not None)
 
     async def _uncached(self, call: Call, reason: str) -> Reply:
         await self._refuse_early(call)
@@ -401,9 +455,9 @@ class RequestPipeline:
             return SemanticAnswer(lookup=lookup)
         store = self.stores(call.tenant)
         answer = await store.get(hit.store_key)
-        # An answer under a key without max_tokens serves this request's max_tokens (the index's namespace holds
-        # it) when it covers it: one computed for another limit since may not.
-        served = answer if answer is None or answer.token_ends is None else \
+        # In a namespace without max_tokens (this request's key leaves it out) a candidate's answer serves this
+        # request's max_tokens when it covers it, cut where it is longer; one without token ends serves none.
+        served = answer if answer is None or keys.any_max_tokens is None else \
             self._cuts.serve(answer, call.request.params.max_tokens)
         if answer is None or served is None:
             # The answer expired or was evicted (or no longer covers the limit): its vector goes too, and this is
@@ -414,7 +468,7 @@ class RequestPipeline:
             return SemanticAnswer(lookup=lookup, dropped="too_old")
         # Kept under this request's own key too (unless it writes nothing): its repeats are exact hits. Whole:
         # under a key without max_tokens it serves this request's other limits too.
-        key = await keys.for_answer(answer, store)
+        key = keys.for_answer(answer)
         if policy.write and await store.put(key, answer, tag=call.scenario):
             self.ledger.history.stored(call.tenant, call.scenario, key, answer.expires_at)
         return SemanticAnswer(lookup=lookup, answer=served, similarity=hit.similarity, stored_as=key)
@@ -424,15 +478,21 @@ class RequestPipeline:
         index, as if the engine had written it. Per item: True written, False already answered (in the store, or
         earlier in ``known``), None when the store refused the write (a full disk: counted by the store). Batched
         all the way down: one existence read and one write transaction per tenant, embeddings in large batches,
-        one index insert per index. Token counts are unknown for such an answer and are reported as 0.
+        one index insert per index.
 
-        Such an answer has no token ends, so it stays under the key with ``max_tokens`` and serves that limit only;
-        a request whose key can leave ``max_tokens`` out is marked taught (:attr:`Keys.taught`), and an answer
-        computed for it under the key without ``max_tokens`` is dropped, so no computed answer hides a taught one."""
+        Where the request's key can leave ``max_tokens`` out (a prefix-stable engine's), the answer is counted in
+        the model's tokens and kept there: it serves every ``max_tokens``, cut with finish ``length`` where it is
+        longer, and it replaces an answer computed for the request before it was taught (a taught answer has no
+        prompt tokens; a computed one has). Elsewhere it stays under the key with ``max_tokens`` and serves that
+        limit only. Its prompt tokens are unknown and reported as 0."""
         now = time.time()
-        version, rule = self.engine.version, prefix_stable_of(self.engine)
-        call_keys_of = [call_keys(call, version, rule) for call, _ in known]
-        keys = [k.full for k in call_keys_of]
+        keys_of = [self._keys_of(call) for call, _ in known]
+        ends = await self._answer_ends(known, keys_of)
+        answers = [CachedAnswer(text=text, finish_reason="stop", prompt_tokens=0,
+                                completion_tokens=len(ends[i] or ()), created_at=now,
+                                expires_at=now + self.ttl_for(call), token_ends=ends[i])
+                   for i, (call, text) in enumerate(known)]
+        keys = [k.for_answer(answer) for k, answer in zip(keys_of, answers)]
         outcome: list[bool | None] = [False] * len(known)
         by_tenant: dict[str, list[int]] = {}
         seen: set[tuple[str, str]] = set()
@@ -443,36 +503,45 @@ class RequestPipeline:
         for tenant, items in by_tenant.items():
             store = self.stores(tenant)
             present = await store.contains_many([keys[i] for i in items])
-            fresh = [i for i, there in zip(items, present) if not there]
-            answers = [(keys[i], CachedAnswer(text=known[i][1], finish_reason="stop", prompt_tokens=0,
-                                              completion_tokens=0, created_at=now,
-                                              expires_at=now + self.ttl_for(known[i][0])), known[i][0].scenario)
-                       for i in fresh]
-            # A taught request's mark lives as long as its answer (the mark is an empty answer under Keys.taught).
-            marks: list[tuple[str, CachedAnswer, str | None]] = []
-            free: list[str] = []
-            for i, (_, answer, scenario) in zip(fresh, answers):
-                taught_key, free_key = call_keys_of[i].taught, call_keys_of[i].any_max_tokens
-                if taught_key is not None and free_key is not None:
-                    marks.append((taught_key, msgspec.structs.replace(answer, text=""), scenario))
-                    free.append(free_key)
-            stored = await store.put_many([*answers, *marks])
-            if stored and free:
-                for key, there in zip(free, await store.contains_many(free)):
-                    if there:
-                        await store.delete(key)  # computed before the teaching: it would hide the taught answer
-            for i, (_, answer, _) in zip(fresh, answers):
+            replaced = [i for i, there in zip(items, present) if there and await self._computed(store, keys[i], i,
+                                                                                               keys_of)]
+            for i in replaced:
+                await store.delete(keys[i])  # the memory copy too: a bulk write does not fill (or clear) it
+            fresh = sorted([i for i, there in zip(items, present) if not there] + replaced)
+            stored = await store.put_many([(keys[i], answers[i], known[i][0].scenario) for i in fresh])
+            for i in fresh:
                 outcome[i] = True if stored else None
                 if stored:
-                    self.ledger.history.stored(tenant, known[i][0].scenario, keys[i], answer.expires_at)
+                    self.ledger.history.stored(tenant, known[i][0].scenario, keys[i], answers[i].expires_at)
             if stored and self.semantic is not None:
-                await self._index_known(tenant, [(known[i][0], keys[i]) for i in fresh])
+                await self._index_known(tenant, [(known[i][0], keys_of[i], keys[i]) for i in fresh])
         return outcome
 
-    async def _index_known(self, tenant: str, calls: list[tuple[Call, str]]) -> None:
+    def _keys_of(self, call: Call) -> Keys:
+        return call_keys(call, self.engine.version, prefix_stable_of(self.engine))
+
+    async def _answer_ends(self, known: Sequence[tuple[Call, str]], keys_of: list[Keys]) -> list[tuple[int, ...] | None]:
+        """The token ends of each given answer whose key can leave ``max_tokens`` out (None for the rest)."""
+        ends: list[tuple[int, ...] | None] = [None] * len(known)
+        counted = [i for i, keys in enumerate(keys_of) if keys.any_max_tokens is not None]
+        if counted and isinstance(self.engine, AnswerTokens):
+            for i, found in zip(counted, await self.engine.answer_token_ends([known[i][1] for i in counted])):
+                ends[i] = found
+        return ends
+
+    @staticmethod
+    async def _computed(store: ResultStore, key: str, i: int, keys_of: list[Keys]) -> bool:
+        """Whether the answer under a taught line's key without ``max_tokens`` was computed (the teaching replaces
+        it) rather than taught (the line is already answered)."""
+        if key != keys_of[i].any_max_tokens:
+            return False
+        answer = await store.get(key)
+        return answer is not None and answer.prompt_tokens > 0
+
+    async def _index_known(self, tenant: str, calls: list[tuple[Call, Keys, str]]) -> None:
         assert self.semantic is not None
-        probed = [(call, probe, key) for call, key in calls
-                  if (probe := probe_for(call.request, self.engine.version)) is not None
+        probed = [(call, probe, key) for call, keys, key in calls
+                  if (probe := self._probe_of(call, keys)) is not None
                   and await self.semantic.accepts(probe.text)]  # a prompt the embedder cuts is not indexed
         if not probed:
             return
@@ -488,13 +557,15 @@ class RequestPipeline:
         learner (:meth:`SemanticCache.teach`) per tenant and scenario; the labels taught (0 without a learner)."""
         if self.semantic is None or self.semantic.learner is None:
             return 0
-        version = self.engine.version
+        counted = isinstance(self.engine, AnswerTokens)
         by_pool: dict[tuple[str, str], list[tuple[Probe, str, str]]] = {}
         for call, group in grouped:
-            probe = probe_for(call.request, version)
+            keys = self._keys_of(call)
+            probe = self._probe_of(call, keys)
             if probe is None or not await self.semantic.accepts(probe.text):
                 continue  # not indexed, so never anyone's candidate
-            key = request_key(call.request, model_version=version, tenant=call.tenant, scenario=call.scenario)
+            # Where store_known_answers kept the line's answer.
+            key = keys.any_max_tokens if keys.any_max_tokens is not None and counted else keys.full
             by_pool.setdefault((call.tenant, call.scenario), []).append((probe, key, group))
         taught = 0
         for (tenant, scenario), items in by_pool.items():
@@ -506,14 +577,54 @@ class RequestPipeline:
         return bool((await self.store_known_answers([(call, text)]))[0])
 
     async def _engine_stream(self, call: Call, purpose: str) -> AsyncIterator[Chunk]:
-        """One engine call, inside an admission slot (raises Overloaded, a 429, when none is to be had), metered for
-        the ledger under ``purpose`` (miss, explore, warmup)."""
+        """One engine call, inside an admission slot (raises Overloaded, a 429, when none is to be had) and within
+        the plan's engine time (a 400 past it), metered for the ledger under ``purpose`` (miss, explore, warmup)."""
         async with (self.admission.slot(call.tenant, call.tenant_limit),
                     aclosing(self.engine.generate(call.request)) as stream,
-                    aclosing(metered_stream(self.ledger, self.metrics, stream, call.tenant, call.scenario,
+                    aclosing(within_engine_time(stream, call.engine_time_s)) as bounded,
+                    aclosing(metered_stream(self.ledger, self.metrics, bounded, call.tenant, call.scenario,
                                             purpose)) as chunks):
             async for chunk in chunks:
                 yield chunk
+
+    async def _in_flight(self, call: Call, keys: Keys, store: ResultStore) -> Reply | None:
+        """2. A running flight that answers the call: one of its own key; else, for a prefix-stable request without
+        stop strings, one this node leads for another ``max_tokens``. A leader of a larger limit is followed and cut
+        at the call's (:func:`cut_follow`). A smaller one is waited for, and serves when its stored answer covers the
+        call (it ended by itself); otherwise the call goes on to compute."""
+        flight = self.inflight.get(keys.full)
+        if flight is not None:
+            return Reply(served="shared", chunks=flight.follow(batch_s=STREAM_BATCH_S), key=keys.full)
+        leaders = self._leaders.get(keys.any_max_tokens) if keys.any_max_tokens is not None else None
+        if not leaders:
+            return None
+        limit = call.request.params.max_tokens
+        larger = [leader for leader in leaders if leader > limit]
+        if larger:
+            return Reply(served="shared", chunks=cut_follow(leaders[min(larger)], limit), key=keys.any_max_tokens)
+        await _ended(leaders[max(leaders)])
+        reply = await self._exact(call, keys, store)
+        if reply is not None:
+            reply.served = "shared"
+        return reply
+
+    async def _lead(self, call: Call, keys: Keys, ttl_s: float, flight: SharedFlight, probe: Probe | None,
+                    lookup: Lookup | None, decision_id: str | None, purpose: str) -> None:
+        """A flight this node computes: while it runs, a call of the same request for another ``max_tokens`` finds
+        it (:meth:`_in_flight`), where the request is prefix-stable and has no stop strings (a stop string may end
+        a shorter answer where the longer one's text was held back)."""
+        free, limit = keys.any_max_tokens, call.request.params.max_tokens
+        if free is None or call.request.params.stop:
+            return await self._compute_and_store(call, keys, ttl_s, flight, probe, lookup, decision_id, purpose)
+        self._leaders.setdefault(free, {})[limit] = flight
+        try:
+            await self._compute_and_store(call, keys, ttl_s, flight, probe, lookup, decision_id, purpose)
+        finally:
+            leaders = self._leaders.get(free)
+            if leaders is not None and leaders.get(limit) is flight:
+                del leaders[limit]
+                if not leaders:
+                    del self._leaders[free]
 
     async def _compute_and_store(self, call: Call, keys: Keys, ttl_s: float, flight: SharedFlight,
                                  probe: Probe | None = None, lookup: Lookup | None = None,
@@ -544,7 +655,7 @@ class RequestPipeline:
                 stop_sequence=first.stop_sequence if first else final.stop_sequence,
                 token_ends=ends, max_tokens=call.request.params.max_tokens if ends is not None else 0)
             store = self.stores(call.tenant)
-            key = await keys.for_answer(answer, store)
+            key = keys.for_answer(answer)
             if await store.put(key, answer, tag=call.scenario):
                 self.ledger.history.stored(call.tenant, call.scenario, key, now + ttl_s)
             if probe is not None and lookup is not None and self.semantic is not None:
@@ -558,6 +669,66 @@ class RequestPipeline:
             # A failed write must not fail the answer its listeners already have (the error still reaches the
             # flight's task, which logs it).
             flight.finish()
+
+
+async def cut_follow(flight: SharedFlight, limit: int) -> AsyncIterator[Chunk]:
+    """A leader's stream as the engine writes it for a smaller ``limit`` (the leader's request but for its
+    ``max_tokens``, without stop strings): its text to the end of the ``limit``-th token and finish ``length``, or
+    the whole answer when it ends by itself first. Live: cut as soon as the leader's text chunks report that token's
+    end (:attr:`Chunk.token_ends`) and the prompt's counts, else at the leader's end."""
+    text = sent = ""   # the leader's text so far, and how much of it went out
+    ends: list[int] = []
+    counted = True     # every text chunk so far said where its tokens end
+    async with aclosing(flight.follow(batch_s=STREAM_BATCH_S)) as chunks:
+        async for chunk in chunks:
+            if chunk.finish_reason is None:
+                text += chunk.text
+                counted = counted and chunk.token_ends is not None
+                ends.extend(chunk.token_ends or ())
+                if not counted:
+                    continue  # where the cut falls is known at the leader's end
+                if len(ends) < limit:
+                    if len(text) > len(sent):  # all of it is within the cut: it ends before the limit-th token
+                        yield Chunk(text=text[len(sent):])
+                        sent = text
+                    continue
+                if chunk.prompt_tokens and ends[limit - 1] <= len(text.encode()):
+                    final = Chunk(finish_reason="length", prompt_tokens=chunk.prompt_tokens, completion_tokens=limit,
+                                  cached_tokens=chunk.cached_tokens, token_ends=tuple(ends[:limit]))
+                    async for piece in _rest(sent, cut_text(text, ends[limit - 1]), final):
+                        yield piece
+                    return
+                continue
+            whole = CachedAnswer(text=text + chunk.text, finish_reason=chunk.finish_reason,
+                                 prompt_tokens=chunk.prompt_tokens, completion_tokens=chunk.completion_tokens,
+                                 created_at=0.0, expires_at=0.0, stop_sequence=chunk.stop_sequence,
+                                 token_ends=chunk.token_ends, max_tokens=limit + 1)
+            served = serve_within(whole, limit)
+            if served is None:
+                raise EngineError("the answer this request followed cannot be cut to its max_tokens; retry")
+            final = Chunk(finish_reason=served.finish_reason, prompt_tokens=chunk.prompt_tokens,  # type: ignore[arg-type]
+                          completion_tokens=served.completion_tokens, cached_tokens=chunk.cached_tokens,
+                          stop_sequence=served.stop_sequence, token_ends=served.token_ends)
+            async for piece in _rest(sent, served.text, final):
+                yield piece
+            return
+
+
+async def _rest(sent: str, text: str, final: Chunk) -> AsyncIterator[Chunk]:
+    """The end of a cut stream: what ``text`` adds to the ``sent`` text, then ``final``."""
+    if not text.startswith(sent):
+        raise EngineError("the answer this request followed changed under it; retry")
+    if len(text) > len(sent):
+        yield Chunk(text=text[len(sent):])
+    yield final
+
+
+async def _ended(flight: SharedFlight) -> None:
+    """Once ``flight`` has ended, its answer stored (or failed: then nothing is)."""
+    with suppress(EdgeCacheError):
+        async with aclosing(flight.follow()) as chunks:
+            async for _ in chunks:
+                pass
 
 
 async def _served_by_whom(reply: Reply, flight: SharedFlight) -> AsyncIterator[Chunk]:

@@ -33,6 +33,7 @@ from edgecache.pipeline import RequestPipeline, metered_stream
 from edgecache.semantic.assembly import SemanticLayer
 from edgecache.semantic.cache import SemanticCache
 from edgecache.semantic.decision_log import DecisionLog
+from edgecache.semantic.index import TenantBounds, TenantUsage
 from edgecache.semantic.judge import JudgeCheckResult, ModelJudgeLabeler, check_judge
 from edgecache.semantic.labeling import AnswerEmbeddingLabeler, EqualityLabeler, FirstVerdict, Labeler, MissLabels
 from edgecache.semantic.learner import SemanticLearner
@@ -103,7 +104,8 @@ class Runtime:
                                        damaged_dir=self.damaged_dir)
         adm = settings.admission
         self.admission = AdmissionGate(max_running=adm.max_concurrent_misses, max_queue=adm.max_queue,
-                                       queue_timeout_s=adm.queue_timeout_s, retry_after_s=adm.retry_after_s)
+                                       queue_timeout_s=adm.queue_timeout_s, retry_after_s=adm.retry_after_s,
+                                       weight_of=self.engine_weight_for)
         self.metrics.track_admission(self.admission)
         self.metrics.ttft_p99_target_seconds.set(settings.slo.ttft_p99_s)
         self.ttl = TtlClassifier(settings.ttl_tiers)
@@ -292,10 +294,45 @@ class Runtime:
         tenant = self.tenants.get(tenant_id)
         return (tenant.plan if tenant else Plan()).prefix_cache_share
 
-    def vector_cap_for(self, tenant_id: str) -> int | None:
-        """Most vectors one of a tenant's semantic indexes keeps: its plan's."""
+    def engine_weight_for(self, tenant_id: str) -> float:
+        """A tenant's weight in the engine's queue: its plan's."""
         tenant = self.tenants.get(tenant_id)
-        return tenant.plan.semantic_max_vectors if tenant else None
+        return (tenant.plan if tenant else Plan()).weight
+
+    def vector_cap_for(self, tenant_id: str) -> TenantBounds | None:
+        """What a tenant's semantic indexes may hold: its plan's bounds (None: a tenant this node does not know,
+        e.g. a fleet's record from a node with another tenants file)."""
+        tenant = self.tenants.get(tenant_id)
+        if tenant is None:
+            return None
+        plan = tenant.plan
+        return TenantBounds(vectors_per_index=plan.semantic_max_vectors, indexes=plan.semantic_max_indexes,
+                            vectors=plan.semantic_max_tenant_vectors)
+
+    async def tenant_bounds(self, tenant_id: str) -> dict[str, dict[str, float | int | None]]:
+        """What ``tenant_id`` holds of everything it can grow, each beside its bound (its ``/stats``): its plan's
+        own bounds (the engine, its semantic indexes) and its use of the tables every tenant shares, each with a
+        share (past such a table's bound the tenant that holds the most gives way first). Its own figures only."""
+        tenant = self.tenants.get(tenant_id)
+        plan = tenant.plan if tenant else Plan()
+        semantic = self.semantic
+        used = await semantic.usage(tenant_id) if semantic is not None else TenantUsage()
+        learner = self.learner
+        return {
+            "engine_running": {"used": self.admission.running_by_tenant.get(tenant_id, 0),
+                               "bound": plan.max_concurrent_misses, "weight": plan.weight},
+            "engine_queued": {"used": self.admission.queued_of(tenant_id), "bound": self.admission.max_queue},
+            "request_tokens": {"bound": plan.max_request_tokens},
+            "request_engine_s": {"bound": plan.max_request_engine_s},
+            "semantic_indexes": {"used": used.indexes, "bound": plan.semantic_max_indexes},
+            "semantic_vectors": {"used": used.vectors, "bound": plan.semantic_max_tenant_vectors},
+            "semantic_vectors_per_index": {"used": used.largest, "bound": min(
+                plan.semantic_max_vectors, self.settings.semantic.max_vectors_per_index)},
+            "marks": {"used": self.marks.held(tenant_id), "bound": self.marks.max_entries},
+            "learner_entries": {"used": learner.entries_of(tenant_id) if learner is not None else 0,
+                                "bound": learner.max_entries if learner is not None else 0},
+            "key_history": {"used": self.ledger.history.held(tenant_id), "bound": self.ledger.history.max_keys},
+        }
 
     def ttl_for(self, call: Call) -> float:
         """The caller's explicit TTL or tier, else the scenario's TTL, else the tier the prompt reads as."""

@@ -66,6 +66,11 @@ def _enc_hook(obj: Any) -> Any:
     raise NotImplementedError(f"cannot encode {type(obj)!r}")
 
 
+#: The most answers a bucket may keep for a sampled request (:mod:`edgecache.buckets`); 0 keeps none.
+MAX_BUCKET_SIZE = 20
+BucketSize = Annotated[int, Meta(ge=0, le=MAX_BUCKET_SIZE)]
+
+
 def _help(text: str) -> Meta:
     return Meta(description=text)
 
@@ -291,6 +296,10 @@ class ScenarioSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         "for the embedder. Set, it also overrides the verifier.")] = None
     ttl_s: Annotated[Annotated[float, Meta(gt=0)] | None, _help(
         "How long answers in this scenario stay valid; unset lets the TTL tier classifier decide.")] = None
+    bucket_size: Annotated[BucketSize | None, _help(
+        "Answers kept per request that samples without a seed (0 to 20; docs/api.md, \"Buckets for sampled "
+        "requests\"): the first N such requests reach the engine, later ones get one of the N at random. Unset: the "
+        "plan's bucket_size; a request's X-EdgeCache-Bucket-Size overrides both.")] = None
 
 
 class SloSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

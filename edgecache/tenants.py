@@ -38,7 +38,7 @@ from msgspec import Meta
 
 from edgecache.call import POLICIES, PolicyName
 from edgecache.errors import BadRequest, Unauthorized
-from edgecache.settings import ByteSize, SettingsError, _dec_hook
+from edgecache.settings import BucketSize, ByteSize, SettingsError, _dec_hook
 
 ALL_POLICIES: tuple[PolicyName, ...] = tuple(POLICIES)
 TenantId = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
@@ -48,7 +48,14 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     store_bytes: ByteSize = ByteSize(2 * 10**9)
     """The tenant's result-store quota; past it the tenant's own least recently used entries go."""
     semantic_max_vectors: Annotated[int, Meta(ge=1)] = 100_000
-    """Most vectors one of the tenant's semantic indexes keeps."""
+    """Most vectors one of the tenant's semantic indexes keeps; past it that index's oldest go."""
+    semantic_max_indexes: Annotated[int, Meta(ge=1)] = 1_000
+    """Most semantic indexes the tenant keeps (one per scenario and namespace: every distinct system prompt,
+    ``cache_salt`` or set of output-affecting parameters of a first-turn chat makes one, in memory and as a file);
+    past it the tenant's least recently used index goes whole."""
+    semantic_max_tenant_vectors: Annotated[int, Meta(ge=1)] = 1_000_000
+    """Most vectors across all the tenant's semantic indexes; past it the oldest vectors of its least recently used
+    index go first."""
     prefix_cache_share: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.5
     """The most of the engine's prefix cache (KV states, in RAM and on disk) the tenant may hold, as a share of the
     box's budgets; past it the tenant's own least recently used prefixes go. (The default tenant of a server with
@@ -57,10 +64,22 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     """The most tokens one request may ask the engine for, ``max_tokens`` times ``n`` (unset: only the context
     bounds it); a request over it is refused with a 400, so one tenant cannot hold the engine's slots with a few
     enormous answers."""
+    max_request_engine_s: Annotated[float, Meta(gt=0.0)] | None = None
+    """The most engine time (seconds in its slot) one request may take (unset: no cap); a request still running
+    then is aborted and refused with a 400 (``engine_time_exceeded``), nothing of it cached, and its slot goes to the
+    next caller. Set below the profile's ``admission.queue_timeout_s``, so that another tenant's call waiting behind
+    one of this tenant's never times out in the queue."""
     max_concurrent_misses: Annotated[int, Meta(ge=1)] | None = None
     """Most of the tenant's misses computing at once (unset: only the profile's global limit)."""
+    weight: Annotated[float, Meta(gt=0.0, le=1000.0)] = 1.0
+    """The tenant's weight in the engine's queue: free slots go round the waiting tenants in proportion to their
+    weights, and while others wait the tenant runs at most its weight's share of the slots."""
     policies: tuple[PolicyName, ...] = ALL_POLICIES
     """The cache policies the tenant may ask for."""
+    bucket_size: BucketSize = 0
+    """Answers kept per request of the tenant that samples without a seed, where neither the request
+    (``X-EdgeCache-Bucket-Size``) nor its scenario says (docs/api.md, "Buckets for sampled requests"); 0: none, such a
+    request always reaches the engine."""
     log_prompts: bool = False
     """Keep the tenant's query text in the decision log (for `edgecache tune` and audits); off, the log holds a
     keyed hash of it and the scores only."""

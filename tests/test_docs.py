@@ -9,7 +9,7 @@ import re
 import shlex
 import subprocess
 import sys
-import types
+import typing
 from pathlib import Path
 
 import pytest
@@ -293,13 +293,20 @@ def test_every_tenants_file_field_is_on_the_configuration_page() -> None:
 def code_headers() -> set[str]:
     """The EdgeCache headers the code reads or writes (any X-EdgeCache-* spelled in a source file), and those a
     reply carries (what :func:`reply_headers` writes for a reply with every part set) and an error (Retry-After)."""
+    import msgspec
+
     from edgecache.errors import Overloaded
     from edgecache.http.replies import reply_headers
+    from edgecache.pipeline import Reply
 
     names = {m.lower() for path in sorted((ROOT / "edgecache").rglob("*.py")) + sorted((ROOT / "cli").rglob("*.py"))
              for m in re.findall(r"\b[xX]-[eE]dge[cC]ache(?:-[A-Za-z]+)*", path.read_text())}
-    reply = types.SimpleNamespace(served="semantic", answer=None, ttl_s=60.0, similarity=0.97)
-    names |= {name.decode() for name, _ in reply_headers(reply)}  # type: ignore[arg-type]
+    # A reply with every optional text and number set (a field added later too), served from a hit.
+    hints = typing.get_type_hints(Reply)
+    given = {field.name: ("1/3" if str in typing.get_args(hints[field.name]) else 0.97)
+             for field in msgspec.structs.fields(Reply) if field.default is None
+             and {str, float} & set(typing.get_args(hints[field.name]))}
+    names |= {name.decode() for name, _ in reply_headers(Reply(served="semantic", **given))}
     names |= {name.lower() for name in Overloaded("busy", retry_after_s=1).headers()}
     return names
 

@@ -289,3 +289,54 @@ def test_seeded_sampling_is_prefix_stable_on_the_engine_and_served_so(server: Se
     assert "".join(p.text for p in pieces) == reference.text
     assert [p.finish_reason for p in pieces if p.finish_reason] == ["length"] == [reference.finish_reason]
     assert engine_calls(server) == calls + 3  # the two misses and the reference
+
+
+def test_a_taught_answer_serves_every_max_tokens_on_messages(server: Server) -> None:
+    # A warmup line's answer, given without max_tokens, is counted in the model's tokens: an Anthropic client (which
+    # always sends max_tokens) is served it whole when it fits and cut at max_tokens when it does not.
+    import anthropic
+
+    question, answer = "How can I cancel my subscription?", "Open Settings, then Billing, and press Cancel."
+    line = {"messages": [{"role": "user", "content": question}], "answer": answer}
+    warm = httpx.post(server.url + "/admin/warmup", json={"lines": [{"line": 1, "request": line}]}, timeout=60)
+    assert warm.status_code == 200, warm.text
+    calls = engine_calls(server)
+    c = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    request: dict = {"model": MODEL, "extra_body": {"temperature": 0},
+                     "messages": [{"role": "user", "content": question}]}
+    whole = c.messages.with_raw_response.create(**request, max_tokens=64)
+    assert whole.headers["x-edgecache"] == "exact"
+    message = whole.parse()
+    assert [b.text for b in message.content] == [answer]  # type: ignore[union-attr]
+    assert message.stop_reason == "end_turn" and 5 < message.usage.output_tokens < 64
+    short = c.messages.with_raw_response.create(**request, max_tokens=3)
+    assert short.headers["x-edgecache"] == "exact"
+    cut = short.parse()
+    text = "".join(b.text for b in cut.content)  # type: ignore[union-attr]
+    assert answer.startswith(text) and 0 < len(text) < len(answer)
+    assert (cut.stop_reason, cut.usage.output_tokens) == ("max_tokens", 3)
+    with c.messages.stream(**request, max_tokens=3) as stream:
+        assert stream.response.headers["x-edgecache"] == "exact"
+        streamed = stream.get_final_message()
+    assert "".join(b.text for b in streamed.content) == text  # type: ignore[union-attr]
+    assert engine_calls(server) == calls
+
+
+def test_a_follower_of_a_smaller_max_tokens_is_cut_from_the_running_engine_call(server: Server) -> None:
+    # The leader runs 1,000 tokens (the end token masked); a request for 10 joins it while it runs and is served
+    # the engine's own 10-token answer, cut live from the leader's stream.
+    c = client(server)
+    request: dict = {"model": MODEL, "messages": [{"role": "user", "content": "Count from one to a thousand."}],
+                     "temperature": 0, "extra_body": {"ignore_eos": True}}
+    reference = c.chat.completions.create(**request, max_tokens=10, extra_headers=BYPASS).choices[0]
+    calls = engine_calls(server)
+    with c.chat.completions.with_streaming_response.create(**request, max_tokens=1000, stream=True) as leader:
+        assert leader.headers["x-edgecache"] == "miss"
+        stream = leader.parse()
+        next(iter(stream))  # the engine call is under way
+        follower = c.chat.completions.with_raw_response.create(**request, max_tokens=10)
+        assert follower.headers["x-edgecache"] == "shared"
+        answer = follower.parse()
+    assert answer.choices[0].message.content == reference.message.content
+    assert (answer.choices[0].finish_reason, answer.usage.completion_tokens) == ("length", 10)
+    assert engine_calls(server) == calls  # none finished: the follower made none, the leader left early (aborted)

@@ -231,3 +231,24 @@ def test_one_tenants_traffic_never_pushes_another_tenants_responses_out(tmp_path
     ledger.save()
     again = ResponseLedger(path, max_entries=50)
     assert all(again.find("acme", f"acme-{i}") is not None for i in range(10)) and len(again) == 50
+
+
+def test_one_tenants_marks_never_push_another_tenants_marks_out(tmp_path: Path) -> None:
+    """The callers' wrong marks are bounded with a share each: beta's flood of marks costs acme none of its own
+    (beta's oldest go), and after a restart the same holds."""
+    from edgecache.semantic.marks import MarkedWrong
+
+    path = tmp_path / "marks.msgpack"
+    marks = MarkedWrong(path, max_entries=50)
+    for i in range(10):
+        marks.mark("acme", f"request-{i}", "wrong-answer")
+    for i in range(500):
+        marks.mark("beta", f"request-{i}", "wrong-answer")
+    assert len(marks) == 50 and marks.held("acme") == 10 and marks.held("beta") == 40
+    assert all(marks.refuses("acme", f"request-{i}", "wrong-answer") for i in range(10))
+    assert marks.refuses("beta", "request-499", "wrong-answer")
+    assert not marks.refuses("beta", "request-459", "wrong-answer")
+    marks.save()
+    again = MarkedWrong(path, max_entries=50)
+    assert again.held("acme") == 10 and len(again) == 50
+    assert all(again.refuses("acme", f"request-{i}", "wrong-answer") for i in range(10))

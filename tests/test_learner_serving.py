@@ -114,8 +114,8 @@ async def test_an_explored_candidate_is_labelled_by_equality_and_the_learner_rec
         labels = rt.learner.entry_labels_of("default", "default", explored.store_key)
         assert len(labels) == 1 and labels[0][1] is True
         assert labels[0][0] == pytest.approx(explored.similarity, abs=1e-3)
-        linked = [key for key in rt.learner._entries
-                  if not key[2].startswith("taught-") and key[2] != explored.store_key]
+        linked = [(tenant, scenario, key) for tenant, (scenario, key), _ in rt.learner._entries.items()
+                  if not key.startswith("taught-") and key != explored.store_key]
         assert len(linked) == 1 and rt.learner.entry_labels_of(*linked[0]) == labels
         metrics = (await c.get("/metrics")).text
         assert 'edgecache_semantic_labels_total{decision="explore",label="good",scenario="default",' \

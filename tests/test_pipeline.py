@@ -246,13 +246,16 @@ async def test_engine_calls_are_counted_in_metrics(pipeline: RequestPipeline) ->
 
 class WordEngine(FakeEngine):
     """A prefix-stable engine: its answer is ``words`` words (`` w0 w1 ...``) and then the end token, one token
-    each, cut at ``max_tokens``; it reports each token's end like the llama.cpp engine."""
+    each, cut at ``max_tokens``; it reports each token's end like the llama.cpp engine: each text chunk its own,
+    with the prompt's counts ahead, and the last chunk all of them. ``step``, when set, is awaited before each
+    token after the first."""
 
     prefix_stable = "greedy"
 
     def __init__(self, words: int = 20, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
         self.words = words
+        self.step: asyncio.Event | None = None
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
         self.calls += 1
@@ -261,12 +264,26 @@ class WordEngine(FakeEngine):
             await self.gate.wait()
         n = min(self.words, request.params.max_tokens)
         pieces = [f" w{i}" for i in range(n)]
-        for piece in pieces:
-            yield Chunk(text=piece)
         ends = tuple(sum(len(p) for p in pieces[:i + 1]) for i in range(n))
+        for i, piece in enumerate(pieces):
+            if i and self.step is not None:
+                await self.step.wait()
+            yield Chunk(text=piece, token_ends=(ends[i],), prompt_tokens=2)
         self.completed += 1
         yield Chunk(finish_reason="stop" if n == self.words else "length", prompt_tokens=2, completion_tokens=n,
                     token_ends=ends)
+
+    async def answer_token_ends(self, texts: list[str]) -> list[tuple[int, ...] | None]:
+        """A given answer's tokens: each word with the space before it."""
+        out: list[tuple[int, ...] | None] = []
+        for text in texts:
+            ends, end = [], 0
+            for i, word in enumerate(text.split(" ")):
+                end += len(word) + (1 if i else 0)
+                if word:
+                    ends.append(end)
+            out.append(tuple(ends))
+        return out
 
 
 def words(n: int) -> str:
@@ -329,33 +346,117 @@ async def test_an_engine_without_token_ends_keeps_max_tokens_in_the_key(pipeline
     assert served == "miss" and engine.calls == 2
 
 
-async def test_a_taught_request_keeps_max_tokens_in_its_key(store: DiskResultStore) -> None:
-    # A warmup line's answer has no token ends: it serves its own max_tokens only, and no computed answer of the
-    # same request may cover (and hide) it, whichever is in memory. Taught after a computed answer, too.
+async def test_a_taught_answer_serves_every_max_tokens_and_replaces_a_computed_one(store: DiskResultStore) -> None:
+    # A warmup line's answer is counted in the model's tokens: it serves any max_tokens it fits in, cut at the
+    # others with finish length, whatever max_tokens the line had. Taught after a computed answer, it replaces it.
     engine = WordEngine(words=3)
     pipeline = make_pipeline(engine, store)
     await serve_all(pipeline, Call(request=chat("q", max_tokens=8)))
     assert await pipeline.store_known_answer(Call(request=chat("q", max_tokens=16)), "the taught answer")
-    for max_tokens, served_by, text in ((16, "exact", "the taught answer"), (32, "miss", words(3)),
-                                        (16, "exact", "the taught answer"), (32, "exact", words(3)),
-                                        (8, "miss", words(3)), (8, "exact", words(3))):
+    for max_tokens, text, finish in ((16, "the taught answer", "stop"), (300, "the taught answer", "stop"),
+                                     (3, "the taught answer", "length"), (2, "the taught", "length"),
+                                     (1, "the", "length")):
         served, chunks = await serve_all(pipeline, Call(request=chat("q", max_tokens=max_tokens)))
-        assert (max_tokens, served, text_of(chunks)) == (max_tokens, served_by, text)
-    assert engine.calls == 3
+        assert (served, text_of(chunks), chunks[-1].finish_reason) == ("exact", text, finish)
+        assert chunks[-1].completion_tokens == min(3, max_tokens)
+    assert engine.calls == 1
+    # Warmed again: already answered, and nothing is written.
+    assert (await pipeline.store_known_answers([(Call(request=chat("q", max_tokens=4)), "another")])) == [False]
+    served, chunks = await serve_all(pipeline, Call(request=chat("q", max_tokens=50)))
+    assert text_of(chunks) == "the taught answer"
 
 
-async def test_a_follower_joins_only_a_leader_of_its_own_max_tokens(store: DiskResultStore) -> None:
+async def test_a_follower_of_a_smaller_max_tokens_is_cut_from_a_running_leader(store: DiskResultStore) -> None:
     engine = WordEngine()
+    engine.step = asyncio.Event()
+    pipeline = make_pipeline(engine, store)
+    long = await pipeline.serve(Call(request=chat("q", max_tokens=12)))
+    stream = long.stream()
+    first = await anext(stream)  # the leader's engine call is under way, one token out
+    assert first.text == " w0"
+    same = await pipeline.serve(Call(request=chat("q", max_tokens=12)))
+    short = await pipeline.serve(Call(request=chat("q", max_tokens=5)))
+    assert (long.served, same.served, short.served) == ("miss", "shared", "shared")
+    engine.step.set()
+    short_chunks = await collect(short.stream())
+    rest = await collect(stream)
+    texts = [text_of([first, *rest]), text_of(await collect(same.stream())), text_of(short_chunks)]
+    await pipeline.inflight.drain(timeout_s=5)
+    assert texts == [words(12), words(12), words(5)]
+    assert (short_chunks[-1].finish_reason, short_chunks[-1].completion_tokens) == ("length", 5)
+    assert short_chunks[-1].token_ends == tuple(len(words(i)) for i in range(1, 6))
+    assert engine.calls == 1
+
+
+async def test_a_follower_cut_by_the_leaders_end_when_its_chunks_carry_no_ends(store: DiskResultStore) -> None:
+    class EndsAtTheEnd(WordEngine):
+        async def generate(self, request: GenerationRequest) -> AsyncIterator[Chunk]:
+            async for chunk in super().generate(request):
+                yield chunk if chunk.finish_reason is not None else Chunk(text=chunk.text)
+
+    engine = EndsAtTheEnd()
     engine.gate = asyncio.Event()
     pipeline = make_pipeline(engine, store)
     long = await pipeline.serve(Call(request=chat("q", max_tokens=12)))
-    same = await pipeline.serve(Call(request=chat("q", max_tokens=12)))
+    long_chunks = asyncio.ensure_future(collect(long.stream()))
+    await asyncio.sleep(0)  # the leader's producer starts (and is found by max_tokens)
     short = await pipeline.serve(Call(request=chat("q", max_tokens=5)))
-    assert (long.served, same.served, short.served) == ("miss", "shared", "miss")
+    assert short.served == "shared"
     engine.gate.set()
-    texts = [text_of(await collect(reply.stream())) for reply in (long, same, short)]
+    short_chunks = await collect(short.stream())
+    assert text_of(short_chunks) == words(5) and short_chunks[-1].finish_reason == "length"
+    assert text_of(await long_chunks) == words(12)
+    assert engine.calls == 1
+
+
+async def test_a_follower_of_a_larger_max_tokens_waits_and_is_served_when_the_leader_ended_by_itself(
+        store: DiskResultStore) -> None:
+    engine = WordEngine(words=4)
+    engine.gate = asyncio.Event()
+    pipeline = make_pipeline(engine, store)
+    short = await pipeline.serve(Call(request=chat("q", max_tokens=8)))
+    short_chunks = asyncio.ensure_future(collect(short.stream()))
+    await asyncio.sleep(0)
+    larger = asyncio.ensure_future(pipeline.serve(Call(request=chat("q", max_tokens=300))))
+    await asyncio.sleep(0.01)
+    assert not larger.done()  # it waits for the leader's end
+    engine.gate.set()
+    reply = await larger
+    chunks = await collect(reply.stream())
+    assert reply.served == "shared" and text_of(chunks) == words(4) and chunks[-1].finish_reason == "stop"
+    assert text_of(await short_chunks) == words(4)
+    assert engine.calls == 1
+
+
+async def test_a_follower_of_a_larger_max_tokens_computes_when_the_leader_was_cut(store: DiskResultStore) -> None:
+    engine = WordEngine()
+    engine.gate = asyncio.Event()
+    pipeline = make_pipeline(engine, store)
+    short = await pipeline.serve(Call(request=chat("q", max_tokens=5)))
+    short_chunks = asyncio.ensure_future(collect(short.stream()))
+    await asyncio.sleep(0)
+    larger = asyncio.ensure_future(pipeline.serve(Call(request=chat("q", max_tokens=9))))
+    await asyncio.sleep(0.01)
+    engine.gate.set()
+    reply = await larger
+    assert reply.served == "miss" and text_of(await collect(reply.stream())) == words(9)
+    assert text_of(await short_chunks) == words(5)
+    assert engine.calls == 2
+
+
+async def test_a_request_with_stop_strings_follows_only_its_own_max_tokens(store: DiskResultStore) -> None:
+    engine = WordEngine()
+    engine.gate = asyncio.Event()
+    pipeline = make_pipeline(engine, store)
+    long = await pipeline.serve(Call(request=chat("q", max_tokens=12, stop=("w30",))))
+    long_chunks = asyncio.ensure_future(collect(long.stream()))
+    await asyncio.sleep(0)
+    short = await pipeline.serve(Call(request=chat("q", max_tokens=5, stop=("w30",))))
+    assert short.served == "miss"
+    engine.gate.set()
+    assert text_of(await collect(short.stream())) == words(5)
+    assert text_of(await long_chunks) == words(12)
     await pipeline.inflight.drain(timeout_s=5)
-    assert texts == [words(12), words(12), words(5)]
     assert engine.calls == 2
 
 
@@ -378,11 +479,11 @@ async def test_a_semantic_hit_serves_under_the_same_rule(store: DiskResultStore,
         assert (await serve_all(pipeline, Call(request=chat(original, max_tokens=12))))[0] == "miss"
         # A larger limit is computed: the answer now ends by itself at 20 tokens, under the same key.
         assert (await serve_all(pipeline, Call(request=chat(original, max_tokens=30))))[0] == "miss"
-        # The index's namespace holds max_tokens (the paraphrase of limit 12 finds the vector the 12-token miss
-        # indexed); the candidate's stored answer, now the 20-token one, serves 12 cut.
-        served, chunks = await serve_all(pipeline, Call(request=chat(paraphrase, max_tokens=12)))
-        assert served == "semantic" and text_of(chunks) == words(12)
-        assert (chunks[-1].finish_reason, chunks[-1].completion_tokens) == ("length", 12)
+        # The index's namespace leaves max_tokens out: a paraphrase of a limit nobody asked finds the vector, and
+        # the candidate's stored answer, now the 20-token one, serves it cut.
+        served, chunks = await serve_all(pipeline, Call(request=chat(paraphrase, max_tokens=7)))
+        assert served == "semantic" and text_of(chunks) == words(7)
+        assert (chunks[-1].finish_reason, chunks[-1].completion_tokens) == ("length", 7)
         # Kept whole under the paraphrase's own key: its other limits are exact hits.
         served, chunks = await serve_all(pipeline, Call(request=chat(paraphrase, max_tokens=5)))
         assert served == "exact" and text_of(chunks) == words(5)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgecache.semantic.index import Candidate, SemanticIndex
+from edgecache.semantic.index import Candidate, SemanticIndex, TenantBounds, TenantUsage
 
 DIM = 16
 
@@ -186,6 +186,82 @@ def test_cap_evicts_oldest(tmp_path: Path) -> None:
     assert ix.sizes() == {("t", "s"): 5}
     keys = {c.store_key for c in ix.search("t", "s", unit(0), k=10)}
     assert keys == {"k3", "k4", "k5", "k6", "k7"}
+    ix.close()
+
+
+def _files_of(root: Path, tenant: str) -> set[str]:
+    return {path.stem for path in root.rglob(f"{tenant}/*.usearch")}
+
+
+def test_a_tenants_indexes_are_bounded_least_recently_used_first(tmp_path: Path) -> None:
+    """Every distinct namespace makes an index (in memory and a file): past the plan's bound on indexes the
+    tenant's least recently used one goes whole, file included. A search uses an index too; another tenant's
+    indexes are never touched."""
+    ix = SemanticIndex(tmp_path, dim=DIM, embedder_version="v")
+    bounds = TenantBounds(indexes=3)
+    ix.add("other", "s~a", unit(100), "o1", "x")
+    ix.add("other", "s~b", unit(101), "o2", "x")
+    for i in range(3):
+        ix.add("acme", f"s~{i}", unit(i), f"k{i}", "x", bounds)
+    assert ix.search("acme", "s~0", unit(0), k=1)[0].store_key == "k0"  # s~0 is now the most recently used
+    ix.add("acme", "s~3", unit(3), "k3", "x", bounds)  # s~1 goes
+    ix.add("acme", "s~4", unit(4), "k4", "x", bounds)  # s~2 goes
+    assert {name for tenant, name in ix.sizes() if tenant == "acme"} == {"s~0", "s~3", "s~4"}
+    assert ix.search("acme", "s~1", unit(1), k=1) == []
+    assert ix.usage("acme") == TenantUsage(indexes=3, vectors=3, largest=1)
+    ix.save()
+    assert _files_of(tmp_path, "acme") == {"s~0", "s~3", "s~4"}
+    assert sum(1 for tenant, _ in ix._indexes if tenant == "acme") <= 3
+    assert ix.usage("other") == TenantUsage(indexes=2, vectors=2, largest=1)
+    ix.close()
+
+
+def test_a_tenants_vectors_across_its_indexes_are_bounded(tmp_path: Path) -> None:
+    """Past the plan's bound on vectors across the tenant's indexes, the oldest vectors of its least recently
+    used index go first (an index emptied goes whole); the index being added to gives up its own last."""
+    ix = SemanticIndex(tmp_path, dim=DIM, embedder_version="v")
+    bounds = TenantBounds(vectors=10)
+    ix.add_many("other", "s~a", np.stack([unit(100 + i) for i in range(20)]), [f"o{i}" for i in range(20)],
+                ["x"] * 20)
+    for n in range(3):
+        for i in range(4):
+            ix.add("acme", f"s~{n}", unit(10 * n + i), f"k{n}.{i}", "x", bounds)
+    # 12 asked for, 10 kept: the first two of s~0, its least recently used
+    assert ix.usage("acme") == TenantUsage(indexes=3, vectors=10, largest=4)
+    assert {c.store_key for c in ix.search("acme", "s~0", unit(0), k=10)} == {"k0.2", "k0.3"}
+    ix.add_many("acme", "s~3", np.stack([unit(50 + i) for i in range(5)]), [f"k3.{i}" for i in range(5)],
+                ["x"] * 5, bounds)
+    # s~1 was the least recently used (s~0 was searched): it went whole (4), then one of s~2's
+    assert ix.sizes()[("acme", "s~3")] == 5 and ("acme", "s~1") not in ix.sizes()
+    assert ix.usage("acme") == TenantUsage(indexes=3, vectors=10, largest=5)
+    assert ix.usage("other").vectors == 20
+    ix.close()
+
+
+def test_the_bounds_hold_across_a_restart(tmp_path: Path) -> None:
+    """After a restart the tenant's usage is read back from the mapping, the most recently added to last."""
+    ix = SemanticIndex(tmp_path, dim=DIM, embedder_version="v")
+    bounds = TenantBounds(indexes=2)
+    ix.add("acme", "s~old", unit(1), "k1", "x", bounds)
+    ix.add("acme", "s~new", unit(2), "k2", "x", bounds)
+    ix.close()
+    again = SemanticIndex(tmp_path, dim=DIM, embedder_version="v")
+    assert again.usage("acme") == TenantUsage(indexes=2, vectors=2, largest=1)
+    again.add("acme", "s~newer", unit(3), "k3", "x", bounds)
+    assert {name for _, name in again.sizes()} == {"s~new", "s~newer"}
+    again.close()
+
+
+def test_searching_namespaces_that_hold_nothing_keeps_nothing(tmp_path: Path) -> None:
+    """A lookup under a new system prompt searches an index that does not exist: nothing is opened, kept in
+    memory or written for it. An index emptied (its vectors forgotten) is released too."""
+    ix = SemanticIndex(tmp_path, dim=DIM, embedder_version="v")
+    for i in range(200):
+        assert ix.search("acme", f"s~{i}", unit(i), k=1) == []
+    key = ix.add("acme", "s~kept", unit(1), "k", "x")
+    ix.remove("acme", "s~kept", [key])
+    ix.save()
+    assert ix._indexes == {} and ix.usage("acme") == TenantUsage() and not list(tmp_path.rglob("*.usearch"))
     ix.close()
 
 

@@ -351,3 +351,17 @@ def test_a_pool_taught_on_another_signal_starts_again() -> None:
     assert learner.entry_labels_of("t", "s", "e") == [(0.95, True)]
     learner.decide("t", "s", "e", 0.99, TARGET, signal="probability")
     assert learner.entry_labels_of("t", "s", "e") == []
+
+
+def test_one_tenants_entries_never_push_out_anothers() -> None:
+    """acme's traffic fills the learner's entries; beta's, within its share, stay: acme's own oldest go instead."""
+    learner = SemanticLearner(entry_labels=4, max_entries=10)
+    for i in range(3):
+        learner.record("beta", "s", f"b{i}", 0.9, True)
+    for i in range(100):
+        learner.record("acme", "s", f"a{i}", 0.9, True)
+    assert learner.entries == 10 and learner.entries_of("beta") == 3 and learner.entries_of("acme") == 7
+    assert all(learner.entry_labels_of("beta", "s", f"b{i}") for i in range(3))
+    assert learner.entry_labels_of("acme", "s", "a92") == [] and learner.entry_labels_of("acme", "s", "a99")
+    learner.drop("acme")
+    assert learner.entries == 3 and learner.entries_of("acme") == 0

@@ -370,3 +370,42 @@ async def test_a_plans_cap_on_tokens_a_request_refuses_more_with_a_400(make_sett
         messages = await c.post("/v1/messages", headers=auth("t09"), json={
             "model": "fake-model", "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}]})
         assert messages.status_code == 400 and messages.json()["type"] == "error"
+
+
+async def test_a_plan_bounds_its_tenants_semantic_indexes_and_vectors_and_stats_show_each(
+        make_settings: Any, tmp_path: Path) -> None:
+    """Every distinct system prompt makes a semantic index (in memory and a file). A tenant sending many holds at
+    most its plan's number of indexes and of vectors across them, its least recently used giving way; the other
+    tenant keeps all of its own; each tenant's /stats shows its own use beside each bound, and nothing of the
+    other's."""
+    path = tmp_path / "tenants.toml"
+    path.write_text('[plans.tiny]\nsemantic_max_indexes = 2\nsemantic_max_tenant_vectors = 3\n'
+                    'max_request_engine_s = 30\nweight = 2\n[plans.roomy]\n'
+                    '[[tenants]]\nid = "acme"\nplan = "tiny"\nkeys = ["sk-acme-00000001"]\n'
+                    '[[tenants]]\nid = "beta"\nplan = "roomy"\nkeys = ["sk-beta-00000001"]\n')
+    settings = make_settings(tenants_file=str(path), semantic__enabled=True)
+    acme, beta = {"Authorization": "Bearer sk-acme-00000001"}, {"Authorization": "Bearer sk-beta-00000001"}
+    async with serve_in_process(create_app(settings, engine=FakeEngine())) as c:
+        rt = c.app.state.runtime  # type: ignore[attr-defined]
+        for who in (beta, acme):
+            for system in range(4):
+                for question in ("How do I reset my password?", "Where is my card?"):
+                    resp = await c.post("/v1/chat/completions", headers=who, json=chat_body(
+                        question, messages=[{"role": "system", "content": f"You are assistant number {system}."},
+                                            {"role": "user", "content": question}]))
+                    assert resp.status_code == 200, resp.text
+            await settle(c)
+        sizes = await rt.semantic.sizes()
+        assert sizes == {("acme", "default"): 3, ("beta", "default"): 8}
+        assert len(list((Path(settings.data_dir)).rglob("acme/*.usearch"))) <= 2
+        mine = (await c.get("/stats", headers=acme)).json()
+        assert mine["bounds"]["semantic_indexes"] == {"used": 2, "bound": 2}
+        assert mine["bounds"]["semantic_vectors"] == {"used": 3, "bound": 3}
+        assert mine["bounds"]["semantic_vectors_per_index"]["used"] == 2
+        assert mine["bounds"]["request_engine_s"] == {"bound": 30.0}
+        assert mine["bounds"]["engine_running"]["weight"] == 2.0
+        assert mine["bounds"]["feedback_responses"]["used"] == 8
+        assert mine["bounds"]["key_history"]["used"] == 8 and "beta" not in str(mine)
+        theirs = (await c.get("/stats", headers=beta)).json()
+        assert theirs["bounds"]["semantic_indexes"] == {"used": 4, "bound": 1000}
+        assert theirs["bounds"]["semantic_vectors"]["used"] == 8

@@ -15,7 +15,7 @@ Implementations (picked by name in :mod:`edgecache.engines`):
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import msgspec
@@ -193,7 +193,8 @@ class Choice(msgspec.Struct, frozen=True, array_like=True):
 class Chunk(msgspec.Struct, kw_only=True):
     """A piece of a generation. ``text`` is the delta since the previous chunk.
 
-    Token counts are cumulative and only meaningful on the last chunk (the one with ``finish_reason`` set).
+    Token counts are cumulative and only meaningful on the last chunk (the one with ``finish_reason`` set), except
+    that an engine may report ``prompt_tokens`` and ``cached_tokens`` ahead on text chunks too (0: not reported).
 
     ``stop_sequence`` (last chunk): which of the request's stop strings ended the answer, when one did; its
     ``finish_reason`` is then ``stop``. None when the end-of-sequence token (or a stop token id) ended it, and when
@@ -223,7 +224,9 @@ class Chunk(msgspec.Struct, kw_only=True):
     #: Last chunk of a one-choice text answer: where each completion token ends in the answer's text, as a count of
     #: the text's UTF-8 bytes (the bytes a token leaves of a character it does not complete are counted: the text's
     #: bytes cut there, decoded with replacement, are what the engine writes when it stops after that token). None
-    #: when the engine does not report them (then ``max_tokens`` stays in the request's key).
+    #: when the engine does not report them (then ``max_tokens`` stays in the request's key). A text chunk may carry
+    #: the ends of the tokens decoded since the chunk before it (their text may follow in a later chunk, held back
+    #: while it could still begin a stop string): an in-flight follower with a smaller ``max_tokens`` is cut there.
     token_ends: tuple[int, ...] | None = None
 
 
@@ -302,6 +305,17 @@ class Engine(Protocol):
 
     async def close(self) -> None:
         """Release the model. Safe to call twice."""
+
+
+@runtime_checkable
+class AnswerTokens(Protocol):
+    """An engine that counts a given answer in its model's tokens (a prefix-stable one does: a warmup line's
+    answer then serves every ``max_tokens``, cut where it is longer)."""
+
+    async def answer_token_ends(self, texts: Sequence[str]) -> list[tuple[int, ...] | None]:
+        """Each text as the model's tokens spell it: where each token ends in the text's UTF-8 bytes
+        (:attr:`Chunk.token_ends`); None for a text the tokens do not spell back exactly."""
+        ...
 
 
 def prefix_stable_of(engine: object) -> str:

@@ -26,7 +26,7 @@ import json
 import os
 import random
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -301,6 +301,22 @@ class LlamaCppEngine:
             return
         await asyncio.to_thread(self._check_prompt_sync, request)
 
+    async def answer_token_ends(self, texts: Sequence[str]) -> list[tuple[int, ...] | None]:
+        """Each answer in the model's tokens (:class:`~edgecache.engines.base.AnswerTokens`), off the generation
+        thread: tokenizing and detokenizing read only the vocabulary."""
+        if self._llm is None:
+            raise EngineError("the model is not loaded")
+        return await asyncio.to_thread(lambda: [self._answer_ends(text) for text in texts])
+
+    def _answer_ends(self, text: str) -> tuple[int, ...] | None:
+        data = text.encode("utf-8")
+        tokens = self._llm.tokenize(data, add_bos=False, special=False)
+        ends, end = [], 0
+        for i, token in enumerate(tokens):
+            end += len(self._llm.detokenize([token], prev_tokens=tokens[:i]))
+            ends.append(end)
+        return tuple(ends) if end == len(data) and tokens else None
+
     async def count_tokens(self, request: GenerationRequest) -> int:
         """Tokenizing reads only the vocabulary, so it runs off the generation thread, as check_prompt does."""
         if self._llm is None:
@@ -504,8 +520,11 @@ class LlamaCppEngine:
             if echo:
                 emit(Chunk(text=echo))
             seed = params.seed if params.seed is not None else random.getrandbits(31)
+            # Text chunks report the prompt's counts ahead, and their tokens' ends: an in-flight follower with a
+            # smaller max_tokens is cut from them without waiting for this answer's end.
             done = self._one_choice(tokens, request, seed, max_tokens, grammar, cancelled,
-                                    lambda text: emit(Chunk(text=text)))
+                                    lambda text, ends: emit(Chunk(text=text, token_ends=ends, prompt_tokens=n_prompt,
+                                                                  cached_tokens=cached)))
             if done is None:
                 return  # nobody listens; the consumer raises, nothing is stored
             emit(Chunk(finish_reason=done.finish, prompt_tokens=n_prompt,  # type: ignore[arg-type]
@@ -544,8 +563,9 @@ class LlamaCppEngine:
 
     def _one_choice(self, tokens: list[int], request: GenerationRequest, seed: int, max_tokens: int,
                     grammar: Any, cancelled: threading.Event,
-                    send: Callable[[str], None] | None) -> _Generated | None:
-        """Sample one choice; ``send`` streams its text as it is decoded (None: keep it whole). None if cancelled."""
+                    send: Callable[[str, tuple[int, ...]], None] | None) -> _Generated | None:
+        """Sample one choice; ``send`` streams its text as it is decoded, with the ends of the tokens decoded since
+        the last send (None: keep it whole). None if cancelled."""
         llm, params = self._llm, request.params
         llm.set_seed(seed)
         top_k = request.logprobs
@@ -553,6 +573,7 @@ class LlamaCppEngine:
         stops = params.stop
         text = ""          # everything decoded so far
         sent = 0           # how much of it the client has
+        reported = 0       # how many tokens' ends it has
         generated: list[int] = []
         logprobs: list[TokenLogprob] | None = [] if top_k is not None else None
         ends: list[int] = []  # the text length after each token, to cut logprobs at a stop string
@@ -593,8 +614,8 @@ class LlamaCppEngine:
                 if send is not None:
                     safe = len(text) - _held_back(text, stops)
                     if safe > sent:
-                        send(text[sent:safe])
-                        sent = safe
+                        send(text[sent:safe], tuple(byte_ends[reported:]))
+                        sent, reported = safe, len(byte_ends)
                 if len(generated) >= max_tokens:
                     break
         finally:
@@ -602,7 +623,7 @@ class LlamaCppEngine:
         if finish == "length":
             text += decoder.decode(b"", final=True)
         if send is not None and len(text) > sent:
-            send(text[sent:])
+            send(text[sent:], tuple(byte_ends[reported:]))
         if logprobs is not None:
             # Tokens wholly inside a stop string are not part of the answer.
             logprobs = [lp for lp, end in zip(logprobs, ends, strict=False) if end - len(lp.token) < len(text)]

@@ -65,7 +65,7 @@ class Fleet:
                                   "and engine, reconnecting")
 
     async def share_vectors(self, local_index: Any, *, embedder_version: str, cursor_file: Path,
-                            cap_for: Callable[[str], int | None],
+                            cap_for: Callable[[str], Any],  # tenant -> its bounds, handed to each add
                             index_thread: Callable[[Callable[[], None]], Awaitable[object]]) -> SharedIndex:
         """Wrap the node's semantic index so its additions reach the fleet, and start applying the fleet's (on
         ``index_thread``, the semantic cache's own index thread)."""

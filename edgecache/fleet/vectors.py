@@ -62,16 +62,16 @@ class SharedIndex:
         self._feed = feed
 
     def add(self, tenant: str, scenario: str, vector: np.ndarray, store_key: str, text: str,
-            max_vectors: int | None = None) -> int:
-        key = self.local.add(tenant, scenario, vector, store_key, text, max_vectors)
+            bounds: Any = None) -> int:
+        key = self.local.add(tenant, scenario, vector, store_key, text, bounds)
         self._feed.published_from_thread(VectorRecord(
             origin=self._feed.node_id, tenant=tenant, index=scenario, store_key=store_key, text=text,
             vector=np.asarray(vector, dtype=np.float16).tobytes()))
         return key
 
     def add_many(self, tenant: str, scenario: str, vectors: np.ndarray, store_keys: Sequence[str],
-                 texts: Sequence[str], max_vectors: int | None = None, threads: int = 0) -> list[int]:
-        keys = self.local.add_many(tenant, scenario, vectors, store_keys, texts, max_vectors, threads)
+                 texts: Sequence[str], bounds: Any = None, threads: int = 0) -> list[int]:
+        keys = self.local.add_many(tenant, scenario, vectors, store_keys, texts, bounds, threads)
         halves = np.asarray(vectors, dtype=np.float16).reshape(len(store_keys), -1)
         self._feed.published_many_from_thread([
             VectorRecord(origin=self._feed.node_id, tenant=tenant, index=scenario, store_key=store_key, text=text,

@@ -54,7 +54,7 @@ from edgecache.http import anthropic_api
 from edgecache.http.access_log import TENANT_SCOPE_KEY, AccessLog, AccessLogMiddleware
 from edgecache.http.calls import apply_headers, read_body, read_headers
 from edgecache.http.embeddings import EmbeddingRequest, embed
-from edgecache.http.feedback import FeedbackRequest, apply_feedback
+from edgecache.http.feedback import FeedbackRequest, ResponseLedger, apply_feedback
 from edgecache.http.front import Front
 from edgecache.http.openai_api import ModelCard, ModelInfo, ModelList, ResponseWriter, ServerInfo
 from edgecache.http.openapi import openapi_document
@@ -313,11 +313,12 @@ async def stats(request: Request[Any, Any, Any]) -> Response[Any]:
     only (its requests, store and ledger)."""
     rt = _runtime(request.app.state)
     tenant = rt.tenants.authenticate_stats(*_credentials(request))
+    responses = _front(request.app.state).ledger
     if tenant is not None:
-        return Response(_json.encode(await _tenant_stats(rt, tenant.id)), media_type=JSON)
+        return Response(_json.encode(await _tenant_stats(rt, tenant.id, responses)), media_type=JSON)
     named = request.query_params.get("tenant")  # the admin's view of one tenant (`edgecache stats --tenant`)
     if named:
-        return Response(_json.encode(await _tenant_stats(rt, named)), media_type=JSON)
+        return Response(_json.encode(await _tenant_stats(rt, named, responses)), media_type=JSON)
     stores = await rt.refresh_gauges()
     body = rt.metrics.snapshot()
     body["ledger"] = rt.ledger.report()
@@ -337,8 +338,9 @@ async def stats(request: Request[Any, Any, Any]) -> Response[Any]:
     return Response(_json.encode(body), media_type=JSON)
 
 
-async def _tenant_stats(rt: Runtime, tenant: str) -> dict[str, Any]:
-    """/stats as one tenant sees it: nothing of another tenant's, not even its name."""
+async def _tenant_stats(rt: Runtime, tenant: str, responses: ResponseLedger) -> dict[str, Any]:
+    """/stats as one tenant sees it: nothing of another tenant's, not even its name. ``bounds``: what it holds of
+    everything it can grow, beside each bound."""
     body = rt.metrics.snapshot()
     mine = body["by_tenant"].get(tenant, {})
     totals: dict[str, int] = {}
@@ -350,7 +352,9 @@ async def _tenant_stats(rt: Runtime, tenant: str) -> dict[str, Any]:
     stores = {}
     if tenant in rt.stores.existing_tenants():
         stores[tenant] = await rt.stores(tenant).stats()
-    return {"tenant": tenant, "requests": totals, "hit_rate": hits / served if served else 0.0,
+    bounds = await rt.tenant_bounds(tenant)
+    bounds["feedback_responses"] = {"used": responses.held(tenant), "bound": responses.max_entries}
+    return {"tenant": tenant, "requests": totals, "hit_rate": hits / served if served else 0.0, "bounds": bounds,
             "by_tenant": {tenant: mine}, "stores": stores, "ledger": rt.ledger.report(tenant),
             "prefix_cache": {t: usage for t, usage in rt.prefix_cache_usage().items() if t == tenant},
             "model": {"id": rt.engine.model_id, "version": rt.engine.version, "ready": rt.ready},

@@ -25,7 +25,7 @@ from edgecache.http.request_surface import (
     decode_request,
     features_used,
 )
-from edgecache.settings import Settings
+from edgecache.settings import MAX_BUCKET_SIZE, Settings
 from edgecache.tenants import Tenant
 
 T = TypeVar("T")
@@ -99,9 +99,11 @@ def build_call(generation: GenerationRequest, options: CacheOptions | None, tena
         raise BadRequest(f"this request asks for up to {asked} tokens (max_tokens x n); this key's plan allows "
                          f"{cap} a request", param="max_tokens")
     return Call(request=generation, tenant=tenant.id, tenant_limit=tenant.plan.max_concurrent_misses,
+                engine_time_s=tenant.plan.max_request_engine_s,
                 scenario=(options.scenario if options else None) or "default",
                 policy=(options.policy if options else None) or "default",
-                ttl_s=options.ttl if options else None, ttl_tier=options.ttl_tier if options else None)
+                ttl_s=options.ttl if options else None, ttl_tier=options.ttl_tier if options else None,
+                bucket_size=options.bucket_size if options else None)
 
 
 def longest_ttl_s(settings: Settings) -> float:
@@ -144,10 +146,11 @@ class CallHeaders(NamedTuple):
     policy: str | None = None
     api_key: str | None = None  # x-api-key, Anthropic's clients' way to send the key (see tenants.presented_key)
     cache_control: str | None = None
+    bucket_size: str | None = None
 
 
 _HEADER_FIELDS = {b"authorization": 0, b"x-edgecache-scenario": 1, b"x-edgecache-policy": 2, b"x-api-key": 3,
-                  b"cache-control": 4}
+                  b"cache-control": 4, b"x-edgecache-bucket-size": 5}
 _LIST_FIELDS = frozenset({4})  # HTTP list fields: several lines are one comma-separated value (RFC 9110, 5.3)
 
 
@@ -210,7 +213,8 @@ def parse_cache_control(value: str) -> RequestCacheControl:
 def apply_headers(parsed: Parsed, headers: CallHeaders, tenant: Tenant, settings: Settings) -> Parsed:
     """``X-EdgeCache-Scenario`` and ``X-EdgeCache-Policy`` override the body, ``Cache-Control`` narrows the policy
     (:meth:`~edgecache.call.Call.cache_policy`); then all of it is checked against the server and the plan: every
-    policy a request ends up under, named or from a directive, must be one its plan allows."""
+    policy a request ends up under, named or from a directive, must be one its plan allows. The bucket size is
+    resolved last (:func:`resolved_bucket_size`), once the scenario and the policy are known."""
     scenario, policy = headers.scenario, headers.policy
     call = parsed.call
     if (scenario is not None and scenario != call.scenario) or (policy is not None and policy != call.policy):
@@ -227,6 +231,10 @@ def apply_headers(parsed: Parsed, headers: CallHeaders, tenant: Tenant, settings
     if call.policy not in POLICIES:
         raise BadRequest(f"unknown cache policy {call.policy!r}; policies: {', '.join(POLICIES)}",
                          param="edgecache.policy")
+    bucket_size = resolved_bucket_size(call, headers.bucket_size, tenant, settings)
+    if bucket_size != (call.bucket_size or 0):  # None and 0 are the same: no call made anew on the hit path
+        call = msgspec.structs.replace(call, bucket_size=bucket_size)
+        parsed = msgspec.structs.replace(parsed, call=call)
     if call.policy not in tenant.plan.policies:
         raise Forbidden(f"the {tenant.plan_name!r} plan does not allow the cache policy {call.policy!r}",
                         param="edgecache.policy")
@@ -236,6 +244,30 @@ def apply_headers(parsed: Parsed, headers: CallHeaders, tenant: Tenant, settings
             raise Forbidden(f"the {tenant.plan_name!r} plan does not allow the cache policy {name!r}, which "
                             f"Cache-Control: {directive} asks for", param="Cache-Control")
     return parsed
+
+
+_BUCKET_SIZE = re.compile(r"[0-9]{1,3}")
+
+
+def resolved_bucket_size(call: Call, header: str | None, tenant: Tenant, settings: Settings) -> int:
+    """How many answers the call's bucket holds (:mod:`edgecache.buckets`): ``X-EdgeCache-Bucket-Size``, else the
+    body's ``edgecache.bucket_size``, else none where the caller named the ``reuse`` policy (one frozen answer is what
+    it asked for), else its scenario's ``bucket_size``, else its plan's. A header that is not a whole number from 0 to
+    :data:`~edgecache.settings.MAX_BUCKET_SIZE` is a 400."""
+    if header is not None:
+        text = header.strip()
+        if not _BUCKET_SIZE.fullmatch(text) or int(text) > MAX_BUCKET_SIZE:
+            raise BadRequest(f"X-EdgeCache-Bucket-Size must be a whole number from 0 to {MAX_BUCKET_SIZE}, not "
+                             f"{header!r}", param="X-EdgeCache-Bucket-Size")
+        return int(text)
+    if call.bucket_size is not None:
+        return call.bucket_size
+    if call.policy == "reuse":
+        return 0
+    scenario = settings.scenarios.get(call.scenario)
+    if scenario is not None and scenario.bucket_size is not None:
+        return scenario.bucket_size
+    return tenant.plan.bucket_size
 
 
 class ParsedRequests:

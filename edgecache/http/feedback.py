@@ -166,6 +166,10 @@ class ResponseLedger:
             del self._copies[pair]
         self._copies_of.pop(tenant, None)
 
+    def held(self, tenant: str) -> int:
+        """Responses of ``tenant`` remembered for its feedback (its ``/stats``)."""
+        return len(self._ids_of.get(tenant, ()))
+
     def __len__(self) -> int:
         return len(self._responses)
 

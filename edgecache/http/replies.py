@@ -242,6 +242,8 @@ def reply_headers(reply: Reply) -> list[tuple[bytes, bytes]]:
         headers.append((b"x-edgecache-ttl", str(max(0, int(reply.ttl_s))).encode()))
     if reply.similarity is not None:
         headers.append((b"x-edgecache-similarity", f"{reply.similarity:.3f}".encode()))
+    if reply.bucket is not None:
+        headers.append((b"x-edgecache-bucket", reply.bucket.encode()))
     return headers
 
 

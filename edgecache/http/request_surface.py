@@ -43,6 +43,7 @@ from edgecache.engines.base import (
     ToolSpec,
 )
 from edgecache.errors import BadRequest
+from edgecache.settings import BucketSize
 from edgecache.ttl_tiers import Tier
 
 T = TypeVar("T")
@@ -357,6 +358,7 @@ class CacheOptions(msgspec.Struct, forbid_unknown_fields=True):
     policy: PolicyName | None = None
     ttl: Annotated[float, Meta(gt=0)] | None = None
     ttl_tier: Tier | None = None
+    bucket_size: BucketSize | None = None  # answers kept for a request that samples without a seed (edgecache.buckets)
 
 
 # --- the request bodies ----------------------------------------------------------------------------------------

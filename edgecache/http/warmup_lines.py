@@ -72,12 +72,14 @@ def read_lines(lines: Iterable[str]) -> Iterator[NumberedLine | LineResult]:
             yield LineResult(line=number, outcome="failed", detail=str(exc))
 
 
-def to_call(line: WarmupLine, *, tenant: str, default_max_tokens: int, tenant_limit: int | None = None) -> Call:
+def to_call(line: WarmupLine, *, tenant: str, default_max_tokens: int, tenant_limit: int | None = None,
+            engine_time_s: float | None = None) -> Call:
     params = SamplingParams(max_tokens=line.max_tokens or default_max_tokens, temperature=line.temperature,
                             seed=line.seed)
     messages = tuple(m.to_message(i) for i, m in enumerate(line.messages)) if line.messages is not None else None
     return Call(request=GenerationRequest(messages=messages, prompt=line.prompt, params=params, salt=tenant),
-                tenant=tenant, scenario=line.scenario, ttl_s=line.ttl, tenant_limit=tenant_limit)
+                tenant=tenant, scenario=line.scenario, ttl_s=line.ttl, tenant_limit=tenant_limit,
+                engine_time_s=engine_time_s)
 
 
 def check_line_groups(lines: list[NumberedLine], tenant: str | None = None) -> None:
@@ -107,6 +109,7 @@ async def warm_lines(pipeline: RequestPipeline, lines: list[NumberedLine], *, te
                                       detail=f"unknown scenario {line.scenario!r}"))
         else:
             call = to_call(line, tenant=who.id, tenant_limit=who.plan.max_concurrent_misses,
+                           engine_time_s=who.plan.max_request_engine_s,
                            default_max_tokens=settings.engine.default_max_tokens)
             calls.append((numbered.line, call, line.answer))
             if line.group is not None:

@@ -127,22 +127,32 @@ def _resolve(future: asyncio.Future[None]) -> None:
 
 
 def _merged(chunks: list[Chunk]) -> list[Chunk]:
-    """Consecutive text chunks as one; a chunk that finishes the answer stays as it is."""
+    """Consecutive text chunks as one (their texts and token ends joined, the counts of the last); a chunk that
+    finishes the answer stays as it is."""
     if len(chunks) == 1:
         return chunks
     out: list[Chunk] = []
-    texts: list[str] = []
+    texts: list[Chunk] = []
     for chunk in chunks:
         if chunk.finish_reason is None and chunk.choices is None:
-            texts.append(chunk.text)
+            texts.append(chunk)
             continue
         if texts:
-            out.append(Chunk(text="".join(texts)))
+            out.append(_joined(texts))
             texts = []
         out.append(chunk)
     if texts:
-        out.append(Chunk(text="".join(texts)))
+        out.append(_joined(texts))
     return out
+
+
+def _joined(texts: list[Chunk]) -> Chunk:
+    if len(texts) == 1:
+        return texts[0]
+    ends = [end for chunk in texts for end in chunk.token_ends or ()]
+    last = texts[-1]
+    return Chunk(text="".join(chunk.text for chunk in texts), token_ends=tuple(ends) if ends else None,
+                 prompt_tokens=last.prompt_tokens, cached_tokens=last.cached_tokens)
 
 
 Producer = Callable[[Flight], Awaitable[None]]

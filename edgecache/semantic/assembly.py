@@ -23,6 +23,7 @@ from edgecache.health import STORAGE_ERRORS, Health, StorageFaults
 from edgecache.semantic.cache import SemanticCache
 from edgecache.semantic.decision_log import DecisionLog, labelled_decisions, read_records
 from edgecache.semantic.embedders import Embedder, load_semantic_embedder
+from edgecache.semantic.index import TenantBounds
 from edgecache.semantic.learner import SemanticLearner
 from edgecache.semantic.lookup import Lookup, MatchRule
 from edgecache.semantic.teaching import Taught, TaughtLog
@@ -45,7 +46,7 @@ def learner_for(settings: Settings) -> SemanticLearner | None:
 
 
 def build_semantic_cache(settings: Settings, embedder: Embedder,
-                         cap_for: Callable[[str], int | None] = lambda tenant: None,
+                         cap_for: Callable[[str], TenantBounds | None] = lambda tenant: None,
                          faults: StorageFaults | None = None, damaged_dir: Path | None = None,
                          learner: SemanticLearner | None = None,
                          may_explore: Callable[[], bool] = lambda: True,
@@ -96,7 +97,7 @@ class SemanticLayer:
     """
 
     def __init__(self, settings: Settings, *, faults: StorageFaults, damaged_dir: Path,
-                 cap_for: Callable[[str], int | None], may_explore: Callable[[], bool],
+                 cap_for: Callable[[str], TenantBounds | None], may_explore: Callable[[], bool],
                  observe_embed: Callable[[float], None] | None = None,
                  observe_search: Callable[[float], None] | None = None, fleet: Fleet | None = None) -> None:
         self.settings = settings

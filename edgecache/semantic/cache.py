@@ -41,7 +41,7 @@ from edgecache.semantic.deciders import Decider
 from edgecache.semantic.decision_log import DecisionRecord
 from edgecache.semantic.embedders import Embedder
 from edgecache.semantic.guard import DEFAULT_RULES
-from edgecache.semantic.index import Candidate, SemanticIndex
+from edgecache.semantic.index import Candidate, SemanticIndex, TenantBounds, TenantUsage
 from edgecache.semantic.learner import Decision, SemanticLearner
 from edgecache.semantic.lookup import Lookup, MatchRule, Probe
 from edgecache.semantic.teaching import Taught, TaughtLog, group_labels
@@ -107,7 +107,7 @@ class SemanticCache:
 
     def __init__(self, *, embedder: Embedder, index: SemanticIndex, rule_for: Callable[[str, str], MatchRule],
                  verifier: Verifier | None = None, candidates: int = 3,
-                 cap_for: Callable[[str], int | None] = lambda tenant: None,
+                 cap_for: Callable[[str], TenantBounds | None] = lambda tenant: None,
                  max_batch: int = 32, max_wait_s: float = 0.002, guard_rules: Sequence[str] | None = None,
                  observe_embed: Callable[[float], None] | None = None,
                  observe_search: Callable[[float], None] | None = None,
@@ -118,7 +118,7 @@ class SemanticCache:
         self.rule_for = rule_for
         self.verifier = verifier
         self.candidates = candidates
-        self.cap_for = cap_for  # tenant -> most vectors one of its indexes keeps (its plan)
+        self.cap_for = cap_for  # tenant -> what its indexes may hold (its plan)
         self._guard_rules = tuple(guard_rules) if guard_rules is not None else DEFAULT_RULES
         self._observe_search = observe_search
         self._faults = faults
@@ -364,6 +364,11 @@ class SemanticCache:
             if self._faults is not None:
                 self._faults.record("semantic", exc, action="flush failed", path=self.index.mapping_path)
             raise StorageUnavailable(f"the semantic index could not be flushed: {exc}") from exc
+
+    async def usage(self, tenant: str) -> TenantUsage:
+        """What ``tenant``'s indexes hold (its ``/stats``)."""
+        usage = await self._on_disk("usage not read", TenantUsage(), False, self.index.usage, tenant)
+        return usage  # type: ignore[return-value]
 
     async def save(self) -> None:
         # A failed save loses nothing: the mapping holds every vector and the next open rebuilds the file.

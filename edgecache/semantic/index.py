@@ -13,6 +13,13 @@ Layout under ``data_dir``::
     <embedder version>/mapping.sqlite3
     <embedder version>/<tenant>/<scenario>.usearch
 
+Bounds per tenant (:class:`TenantBounds`, from its plan, handed to each addition): vectors per index (the oldest
+go first), indexes (every distinct system prompt or ``cache_salt`` makes one, with a file; past the bound the
+tenant's least recently used index goes whole), and vectors across all its indexes (past it the oldest vectors of
+its least recently used index go first). A search or an addition uses an index. Only the tenant's own indexes ever
+make room for it: another tenant's traffic never evicts a vector of its. A search of an index that holds nothing
+creates nothing.
+
 Everything here blocks (disk, SQLite, graph search); callers run it off the event loop. One lock serialises all
 calls: a search at 1M vectors takes well under a millisecond, so finer locking would buy little.
 
@@ -25,6 +32,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -51,6 +59,23 @@ CREATE TABLE IF NOT EXISTS vectors (
 CREATE INDEX IF NOT EXISTS vectors_by_index ON vectors (tenant, scenario, key);
 CREATE INDEX IF NOT EXISTS vectors_by_store_key ON vectors (tenant, scenario, store_key);
 """
+
+
+class TenantBounds(msgspec.Struct, frozen=True, kw_only=True):
+    """What one tenant's indexes may hold (its plan); None: no bound of the tenant's own (the index's own
+    ``max_vectors`` still caps each index)."""
+
+    vectors_per_index: int | None = None
+    indexes: int | None = None
+    vectors: int | None = None
+
+
+class TenantUsage(msgspec.Struct, frozen=True):
+    """What one tenant's indexes hold: how many indexes, their vectors, and the most in one."""
+
+    indexes: int = 0
+    vectors: int = 0
+    largest: int = 0
 
 
 class Candidate(msgspec.Struct, frozen=True):
@@ -116,31 +141,24 @@ class SemanticIndex:
         self._damaged_dir = Path(damaged_dir) if damaged_dir is not None else Path(data_dir) / "damaged"
         self.repairs: list[str] = []  # damage found at open: what was wrong, where it went, what was kept
         self._db = self._open_mapping()
+        # tenant -> its indexes (by name) with their vector counts, least recently used first
+        self._usage: dict[str, OrderedDict[str, int]] = self._read_usage()
         self._closed = False
 
     # ---- public API ----
 
     def add(self, tenant: str, scenario: str, vector: np.ndarray, store_key: str, text: str,
-            max_vectors: int | None = None) -> int:
+            bounds: TenantBounds | None = None) -> int:
         """Store ``vector`` (L2-normalised, shape (dim,)) pointing at ``store_key``; return its vector key.
 
-        At the cap (``max_vectors``, e.g. the tenant's plan, else the index's own), the oldest vectors of that
-        index are removed first (FIFO).
+        Within the tenant's ``bounds`` (its plan) and the index's own ``max_vectors``: at an index's cap its oldest
+        vectors go first (FIFO); past the tenant's bound on indexes or on vectors, its least recently used indexes
+        make room (:meth:`_make_room`).
         """
         vec = self._as_vector(vector)
-        cap = min(max_vectors, self.max_vectors) if max_vectors is not None else self.max_vectors
         with self._lock:
+            self._make_room(tenant, scenario, 1, bounds)
             index = self._open(tenant, scenario)
-            overflow = len(index) + 1 - cap
-            if overflow > 0:
-                oldest = [
-                    row[0]
-                    for row in self._db.execute(
-                        "SELECT key FROM vectors WHERE tenant=? AND scenario=? ORDER BY key LIMIT ?",
-                        (tenant, scenario, overflow),
-                    )
-                ]
-                self._remove_keys(tenant, scenario, oldest)
             cur = self._db.execute(
                 "INSERT INTO vectors (tenant, scenario, store_key, text, vector) VALUES (?, ?, ?, ?, ?)",
                 (tenant, scenario, store_key, text, vec.astype(np.float16).tobytes()),
@@ -148,31 +166,28 @@ class SemanticIndex:
             key = int(cur.lastrowid or 0)
             index.add(key, vec)
             self._dirty.add((tenant, scenario))
+            self._counted(tenant, scenario, 1)
             return key
 
     def add_many(self, tenant: str, scenario: str, vectors: np.ndarray, store_keys: Sequence[str],
-                 texts: Sequence[str], max_vectors: int | None = None, threads: int = 0) -> list[int]:
+                 texts: Sequence[str], bounds: TenantBounds | None = None, threads: int = 0) -> list[int]:
         """:meth:`add` for many vectors (shape (n, dim)) at once: one SQLite transaction for the rows and one
         usearch call that inserts on ``threads`` threads (0: all cores). This is how a warmup or an import builds
         an index in minutes instead of hours: per-vector adds pay a commit and a single-threaded insert each.
-        Returns the vector keys, in order. At the cap only the newest ``cap`` vectors are kept (FIFO, as
-        :meth:`add`)."""
+        Returns the vector keys, in order. Within the bounds only the newest are kept (as :meth:`add`)."""
         vecs = np.asarray(vectors, dtype=np.float32).reshape(len(store_keys), -1)
         if vecs.shape[1] != self.dim or len(texts) != len(store_keys):
             raise ValueError(f"expected {len(store_keys)} vectors of {self.dim} values and as many texts")
-        cap = min(max_vectors, self.max_vectors) if max_vectors is not None else self.max_vectors
+        cap = self._index_cap(bounds)
+        if bounds is not None and bounds.vectors is not None:
+            cap = min(cap, bounds.vectors)
         skip = max(0, len(store_keys) - cap)  # the oldest of this batch would be evicted by its own newest
         vecs, store_keys, texts = vecs[skip:], list(store_keys)[skip:], list(texts)[skip:]
         if not store_keys:
             return []
         with self._lock:
+            self._make_room(tenant, scenario, len(store_keys), bounds)
             index = self._open(tenant, scenario)
-            overflow = len(index) + len(store_keys) - cap
-            if overflow > 0:
-                oldest = [row[0] for row in self._db.execute(
-                    "SELECT key FROM vectors WHERE tenant=? AND scenario=? ORDER BY key LIMIT ?",
-                    (tenant, scenario, overflow))]
-                self._remove_keys(tenant, scenario, oldest)
             blobs = vecs.astype(np.float16)
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -192,12 +207,17 @@ class SemanticIndex:
                 raise
             index.add(np.array(keys, dtype=np.uint64), vecs, threads=threads)
             self._dirty.add((tenant, scenario))
+            self._counted(tenant, scenario, len(keys))
             return keys
 
     def search(self, tenant: str, scenario: str, vector: np.ndarray, k: int = 4) -> list[Candidate]:
         """The ``k`` nearest stored prompts of this tenant and scenario, most similar first."""
         vec = self._as_vector(vector)
         with self._lock:
+            used = self._usage.get(tenant)
+            if used is None or scenario not in used:
+                return []  # nothing there: no index is opened (or kept in memory) for it
+            used.move_to_end(scenario)
             index = self._open(tenant, scenario)
             if len(index) == 0:
                 return []
@@ -239,10 +259,13 @@ class SemanticIndex:
             for tenant_, scenario_ in self._known_ids():
                 if tenant not in (None, tenant_) or scenario not in (None, scenario_):
                     continue
-                self._db.execute("DELETE FROM vectors WHERE tenant=? AND scenario=?", (tenant_, scenario_))
-                self._indexes.pop((tenant_, scenario_), None)
-                self._dirty.discard((tenant_, scenario_))
-                self._index_path(tenant_, scenario_).unlink(missing_ok=True)
+                self._drop_index(tenant_, scenario_)
+
+    def usage(self, tenant: str) -> TenantUsage:
+        """What ``tenant``'s indexes hold now (its own figures only)."""
+        with self._lock:
+            counts = list(self._usage.get(tenant, {}).values())
+        return TenantUsage(len(counts), sum(counts), max(counts, default=0))
 
     def save(self) -> None:
         """Write every changed index to disk atomically (temp file + os.replace)."""
@@ -408,4 +431,78 @@ class SemanticIndex:
             removed += cur.rowcount
             index.remove(np.array(chunk, dtype=np.uint64))
         self._dirty.add((tenant, scenario))
+        self._counted(tenant, scenario, -removed)
         return removed
+
+    def _drop_index(self, tenant: str, scenario: str) -> None:
+        """Forget one index: its rows, its memory and its file."""
+        self._db.execute("DELETE FROM vectors WHERE tenant=? AND scenario=?", (tenant, scenario))
+        self._release_index(tenant, scenario)
+
+    def _release_index(self, tenant: str, scenario: str) -> None:
+        """An index that holds nothing (any more): out of memory, its file gone, no longer one of the tenant's."""
+        self._indexes.pop((tenant, scenario), None)
+        self._dirty.discard((tenant, scenario))
+        self._index_path(tenant, scenario).unlink(missing_ok=True)
+        used = self._usage.get(tenant)
+        if used is not None:
+            used.pop(scenario, None)
+            if not used:
+                del self._usage[tenant]
+
+    def _read_usage(self) -> dict[str, OrderedDict[str, int]]:
+        """Each tenant's indexes and their sizes from the mapping, the most recently added to last."""
+        usage: dict[str, OrderedDict[str, int]] = {}
+        rows = self._db.execute("SELECT tenant, scenario, COUNT(*), MAX(key) FROM vectors GROUP BY tenant, scenario "
+                                "ORDER BY MAX(key)")
+        for tenant, scenario, count, _ in rows:
+            usage.setdefault(tenant, OrderedDict())[scenario] = count
+        return usage
+
+    def _counted(self, tenant: str, scenario: str, change: int) -> None:
+        """``change`` vectors more (an addition: the index is now the tenant's most recently used) or fewer (its
+        place stays) in an index; one left empty is released (:meth:`_release_index`), so emptied indexes never
+        pile up in memory."""
+        used = self._usage.setdefault(tenant, OrderedDict())
+        count = used.get(scenario, 0) + change
+        if count <= 0:
+            self._release_index(tenant, scenario)
+            return
+        used[scenario] = count
+        if change > 0:
+            used.move_to_end(scenario)
+
+    def _index_cap(self, bounds: TenantBounds | None) -> int:
+        per_index = bounds.vectors_per_index if bounds is not None else None
+        return min(per_index, self.max_vectors) if per_index is not None else self.max_vectors
+
+    def _make_room(self, tenant: str, scenario: str, incoming: int, bounds: TenantBounds | None) -> None:
+        """Before ``incoming`` vectors join ``tenant``'s index ``scenario``: its oldest vectors go past the index's
+        cap; past the tenant's bound on indexes, its least recently used other indexes go whole; past its bound on
+        vectors, the oldest vectors of its least recently used indexes (this one last). Only this tenant's."""
+        overflow = self._usage.get(tenant, {}).get(scenario, 0) + incoming - self._index_cap(bounds)
+        if overflow > 0:
+            self._remove_oldest(tenant, scenario, overflow)
+        if bounds is None:
+            return
+        used = self._usage.get(tenant, OrderedDict())
+        if bounds.indexes is not None and scenario not in used:
+            for name in list(used)[:max(0, len(used) + 1 - bounds.indexes)]:
+                self._drop_index(tenant, name)
+        if bounds.vectors is not None:
+            used = self._usage.get(tenant, OrderedDict())
+            excess = sum(used.values()) + incoming - bounds.vectors
+            for name in [n for n in used if n != scenario] + [scenario]:
+                if excess <= 0:
+                    break
+                held = used.get(name, 0)
+                if held and held <= excess and name != scenario:
+                    self._drop_index(tenant, name)
+                    excess -= held
+                elif held:
+                    excess -= self._remove_oldest(tenant, name, min(held, excess))
+
+    def _remove_oldest(self, tenant: str, scenario: str, count: int) -> int:
+        oldest = [row[0] for row in self._db.execute(
+            "SELECT key FROM vectors WHERE tenant=? AND scenario=? ORDER BY key LIMIT ?", (tenant, scenario, count))]
+        return self._remove_keys(tenant, scenario, oldest)

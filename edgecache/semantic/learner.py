@@ -60,9 +60,11 @@ lookups on taught classes that would have been served: observed over expected wr
 estimates and weighs the teaching down where the traffic asks what was never taught.
 
 Memory is bounded: an entry (or its class) keeps its last ``entry_labels`` labels (and what the tenant taught about
-it, as large as the tenant's grouped file); at most ``max_entries`` entries are tracked (least recently used
-dropped); a pool is a few fixed-size arrays. Everything here is pure: no I/O, no clock, no threads; randomness comes
-from a seeded ``random.Random`` so a replay makes the same decisions. Measured with ``scripts/eval_semantic.py
+it, as large as the tenant's grouped file); at most ``max_entries`` entries are tracked, each tenant with a share
+(:class:`~edgecache.tenant_lru.TenantLru`: past the bound the least recently used entry of the tenant that holds the
+most is dropped, so one tenant's traffic never pushes out another's entries within its share); a pool is a few
+fixed-size arrays. Everything here is pure: no I/O, no clock, no threads; randomness comes from a seeded
+``random.Random`` so a replay makes the same decisions. Measured with ``scripts/eval_semantic.py
 --stream`` (docs/semantic.md has the figures).
 """
 
@@ -70,12 +72,14 @@ from __future__ import annotations
 
 import math
 import random
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
+
+from edgecache.tenant_lru import TenantLru
 
 Action = Literal["serve", "explore", "miss"]
 #: What the learner is handed as a candidate's ``similarity``: the embedder's cosine (its prior is then flat around
@@ -345,7 +349,7 @@ class SemanticLearner:
         self.max_entries = max_entries
         self._random = random.Random(seed)
         self._pools: dict[tuple[str, str], _Pool] = {}
-        self._entries: OrderedDict[tuple[str, str, str], _Entry] = OrderedDict()
+        self._entries: TenantLru[tuple[str, str], _Entry] = TenantLru(max_entries)  # (scenario, entry key)
         self.demoted = 0
 
     # ---- the three calls of the request path ----
@@ -359,9 +363,7 @@ class SemanticLearner:
         """
         pool = self._pool(tenant, scenario, signal)
         pool.lookups += 1
-        entry = self._entries.get((tenant, scenario, entry_key))
-        if entry is not None:
-            self._entries.move_to_end((tenant, scenario, entry_key))
+        entry = self._entries.touch(tenant, (scenario, entry_key))
         error, bound = self._error(pool, entry, similarity, self.prior_cut if prior_cut is None else prior_cut)
         scale = (pool.calibration_wrong + self.calibration_weight) / (pool.calibration_predicted
                                                                      + self.calibration_weight)
@@ -497,7 +499,7 @@ class SemanticLearner:
             if not lookup:
                 continue
             pool.taught_lookups += 1
-            error, bound = self._error(pool, self._entries.get((tenant, scenario, key)), similarity, cut)
+            error, bound = self._error(pool, self._entries.get(tenant, (scenario, key)), similarity, cut)
             i = min(int(np.searchsorted(_P_EDGES, bound, side="left")), len(_P_EDGES) - 1)
             pool.taught_p_count[i] += 1
             pool.taught_p_sum[i] += error
@@ -506,7 +508,7 @@ class SemanticLearner:
 
     def forget(self, tenant: str, scenario: str, entry_key: str) -> None:
         """Drop an entry's labels (evicted, flushed, or replaced)."""
-        self._entries.pop((tenant, scenario, entry_key), None)
+        self._entries.pop(tenant, (scenario, entry_key))
 
     def drop(self, tenant: str | None = None, scenario: str | None = None) -> None:
         """Forget everything learned for ``tenant`` (None: every tenant) and ``scenario`` (None: every scenario):
@@ -516,8 +518,7 @@ class SemanticLearner:
 
         for key in [key for key in self._pools if matches(*key)]:
             del self._pools[key]
-        for key in [key for key in self._entries if matches(key[0], key[1])]:
-            del self._entries[key]
+        self._entries.drop(tenant, None if scenario is None else (lambda key: key[0] == scenario))
 
     # ---- what it has learned ----
 
@@ -543,27 +544,29 @@ class SemanticLearner:
         return rate, upper, pool.labels
 
     def entry_labels_of(self, tenant: str, scenario: str, entry_key: str) -> list[tuple[float, bool]]:
-        entry = self._entries.get((tenant, scenario, entry_key))
+        entry = self._entries.get(tenant, (scenario, entry_key))
         return [] if entry is None else list(entry.labels)
 
     def is_demoted(self, tenant: str, scenario: str, entry_key: str) -> bool:
-        entry = self._entries.get((tenant, scenario, entry_key))
+        entry = self._entries.get(tenant, (scenario, entry_key))
         return entry is not None and entry.demoted
 
     @property
     def entries(self) -> int:
         return len(self._entries)
 
+    def entries_of(self, tenant: str) -> int:
+        """Entries ``tenant`` holds (its ``/stats``)."""
+        return self._entries.held(tenant)
+
     # ---- internals ----
 
     def _entry(self, key: tuple[str, str, str]) -> _Entry:
-        entry = self._entries.get(key)
+        tenant, scenario, entry_key = key
+        entry = self._entries.touch(tenant, (scenario, entry_key))
         if entry is None:
-            entry = self._entries[key] = _Entry(deque(maxlen=self.entry_labels))
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
-        else:
-            self._entries.move_to_end(key)
+            entry = _Entry(deque(maxlen=self.entry_labels))
+            self._entries.put(tenant, (scenario, entry_key), entry)
         return entry
 
     def _pool(self, tenant: str, scenario: str, signal: Signal | None = None) -> _Pool:

@@ -30,8 +30,10 @@ class Probe(msgspec.Struct, frozen=True):
     namespace: str
 
 
-def probe_for(request: GenerationRequest, model_version: str) -> Probe | None:
-    """The semantic probe of a first-turn chat request, or None when the request is not matched semantically."""
+def probe_for(request: GenerationRequest, model_version: str, *, any_max_tokens: bool = False) -> Probe | None:
+    """The semantic probe of a first-turn chat request, or None when the request is not matched semantically.
+    ``any_max_tokens``: its namespace leaves ``max_tokens`` out (a :func:`~edgecache.keys.prefix_stable` request,
+    whose stored answers serve every limit they cover)."""
     if request.messages is None:
         return None
     systems, rest = [], []
@@ -41,7 +43,10 @@ def probe_for(request: GenerationRequest, model_version: str) -> Probe | None:
         return None
     # Everything but the user's text: the system prompt, the sampling, and the tools, tool choice and response
     # format, so a paraphrase is never served across different tool sets or schemas.
-    context = (model_version, msgspec.structs.replace(request, messages=tuple(systems), cache=None))
+    fields = msgspec.structs.replace(request, messages=tuple(systems), cache=None)
+    if any_max_tokens:
+        fields = msgspec.structs.replace(fields, params=msgspec.structs.replace(fields.params, max_tokens=0))
+    context = (model_version, fields)
     return Probe(text=rest[0].content, namespace=hashlib.blake2b(_encoder.encode(context), digest_size=8).hexdigest())
 
 

@@ -8,21 +8,23 @@ indexed as any miss, serves its repeats. The table is keyed by (tenant, request 
 version, scenario, system prompt, sampling and the user's text, so a mark is about that paraphrase in that context
 and nothing else; the candidate stays servable to other paraphrases unless its labels demote it (the learner's rule).
 
-Bounded: at most ``max_entries`` (tenant, key) pairs, the least recently marked dropped first. Kept across a clean
-restart in ``path`` (written at close, read at start); a crash loses the marks made since the last start, not their
-labels (in the decision log) nor the copies already dropped.
+Bounded: at most ``max_entries`` (tenant, key) pairs, each tenant with a share
+(:class:`~edgecache.tenant_lru.TenantLru`): past the bound the least recently marked pair of the tenant that holds
+the most goes, so one tenant's marks never push out another's within its share. Kept across a clean restart in
+``path`` (written at close, read at start); a crash loses the marks made since the last start, not their labels (in
+the decision log) nor the copies already dropped.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections import OrderedDict
 from pathlib import Path
 
 import msgspec
 
 from edgecache.health import STORAGE_ERRORS
+from edgecache.tenant_lru import TenantLru
 
 log = logging.getLogger("edgecache")
 
@@ -41,29 +43,27 @@ class MarkedWrong:
     def __init__(self, path: Path | None = None, max_entries: int = 65_536) -> None:
         self.path = path
         self.max_entries = max_entries
-        self._marks: OrderedDict[tuple[str, str], tuple[str, ...]] = OrderedDict()
+        self._marks: TenantLru[str, tuple[str, ...]] = TenantLru(max_entries)
         if path is not None:
             self._load(path)
 
     def mark(self, tenant: str, key: str, store_key: str) -> None:
         """The answer stored under ``store_key`` was wrong for the request whose key is ``key``."""
-        refused = self._marks.pop((tenant, key), ())
-        self._marks[(tenant, key)] = refused if store_key in refused else (*refused, store_key)
-        while len(self._marks) > self.max_entries:
-            self._marks.popitem(last=False)
+        refused = self._marks.get(tenant, key) or ()
+        self._marks.put(tenant, key, refused if store_key in refused else (*refused, store_key))
 
     def refuses(self, tenant: str, key: str, store_key: str) -> bool:
         """Whether the caller marked ``store_key``'s answer wrong for ``key`` (a dict lookup: the hit path's)."""
-        refused = self._marks.get((tenant, key))
+        refused = self._marks.get(tenant, key)
         return refused is not None and store_key in refused
 
     def drop(self, tenant: str | None = None) -> None:
         """Forget the marks of ``tenant`` (None: everyone's): a flush leaves no answer they were about."""
-        if tenant is None:
-            self._marks.clear()
-            return
-        for pair in [pair for pair in self._marks if pair[0] == tenant]:
-            del self._marks[pair]
+        self._marks.drop(tenant)
+
+    def held(self, tenant: str) -> int:
+        """How many requests ``tenant`` has marks for (its ``/stats``)."""
+        return self._marks.held(tenant)
 
     def __len__(self) -> int:
         return len(self._marks)
@@ -73,7 +73,7 @@ class MarkedWrong:
         marks are then lost at the next start."""
         if self.path is None:
             return
-        rows = [(tenant, key, list(refused)) for (tenant, key), refused in self._marks.items()]
+        rows = [(tenant, key, list(refused)) for tenant, key, refused in self._marks.items()]
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             tmp = self.path.with_suffix(".tmp")
@@ -96,4 +96,4 @@ class MarkedWrong:
             log.warning("the callers' wrong marks in %s do not decode: starting without them", path)
             return
         for tenant, key, refused in rows[-self.max_entries:]:
-            self._marks[(tenant, key)] = tuple(refused)
+            self._marks.put(tenant, key, tuple(refused))
