@@ -238,12 +238,14 @@ def _faq(learner: SemanticLearner, right: int = 150, wrong: int = 150) -> None:
 def test_a_class_keeps_every_taught_label_beside_its_own_last_labels() -> None:
     # A class keeps the last entry_labels (32) labels of its own lookups; what it was taught stays whole. Its first
     # lookups (right ones at 0.99) may not push out the taught wrong answers at 0.6: the estimate there stays high.
+    # (Asked at 0.6 itself: above the taught wrong answers the class separates cleanly, and the pooled head start,
+    # not this estimate, decides.)
     learner = SemanticLearner(audit_share=0.0)
     _faq(learner)
-    before = learner.decide("t", "default", "k3", 0.62, 0.01, prior_cut=0.9).error
+    before = learner.decide("t", "default", "k3", 0.6, 0.01, prior_cut=0.9).error
     for _ in range(40):
         learner.record("t", "default", "k5", 0.99, True, prior_cut=0.9)
-    after = learner.decide("t", "default", "k3", 0.62, 0.01, prior_cut=0.9).error
+    after = learner.decide("t", "default", "k3", 0.6, 0.01, prior_cut=0.9).error
     assert before > 0.5 and after > 0.5
 
 
