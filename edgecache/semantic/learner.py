@@ -113,6 +113,34 @@ class Decision:
     reason: Reason
 
 
+@dataclass(frozen=True, slots=True)
+class TaughtState:
+    """What a pool's teaching allows now (:meth:`SemanticLearner.taught_state`): its taught ``groups``, how many of
+    them separate cleanly above the pool's ``line`` (the nearest any taught question came to one of another group),
+    and how many serves of a paraphrase above it the pooled head start still pays for (at its bound now)."""
+
+    tenant: str
+    scenario: str
+    groups: int
+    separated: int
+    line: float | None
+    serves: int
+
+    def describe(self) -> str:
+        """One sentence, as ``edgecache warmup`` prints it."""
+        taught = f"taught {self.groups} group{'' if self.groups == 1 else 's'}"
+        if self.line is None:
+            return f"{taught}: none separates from another, so a paraphrase waits for the traffic's own labels"
+        if not self.separated:
+            return (f"{taught}: none separates cleanly (a question of one group came as near as {self.line:.3f} to "
+                    f"one of another), so a paraphrase waits for the traffic's own labels")
+        # Rounded up: every similarity above the printed one is above the line.
+        above = math.ceil(self.line * 100 - 1e-9) / 100
+        which = "" if self.separated == self.groups else f" of the {self.separated} that separate cleanly"
+        return (f"{taught}: a paraphrase{which} above {above:.2f} is served; {self.serves} unsure "
+                f"serve{'' if self.serves == 1 else 's'} of head start")
+
+
 class _Taught:
     """What a tenant taught about one answer class: (similarity, right?) labels, and the same as arrays for the fit
     (made when first asked for after a change: a class is taught once and looked up many times); the line it
@@ -612,6 +640,32 @@ class SemanticLearner:
             del self._entries[key]
 
     # ---- what it has learned ----
+
+    def taught_state(self, tenant: str, scenario: str, target_error: float) -> TaughtState | None:
+        """What the teaching of ``tenant`` and ``scenario`` allows now (None when nothing was taught there): its
+        groups, those that separate cleanly above the pool's line, and the serves above it that the pooled head start
+        still pays for at its bound now, within each class's share and, with the margin, the pool's."""
+        pool = self._pools.get((tenant, scenario))
+        if pool is None or not pool.taught:
+            return None
+        classes = self._classes(tenant, scenario, pool)
+        line = pool.taught_lines[0] if pool.taught_lines else None
+        serves = 0
+        if pool.clean_classes:
+            _, bound = pool.pooled_estimate(self.confidence)
+            bound = min(1.0, bound * max(1.0, pool.pooled_trust()))
+            share = target_error * pool.pooled_lookups()
+            if 0.0 < bound <= self.max_error:
+                # Each class within its share; the pool within its own, with the margin, as _pooled charges them.
+                room = sum(max(0, math.floor((share - taught.spent) / bound + 1e-9))
+                           for taught in classes if taught.line is not None)
+                spent, variance = pool.pooled_spent, pool.pooled_var
+                while serves < room and self._within(spent + bound, variance + bound * (1.0 - bound),
+                                                     share * pool.clean_classes):
+                    serves += 1
+                    spent, variance = spent + bound, variance + bound * (1.0 - bound)
+        return TaughtState(tenant=tenant, scenario=scenario, groups=len(classes), separated=pool.clean_classes,
+                           line=line, serves=serves)
 
     def summary(self) -> dict[tuple[str, str], dict[str, float | int]]:
         """Per (tenant, scenario): lookups decided, explorations, labels, and the estimated false-hit rate of what
