@@ -57,7 +57,11 @@ and a hit is a lookup neither labelled nor stored), not to the estimate's scale.
 A class the tenant taught (:meth:`SemanticLearner.teach`) keeps every taught label beside its own last labels, so its
 first lookups do not push out what it was taught; and a check of the teaching against the traffic (the labelled
 lookups on taught classes that would have been served: observed over expected wrong answers) raises those classes'
-estimates and weighs the teaching down where the traffic asks what was never taught.
+estimates and weighs the teaching down where the traffic asks what was never taught. Classes that separate cleanly
+lend each other their evidence: above the pool's line (the nearest any taught question came to one of another group),
+a candidate of a class whose right taught labels all lie above it is estimated from every such class's taught lookups
+(and those the line would have answered wrongly, left out one at a time), and where the policy alone would not serve
+it, a pooled head start does, charged at that estimate's bound (:meth:`SemanticLearner._pooled`).
 
 Memory is bounded: an entry (or its class) keeps its last ``entry_labels`` labels (and what the tenant taught about
 it, as large as the tenant's grouped file); at most ``max_entries`` entries are tracked (least recently used
