@@ -393,7 +393,8 @@ def test_the_taught_state_says_what_the_pooled_head_start_pays_for() -> None:
     reasons = [learner.decide("t", "default", f"g{n % 20}v0", 0.93, 0.005, prior_cut=0.975).reason
                for n in range(state.serves + 5)]
     assert reasons.count("taught_pool") == state.serves and reasons[:state.serves] == ["taught_pool"] * state.serves
-    assert learner.taught_state("t", "default", 0.005).serves == 0
+    spent = learner.taught_state("t", "default", 0.005)
+    assert spent is not None and spent.serves == 0 and "is spent" in spent.describe()
     assert learner.taught_state("nobody", "default", 0.005) is None
     unclean = SemanticLearner()
     unclean.teach("t", "default", [["a"], ["b"]], [("a", 0.9, True, True), ("b", 0.95, False, True)])

@@ -133,14 +133,17 @@ class TaughtState:
     def describe(self) -> str:
         """One sentence, as ``edgecache warmup`` prints it."""
         taught = f"taught {self.groups} group{'' if self.groups == 1 else 's'}"
+        waits = "so a paraphrase waits for the traffic's own labels"
         if self.line is None:
-            return f"{taught}: none separates from another, so a paraphrase waits for the traffic's own labels"
+            return f"{taught}: no question of another group to draw a line against, {waits}"
         if not self.separated:
             return (f"{taught}: none separates cleanly (a question of one group came as near as {self.line:.3f} to "
-                    f"one of another), so a paraphrase waits for the traffic's own labels")
+                    f"one of another), {waits}")
         # Rounded up: every similarity above the printed one is above the line.
         above = math.ceil(self.line * 100 - 1e-9) / 100
         which = "" if self.separated == self.groups else f" of the {self.separated} that separate cleanly"
+        if not self.serves:
+            return f"{taught}: the head start for a paraphrase{which} above {above:.2f} is spent, {waits}"
         return (f"{taught}: a paraphrase{which} above {above:.2f} is served; {self.serves} unsure "
                 f"serve{'' if self.serves == 1 else 's'} of head start")
 
@@ -868,14 +871,12 @@ class SemanticLearner:
                 cut: float) -> Decision | None:
         """The pooled head start's serve of a candidate, or None. It serves where the candidate's class separates
         cleanly and the lookup lies above the pool's line (nearer than any taught question came to one of another
-        group: each class's own few wrong labels say little of how near another question may come, the pool's
-        say more), no label
-        of the class's own lookups says wrong above that line, and the estimate from every class of the pool
-        (:meth:`_Pool.pooled_estimate`, raised as far as its check says it is low: :meth:`_Pool.pooled_trust`) has
-        its bound within ``max_error``.
-        Each serve is charged at that bound to the class's share (the target's share of
-        :meth:`_Pool.pooled_lookups`) and, with the ledger's margin, to the pool's (that share for every clean
-        class), apart from the ledger, whose line stays the traffic's own."""
+        group: each class's own few wrong labels say little of how near another question may come, the pool's say
+        more), no label of the class's own lookups says wrong above that line, and the estimate from every class of
+        the pool (:meth:`_Pool.pooled_estimate`, raised as far as its check says it is low:
+        :meth:`_Pool.pooled_trust`) has its bound within ``max_error``. Each serve is charged at that bound to the
+        class's share (the target's share of :meth:`_Pool.pooled_lookups`) and, with the ledger's margin, to the
+        pool's (that share for every clean class), apart from the ledger, whose line stays the traffic's own."""
         if entry is None or entry.taught.line is None or similarity <= entry.taught.line:
             return None
         line = entry.taught.line
