@@ -524,7 +524,7 @@ class Ledger:
         """The ledger as /stats shows it: per ``tenant/scenario``, per tenant and in total (only ``tenant``'s rows
         when named), since the ledger began, and over the last hour."""
         rows = self.rows(tenant)
-        hour_ago = self._as_of(int(self._clock() // 60) - 60)
+        hour_ago = self._baseline(int(self._clock() // 60) - 60)
         fit = self.fit_report()
         if tenant is not None:  # the fit rests on every tenant's calls: its basis is the admin's to see
             fit = {"ready": fit["ready"]}
@@ -554,18 +554,18 @@ class Ledger:
         kept minutes, summed into points of ``step`` minutes: per point its start (``at``, unix seconds), the minutes
         it covers (fewer where the server was down, a coarse kept minute's ten, a fraction for the minute under
         way), and per field of :data:`HISTORY_FIELDS` what changed in it. ``window``: the ledger's figures over the
-        whole span (now's less the first kept minute within it's)."""
+        whole span (now's less the rows as they stood at its start: :meth:`_baseline`); the points add up to it."""
         rows = self.rows(tenant)
         now = self._clock()
         start = int(now // 60) - minutes
         points: dict[int, dict[str, Any]] = {}
 
-        def add(at: int, until: float, changed: dict[str, Row], before: dict[str, Row]) -> None:
-            bucket = at // step * step
+        def add(since: float, until: float, changed: dict[str, Row], before: dict[str, Row]) -> None:
+            bucket = int(since // 60) // step * step
             point = points.get(bucket)
             if point is None:
                 point = points[bucket] = {"at": bucket * 60, "minutes": 0.0, **{f: {} for f in HISTORY_FIELDS}}
-            point["minutes"] += max(0.0, until - at * 60) / 60
+            point["minutes"] += max(0.0, until - since) / 60
             for name, row in changed.items():
                 then = before.get(name)
                 for field in HISTORY_FIELDS:
@@ -575,17 +575,29 @@ class Ledger:
                             sums[k] = sums.get(k, 0) + d
 
         state: dict[str, Row] = {}  # ``rows`` as they stood at the kept minute the walk is at
+        began_within = self.started_at >= start * 60
         for i, (minute, changed) in enumerate(self._minutes):
             mine = {name: row for name, row in changed.items() if name in rows}
             if i and self._minutes[i - 1][0] >= start:
-                add(self._minutes[i - 1][0], minute * 60, mine, state)
+                add(self._minutes[i - 1][0] * 60, minute * 60, mine, state)
+            elif not i and began_within:  # from the ledger's start to its first kept minute
+                add(self.started_at, minute * 60, mine, {})
             state.update(mine)
         if self._minutes and self._minutes[-1][0] >= start:
-            add(self._minutes[-1][0], now, rows, state)  # the minute under way, until now
-        first = self._as_of(start)
+            add(self._minutes[-1][0] * 60, now, rows, state)  # the minute under way, until now
+        elif not self._minutes and began_within:
+            add(self.started_at, now, rows, {})
+        first = self._baseline(start)
         return {"since": first[0] * 60 if first is not None else self.started_at, "now": now, "step_minutes": step,
                 "points": [points[k] for k in sorted(points)],
                 "window": self._figures(list(_less(rows, first).values()))}
+
+    def _baseline(self, minute: int) -> tuple[int, dict[str, Row]] | None:
+        """The rows as they stood at ``minute``: the first kept minute since, with every row then (None: the ledger
+        began since, so every row counts whole; or no minute was kept since, and the same holds)."""
+        if self.started_at >= minute * 60:
+            return None
+        return self._as_of(minute)
 
     def _figures(self, rows: list[Row]) -> dict[str, Any]:
         def total(field: str) -> dict[str, float]:

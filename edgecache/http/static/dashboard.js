@@ -467,7 +467,7 @@ function renderCharts() {
     }
     return;
   }
-  const perMin = v => fmtSeconds(v) + "/min";
+  const perMin = v => v >= 120 ? (v / 60).toFixed(v >= 600 ? 0 : 1) + " min" : v.toFixed(v > 0 && v < 10 ? 1 : 0) + " s";
   timeChart($("chart-saved"), {
     start, end, points, yFormat: perMin,
     stacks: LAYERS.map(l => ["saved: " + LAYER_NAMES[l], COLORS[l], perMinute(p => p.saved_engine_s[l] || 0)]),
