@@ -441,6 +441,24 @@ def test_history_gives_what_each_minute_saved_and_spent_and_its_sum_is_the_windo
     assert late["window"]["requests"] == {"miss": 4, "exact": 1}
 
 
+def test_the_kept_minutes_survive_a_restart_and_the_first_minute_after_it_holds_what_changed_before_it(
+        tmp_path: Path) -> None:
+    clock = [0.0]
+    path = tmp_path / "ledger.json"
+    ledger = Ledger(path=path, clock=lambda: clock[0])
+    ledger.tick()
+    clock[0] = 90.0
+    ledger.request("t1", "default", "exact", prompt_tokens=10, completion_tokens=5)
+    ledger.save()  # shutdown, with a request booked since the last kept minute
+    clock[0] = 600.0
+    again = Ledger(path=path, clock=lambda: clock[0])
+    again.tick()
+    assert [minute for minute, _ in again._minutes] == [0, 10]
+    assert again._minutes[-1][1]["t1/default"].requests == {"exact": 1}
+    points = again.timeline(minutes=60)["points"]
+    assert [(p["at"], p["requests"]) for p in points] == [(0, {"exact": 1}), (600, {})]
+
+
 def test_a_day_of_minutes_is_kept_one_by_one_for_three_hours_and_one_in_ten_before() -> None:
     from edgecache.ledger import COARSE_MINUTES, FINE_MINUTES, HISTORY_MINUTES
 

@@ -222,6 +222,7 @@ async function refresh(withHistory) {
 async function refreshHistory() {
   clearTimeout(state.historyTimer);
   const key = state.key;
+  if (key === null) return;
   try {
     state.history = await getJSON(historyPath());
     state.historySeq += 1;
