@@ -390,6 +390,12 @@ class Ledger:
         self._counts: dict[tuple[str, str, str], list[int]] = {}
         self._unpriced = False
         self._minutes: list[tuple[int, dict[str, Row]]] = []
+        # Each kept minute's rows as last encoded, by the rows' identity (a kept minute is never changed in place;
+        # folding one makes a new one): a save encodes only the minutes kept since the last.
+        self._encoded_minutes: dict[int, tuple[dict[str, Row], msgspec.Raw]] = {}
+        # The timeline's points up to the last kept minute, by (tenant, minutes, step), until the next kept minute.
+        self._timelines: dict[tuple[str | None, int, int], tuple[tuple[int, ...], dict[int, dict[str, Any]],
+                                                                  dict[str, Row]]] = {}
         self._busy_before = 0.0  # busy seconds of earlier runs (the meter counts this run's)
         self._dirty = False
         if path is not None:
@@ -574,15 +580,27 @@ class Ledger:
                         if d := v - old.get(k, 0):
                             sums[k] = sums.get(k, 0) + d
 
-        state: dict[str, Row] = {}  # ``rows`` as they stood at the kept minute the walk is at
         began_within = self.started_at >= start * 60
-        for i, (minute, changed) in enumerate(self._minutes):
-            mine = {name: row for name, row in changed.items() if name in rows}
-            if i and self._minutes[i - 1][0] >= start:
-                add(self._minutes[i - 1][0] * 60, minute * 60, mine, state)
-            elif not i and began_within:  # from the ledger's start to its first kept minute
-                add(self.started_at, minute * 60, mine, {})
-            state.update(mine)
+        # The points up to the last kept minute change only when a minute is kept: walked once per kept minute.
+        stamp = (start, len(self._minutes), self._minutes[0][0] if self._minutes else -1,
+                 self._minutes[-1][0] if self._minutes else -1)
+        known = self._timelines.get((tenant, minutes, step))
+        if known is not None and known[0] == stamp:
+            points = {k: {**p, **{f: dict(p[f]) for f in HISTORY_FIELDS}} for k, p in known[1].items()}
+            state = known[2]
+        else:
+            state = {}  # ``rows`` as they stood at the kept minute the walk is at
+            for i, (minute, changed) in enumerate(self._minutes):
+                mine = {name: row for name, row in changed.items() if name in rows}
+                if i and self._minutes[i - 1][0] >= start:
+                    add(self._minutes[i - 1][0] * 60, minute * 60, mine, state)
+                elif not i and began_within:  # from the ledger's start to its first kept minute
+                    add(self.started_at, minute * 60, mine, {})
+                state.update(mine)
+            if len(self._timelines) >= 32:  # a few views are asked for; a key holder asking for many finds none
+                self._timelines.clear()
+            self._timelines[(tenant, minutes, step)] = (
+                stamp, {k: {**p, **{f: dict(p[f]) for f in HISTORY_FIELDS}} for k, p in points.items()}, state)
         if self._minutes and self._minutes[-1][0] >= start:
             add(self._minutes[-1][0] * 60, now, rows, state)  # the minute under way, until now
         elif not self._minutes and began_within:
@@ -665,6 +683,7 @@ class Ledger:
         self._minutes.append((minute, {_row_key(*name): _copy(row) for name, row in changed.items()}))
         self._forget_before(minute - HISTORY_MINUTES)
         self._coarsen_before(minute - FINE_MINUTES)
+        self._timelines.clear()
 
     def _forget_before(self, minute: int) -> None:
         """Drop the kept minutes older than ``minute``, folding each into the next so that the first kept one still
@@ -758,11 +777,19 @@ class Ledger:
         self.write(self.encoded())
 
     def encoded(self) -> bytes:
-        """The ledger as it stands, encoded (on the event loop: a consistent snapshot)."""
+        """The ledger as it stands, encoded (on the event loop: a consistent snapshot). A kept minute encoded for an
+        earlier save is not encoded again (a day of them is most of the file)."""
         self._dirty = False
+        before, self._encoded_minutes = self._encoded_minutes, {}
+        minutes = []
+        for minute, rows in self._minutes:
+            known = before.get(id(rows))
+            raw = known[1] if known is not None and known[0] is rows else msgspec.Raw(msgspec.json.encode(rows))
+            self._encoded_minutes[id(rows)] = (rows, raw)
+            minutes.append((minute, raw))
         return msgspec.json.encode(_Saved(version=_FORMAT_VERSION, started_at=self.started_at, fit=self.fit.state(),
-                                          rows=self.rows(), minutes=self._minutes, history=self.history.state(),
-                                          busy_s=self.busy_s))
+                                          rows=self.rows(), minutes=minutes,  # type: ignore[arg-type]  # (encoded)
+                                          history=self.history.state(), busy_s=self.busy_s))
 
     @property
     def dirty(self) -> bool:

@@ -439,6 +439,15 @@ def test_history_gives_what_each_minute_saved_and_spent_and_its_sum_is_the_windo
     late = ledger.timeline(minutes=1)
     assert [p["at"] for p in late["points"]] == [60, 120] and late["since"] == 60
     assert late["window"]["requests"] == {"miss": 4, "exact": 1}
+    # Asked again within the minute (the walk up to the last kept minute is remembered): the minute under way moves
+    # on, what came before does not, and the answer given before is left as it was.
+    ledger.request("t2", "default", "exact", prompt_tokens=10, completion_tokens=5)
+    again = ledger.timeline(minutes=60)
+    assert [p["requests"] for p in again["points"]] == [{"exact": 2}, {"miss": 3}, {"exact": 2, "miss": 1}]
+    assert history["points"][2]["requests"] == {"exact": 1, "miss": 1}
+    ledger._timelines.clear()
+    assert ledger.timeline(minutes=60) == again
+    assert ledger.encoded() == ledger.encoded()  # the kept minutes' encodings are reused, to the same bytes
 
 
 def test_the_kept_minutes_survive_a_restart_and_the_first_minute_after_it_holds_what_changed_before_it(
