@@ -105,25 +105,36 @@ class Browser:
         self._driver = playwright_api()().start()
         self.context = self._driver.chromium.launch_persistent_context(
             self.profile, executable_path=shutil.which("chromium"), headless=True, args=CHROMIUM_ARGS)
-        self.requests: list[str] = []
+        self.requests: list[Any] = []
         self.responses: list[Any] = []
-        self.context.on("request", lambda request: self.requests.append(request.url))
+        self.context.on("request", lambda request: self.requests.append(request))
         self.context.on("response", lambda response: self.responses.append(response))
 
     def page(self) -> Any:
         self.requests.clear()
         self.responses.clear()
+        self.complaints: list[str] = []
         page = self.context.new_page()
         page.set_default_timeout(30_000)
+        # A script error, or anything the page's policy blocked (a load from elsewhere, an inline style), is a
+        # complaint: a blocked request is never sent, so the network log alone would not show it.
+        page.on("pageerror", lambda error: self.complaints.append(f"error: {error}"))
+        page.on("console", lambda message: self.complaints.append(message.text)
+                if message.type == "error" and "401" not in message.text else None)
         return page
 
-    def stats_responses(self) -> list[Any]:
-        return [r for r in self.responses if r.url.split("?")[0] == self.server.url + "/stats" and r.status == 200]
+    def stats_answer(self, fetch: int) -> dict[str, Any]:
+        """The answer to the page's ``fetch``-th request to /stats (requests are seen in the order it sent them)."""
+        asked = [r for r in self.requests if r.url.split("?")[0] == self.server.url + "/stats"]
+        response = asked[fetch - 1].response()
+        assert response is not None and response.status == 200
+        return response.json()  # type: ignore[no-any-return]
 
     def assert_nothing_left_the_box(self) -> None:
         assert self.requests, "the page made no request at all"
-        outside = [url for url in self.requests if not url.startswith(self.server.url + "/")]
+        outside = [r.url for r in self.requests if not r.url.startswith(self.server.url + "/")]
         assert outside == []
+        assert self.complaints == []
 
     def close(self) -> None:
         self.context.close()
@@ -154,6 +165,7 @@ def rendered(page: Any, at_least: int = 1) -> dict[str, Any]:
     until(page, f"() => Number(document.body.dataset.statsSeq || 0) >= {at_least}", f"/stats answer {at_least}")
     return page.evaluate("""() => ({
         seq: Number(document.body.dataset.statsSeq),
+        fetch: Number(document.body.dataset.statsFetch),
         figures: Array.from(document.querySelectorAll('[data-figure]'), e =>
             ({path: JSON.parse(e.dataset.figure), value: JSON.parse(e.dataset.value), text: e.textContent})),
         derived: Object.fromEntries(Array.from(document.querySelectorAll('[data-derived]'), e =>
@@ -197,7 +209,7 @@ def test_without_a_key_the_page_shows_a_form_and_no_figure(server: Server, brows
     page.wait_for_selector("#key-form")
     assert page.is_visible("#login") and not page.is_visible("#board")
     assert page.locator("[data-figure], [data-derived], svg rect").count() == 0
-    assert not [url for url in browser.requests if "/stats" in url]  # nothing was asked without a key
+    assert not [r for r in browser.requests if "/stats" in r.url]  # nothing was asked without a key
     # A wrong key: refused by the server, and the page stays a form.
     page.fill("#key", "sk-nobody-at-all-0001")
     with page.expect_response(lambda r: r.url.split("?")[0] == server.url + "/stats") as answer:
@@ -215,7 +227,7 @@ def test_the_admins_page_shows_every_tenant_with_the_figures_of_stats(server: Se
     page.goto(server.url + f"/dashboard#key={ADMIN_KEY}")
     shown = rendered(page)
     assert "#key=" not in shown["url"] and ADMIN_KEY not in shown["url"]  # the key leaves the address bar
-    body = browser.stats_responses()[shown["seq"] - 1].json()
+    body = browser.stats_answer(shown["fetch"])
     assert "tenant" not in body  # the admin's view
     assert_figures_are_stats(shown, body)
     paths = {json.dumps(f["path"]) for f in shown["figures"]}
@@ -238,7 +250,9 @@ def test_the_admins_page_shows_every_tenant_with_the_figures_of_stats(server: Se
     with page.expect_response(lambda r: r.url == server.url + f"/stats?tenant={OTHER}"):
         page.select_option("#view", OTHER)
     one = rendered(page, shown["seq"] + 1)
-    assert_figures_are_stats(one, browser.stats_responses()[one["seq"] - 1].json())
+    theirs = browser.stats_answer(one["fetch"])
+    assert theirs["tenant"] == OTHER
+    assert_figures_are_stats(one, theirs)
     assert "acme" not in one["text"].replace("tenant acme", "")  # (the picker names it, as an option)
     browser.assert_nothing_left_the_box()
     page.close()
@@ -251,7 +265,7 @@ def test_a_tenants_key_shows_its_own_tenant_and_nothing_of_another(server: Serve
     page.click("#key-form button")
     shown = rendered(page)
     until(page, "() => Number(document.body.dataset.historySeq || 0) >= 1", "a /stats/history answer")
-    body = browser.stats_responses()[shown["seq"] - 1].json()
+    body = browser.stats_answer(shown["fetch"])
     assert body["tenant"] == "acme"
     assert_figures_are_stats(shown, body)
     mine = stats(server, ACME_KEY)["ledger"]["last_hour"]["total"]["requests"]
@@ -275,7 +289,7 @@ def test_the_page_refreshes_itself_without_a_reload(server: Server, browser: Bro
     until(page, f"() => Number(document.querySelector('[data-derived=requests]').dataset.value) > {before}",
           "the new request on the page")
     assert page.evaluate("performance.getEntriesByType('navigation').length") == 1
-    assert len(browser.stats_responses()) >= 2
+    assert len([r for r in browser.requests if "/stats?" in r.url or r.url.endswith("/stats")]) >= 2
     browser.assert_nothing_left_the_box()
     page.close()
 

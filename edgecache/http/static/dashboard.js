@@ -19,7 +19,7 @@ const state = {
   view: "",           // "" the box (admin), else a tenant the admin chose
   tenantNames: [],    // the tenants the admin's view names
   stats: null, history: null,
-  statsSeq: 0, historySeq: 0,
+  statsSeq: 0, historySeq: 0, statsFetches: 0, generation: 0,
   timer: null, historyTimer: null,
 };
 
@@ -199,37 +199,47 @@ function stopRefresh() {
   state.timer = state.historyTimer = null;
 }
 
+// Each refresh is numbered; one that a newer refresh (another view, another key) overtook draws nothing. The page
+// marks which /stats request it drew (data-stats-fetch: its number among the page's /stats requests) and how many
+// answers it has drawn (data-stats-seq).
 async function refresh(withHistory) {
   if (state.key === null) return;
   clearTimeout(state.timer);
-  const key = state.key;
+  const key = state.key, generation = ++state.generation, fetchNo = ++state.statsFetches;
+  const current = () => generation === state.generation && state.key === key;
   try {
     const stats = await getJSON(statsPath());
-    if (state.key !== key) return;
-    state.stats = stats;
-    state.statsSeq += 1;
+    if (!current()) return;
     if (withHistory || state.history === null) await refreshHistory();
+    if (!current()) return;
+    state.stats = stats;
     render();
+    state.statsSeq += 1;
+    document.body.dataset.statsFetch = String(fetchNo);
     document.body.dataset.statsSeq = String(state.statsSeq);
     $("status").textContent = "updated " + new Date().toLocaleTimeString() + " · every " + REFRESH_MS / 1000 + " s";
   } catch (err) {
+    if (!current()) return;
     if (err instanceof Refused) { showLogin("The key was refused: " + err.message); return; }
     $("status").textContent = "could not read the figures (" + err.message + "); trying again";
   }
-  if (state.key === key && !document.hidden) state.timer = setTimeout(() => refresh(false), REFRESH_MS);
+  if (current() && !document.hidden) state.timer = setTimeout(() => refresh(false), REFRESH_MS);
 }
 
 async function refreshHistory() {
   clearTimeout(state.historyTimer);
-  const key = state.key;
+  const key = state.key, view = state.view, path = historyPath();
   if (key === null) return;
+  const current = () => state.key === key && state.view === view && path === historyPath();
   try {
-    state.history = await getJSON(historyPath());
+    const history = await getJSON(path);
+    if (!current()) return;
+    state.history = history;
     state.historySeq += 1;
     document.body.dataset.historySeq = String(state.historySeq);
   } finally {
-    if (state.key === key) state.historyTimer = setTimeout(() => refreshHistory().then(renderCharts, () => {}),
-                                                           HISTORY_REFRESH_MS);
+    if (current()) state.historyTimer = setTimeout(() => refreshHistory().then(renderCharts, () => {}),
+                                                   HISTORY_REFRESH_MS);
   }
 }
 
