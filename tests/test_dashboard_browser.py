@@ -87,7 +87,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         chat(srv, OTHER_KEY, OTHER_PROMPT)
         chat(srv, OTHER_KEY, OTHER_PROMPT)
         for _ in range(600):  # until the engine's disk writes are done, so the figures hold still
-            if stats(srv)["engine_state"].get("prefix_cache_disk_writes_pending", 0) == 0 and not stats(srv)["inflight"]:
+            now = stats(srv)
+            if now["engine_state"].get("prefix_cache_disk_writes_pending", 0) == 0 and not now["inflight"]:
                 break
             time.sleep(0.05)
         yield srv
