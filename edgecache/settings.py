@@ -297,7 +297,7 @@ class ScenarioSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     ttl_s: Annotated[Annotated[float, Meta(gt=0)] | None, _help(
         "How long answers in this scenario stay valid; unset lets the TTL tier classifier decide.")] = None
     bucket_size: Annotated[BucketSize | None, _help(
-        "Answers kept per request that samples without a seed (0 to 20; docs/api.md, \"Buckets for sampled "
+        "Answers kept per request that samples without a seed (0 to 20; docs/caching.md, \"Buckets for sampled "
         "requests\"): the first N such requests reach the engine, later ones get one of the N at random. Unset: the "
         "plan's bucket_size; a request's X-EdgeCache-Bucket-Size overrides both.")] = None
 
