@@ -337,7 +337,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     data_dir: Annotated[str, _help(
         "Where the result stores and the semantic indexes live; survives restarts.")] = ""
     tenants_file: Annotated[str | None, _help(
-        "TOML file of plans, tenants and their API keys (docs/configuration.md); unset means one open `default` tenant, "
+        "TOML file of plans, tenants and their API keys (docs/tenants.md); unset means one open `default` tenant, "
         "and serve refuses a non-loopback host unless told --insecure.")] = None
     hardware: HardwareSettings = HardwareSettings()
     server: ServerSettings = ServerSettings()
