@@ -317,6 +317,8 @@ def warmup(
         summary = warm_offline(path, settings, tenant, console)
     typer.echo(f"warmup: {summary.written} written, {summary.skipped} skipped, {summary.failed} failed "
                f"in {summary.seconds:.1f} s")
+    for line in summary.taught_lines():
+        typer.echo(line)
     if summary.failed and not (summary.written or summary.skipped):
         raise typer.Exit(1)
 

@@ -18,7 +18,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from edgecache.errors import EdgeCacheError
 from edgecache.settings import Settings
-from edgecache.http.warmup_lines import NumberedLine, WarmupBatch, check_line_groups, read_lines, warm_lines
+from edgecache.http.warmup_lines import (NumberedLine, WarmupBatch, WarmupReply, check_line_groups, read_lines,
+                                         warm_lines)
+from edgecache.semantic.learner import TaughtState
 from edgecache.warmup import LineResult, Prefilled
 
 # One send carries up to ANSWERED lines with an answer (stored in one batch: the fast road) but only UNANSWERED
@@ -34,6 +36,14 @@ class Summary(msgspec.Struct):
     skipped: int = 0
     failed: int = 0
     seconds: float = 0.0
+    #: What each teaching allows after the last send that taught it (one per tenant and scenario).
+    taught: list[TaughtState] = msgspec.field(default_factory=list)
+
+    def taught_lines(self) -> list[str]:
+        """One line per teaching: :meth:`TaughtState.describe`, naming the tenant and scenario unless both are
+        ``default``."""
+        return [(state.describe() if (state.tenant, state.scenario) == ("default", "default") else
+                 f"tenant {state.tenant}, scenario {state.scenario}: {state.describe()}") for state in self.taught]
 
 
 def _progress(console: Console) -> Progress:
@@ -85,10 +95,11 @@ def _batches(path: Path, tenant: str | None = None) -> tuple[int, Iterator[list[
     return sum(1 for text in lines if text.strip()), gen()
 
 
-def _run(path: Path, console: Console, send: Callable[[list[NumberedLine]], list[LineResult]],
+def _run(path: Path, console: Console, send: Callable[[list[NumberedLine]], WarmupReply],
          tenant: str | None = None) -> Summary:
     total, batches = _batches(path, tenant)
     summary = Summary()
+    taught: dict[tuple[str, str], TaughtState] = {}
     started = time.perf_counter()
     with _progress(console) as progress:
         task = progress.add_task("warmup", total=total, rate=0.0)
@@ -96,7 +107,9 @@ def _run(path: Path, console: Console, send: Callable[[list[NumberedLine]], list
             good = [item for item in batch if isinstance(item, NumberedLine)]
             results = [item for item in batch if isinstance(item, LineResult)]
             if good:
-                results.extend(send(good))
+                reply = send(good)
+                results.extend(reply.results)
+                taught.update(((state.tenant, state.scenario), state) for state in reply.taught)
             for result in sorted(results, key=lambda r: r.line):
                 setattr(summary, result.outcome, getattr(summary, result.outcome) + 1)
                 if result.outcome == "failed":
@@ -105,20 +118,21 @@ def _run(path: Path, console: Console, send: Callable[[list[NumberedLine]], list
             progress.update(task, advance=len(batch), rate=(summary.written + summary.skipped + summary.failed)
                             / elapsed if elapsed else 0.0)
     summary.seconds = time.perf_counter() - started
+    summary.taught = list(taught.values())
     return summary
 
 
 def warm_over_http(path: Path, url: str, key: str | None, tenant: str | None, console: Console) -> Summary:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     with httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=600) as client:
-        def send(lines: list[NumberedLine]) -> list[LineResult]:
+        def send(lines: list[NumberedLine]) -> WarmupReply:
             resp = client.post("/admin/warmup", content=msgspec.json.encode(WarmupBatch(tenant=tenant, lines=lines)),
                                headers={"content-type": "application/json"})
             if resp.status_code != 200:
                 message = resp.json().get("error", {}).get("message", resp.text)
-                return [LineResult(line=n.line, outcome="failed", detail=f"{resp.status_code}: {message}")
-                        for n in lines]
-            return msgspec.convert(resp.json()["results"], list[LineResult])
+                return WarmupReply(results=[LineResult(line=n.line, outcome="failed",
+                                                       detail=f"{resp.status_code}: {message}") for n in lines])
+            return msgspec.convert(resp.json(), WarmupReply)
 
         return _run(path, console, send, tenant)
 
@@ -139,7 +153,7 @@ def warm_offline(path: Path, settings: Settings, tenant: str | None, console: Co
             loop = asyncio.get_running_loop()
             prefilled: Prefilled = set()
 
-            def send(lines: list[NumberedLine]) -> list[LineResult]:
+            def send(lines: list[NumberedLine]) -> WarmupReply:
                 job = warm_lines(rt.pipeline, lines, tenants=rt.tenants, settings=rt.settings, tenant=tenant,
                                  prefilled=prefilled)
                 return asyncio.run_coroutine_threadsafe(job, loop).result()

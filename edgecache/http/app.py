@@ -390,16 +390,17 @@ async def admin_flush(request: Request[Any, Any, Any]) -> Response[Any]:
 
 @post("/admin/warmup", status_code=200)
 async def admin_warmup(request: Request[Any, Any, Any]) -> Response[Any]:
-    """Warm the caches with a batch of prompts-file lines (see :mod:`edgecache.warmup`); one result per line."""
+    """Warm the caches with a batch of prompts-file lines (see :mod:`edgecache.warmup`): one result per line, and
+    what each teaching the batch gave allows now."""
     rt = _runtime(request.app.state)
     rt.tenants.authenticate_admin(*_credentials(request))
     batch = decode_body(await request.body(), WarmupBatch)
     if not rt.ready:
         raise NotReady("the server is still loading")
     assert rt.pipeline is not None
-    results = await warm_lines(rt.pipeline, batch.lines, tenants=rt.tenants, settings=rt.settings,
-                               tenant=batch.tenant, prefilled=_front(request.app.state).warm_prefilled)
-    return Response(_json.encode({"results": results}), media_type=JSON)
+    reply = await warm_lines(rt.pipeline, batch.lines, tenants=rt.tenants, settings=rt.settings,
+                             tenant=batch.tenant, prefilled=_front(request.app.state).warm_prefilled)
+    return Response(_json.encode(reply), media_type=JSON)
 
 
 def _as_error(exc: Exception) -> tuple[EdgeCacheError, dict[str, str]]:

@@ -17,6 +17,7 @@ from edgecache.call import Call
 from edgecache.engines.base import GenerationRequest, SamplingParams
 from edgecache.http.request_surface import ChatMessageIn
 from edgecache.pipeline import RequestPipeline
+from edgecache.semantic.learner import TaughtState
 from edgecache.settings import Settings
 from edgecache.tenants import TenantDirectory
 from edgecache.warmup import LineResult, Prefilled, check_groups, warm
@@ -44,6 +45,14 @@ class WarmupLine(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 ONE_OF_MESSAGES_OR_PROMPT = {"oneOf": [
     {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
     {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}}]}
+
+
+class WarmupReply(msgspec.Struct, kw_only=True):
+    """The answer of ``POST /admin/warmup``: one result per line, and what the teaching of each tenant and scenario
+    whose groups the batch taught allows now (:meth:`edgecache.semantic.learner.SemanticLearner.taught_state`)."""
+
+    results: list[LineResult]
+    taught: list[TaughtState] = msgspec.field(default_factory=list)
 
 
 class NumberedLine(msgspec.Struct, kw_only=True):
@@ -90,10 +99,11 @@ def check_line_groups(lines: list[NumberedLine], tenant: str | None = None) -> N
 
 async def warm_lines(pipeline: RequestPipeline, lines: list[NumberedLine], *, tenants: TenantDirectory,
                      settings: Settings, tenant: str | None = None,
-                     prefilled: Prefilled | None = None) -> list[LineResult]:
+                     prefilled: Prefilled | None = None) -> WarmupReply:
     """Check every line's messages (one that a chat request could not send refuses the batch), then each line's
     tenant (the line's own, else ``tenant``, else ``default``) and scenario, then :func:`warm` the good ones. One
-    result per line, in line order."""
+    result per line, in line order, and what the teaching of each tenant and scenario with grouped lines allows
+    now."""
     for numbered in lines:  # a malformed line refuses the batch (a 400), whichever tenant and scenario it names
         for i, message in enumerate(numbered.request.messages or ()):
             message.to_message(i)
@@ -115,4 +125,11 @@ async def warm_lines(pipeline: RequestPipeline, lines: list[NumberedLine], *, te
             if line.group is not None:
                 groups[numbered.line] = line.group
     results.extend(await warm(pipeline, calls, prefilled, groups))
-    return sorted(results, key=lambda r: r.line)
+    taught: list[TaughtState] = []
+    if pipeline.semantic is not None:
+        for tenant_id, scenario in dict.fromkeys((call.tenant, call.scenario) for number, call, _ in calls
+                                                 if number in groups):
+            state = pipeline.semantic.taught_state(tenant_id, scenario)
+            if state is not None:
+                taught.append(state)
+    return WarmupReply(results=sorted(results, key=lambda r: r.line), taught=taught)

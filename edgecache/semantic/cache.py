@@ -42,7 +42,7 @@ from edgecache.semantic.decision_log import DecisionRecord
 from edgecache.semantic.embedders import Embedder
 from edgecache.semantic.guard import DEFAULT_RULES
 from edgecache.semantic.index import Candidate, SemanticIndex, TenantBounds, TenantUsage
-from edgecache.semantic.learner import Decision, SemanticLearner
+from edgecache.semantic.learner import Decision, SemanticLearner, TaughtState
 from edgecache.semantic.lookup import Lookup, MatchRule, Probe
 from edgecache.semantic.teaching import Taught, TaughtLog, group_labels
 from edgecache.semantic.verifier import Verifier
@@ -283,6 +283,18 @@ class SemanticCache:
         with self._learner_lock:
             return self.learner.teach(taught.tenant, taught.scenario, taught.classes, taught.labels,
                                       prior_cut=prior_cut)
+
+    def taught_state(self, tenant: str, scenario: str) -> TaughtState | None:
+        """What ``tenant``'s teaching allows now in ``scenario`` (:meth:`SemanticLearner.taught_state`, at the
+        scenario's target); None without a learner, a teaching, or the scenario."""
+        if self.learner is None:
+            return None
+        try:
+            target = self.rule_for(tenant, scenario).target_false_hit_rate
+        except KeyError:
+            return None
+        with self._learner_lock:
+            return self.learner.taught_state(tenant, scenario, target)
 
     def learn_from_log(self, labelled: Iterable[tuple[DecisionRecord, bool | None]]) -> int:
         """Teach the learner the labels a decision log kept (at start: what this box learned before a restart, or

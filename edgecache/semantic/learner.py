@@ -57,7 +57,11 @@ and a hit is a lookup neither labelled nor stored), not to the estimate's scale.
 A class the tenant taught (:meth:`SemanticLearner.teach`) keeps every taught label beside its own last labels, so its
 first lookups do not push out what it was taught; and a check of the teaching against the traffic (the labelled
 lookups on taught classes that would have been served: observed over expected wrong answers) raises those classes'
-estimates and weighs the teaching down where the traffic asks what was never taught.
+estimates and weighs the teaching down where the traffic asks what was never taught. Classes that separate cleanly
+lend each other their evidence: above the pool's line (the nearest any taught question came to one of another group),
+a candidate of a class whose right taught labels all lie above it is estimated from every such class's taught lookups
+(and those the line would have answered wrongly, left out one at a time), and where the policy alone would not serve
+it, a pooled head start does, charged at that estimate's bound (:meth:`SemanticLearner._pooled`).
 
 Memory is bounded: an entry (or its class) keeps its last ``entry_labels`` labels (and what the tenant taught about
 it, as large as the tenant's grouped file); at most ``max_entries`` entries are tracked, each tenant with a share
@@ -87,8 +91,8 @@ Action = Literal["serve", "explore", "miss"]
 Signal = Literal["cosine", "probability"]
 #: Why a candidate was served, explored or missed (``Decision.reason``). The decision log keeps them (an exploration
 #: under its reason, a miss as :func:`edgecache.semantic.refusals.by_learner` of it) and ``edgecache tune`` weighs labels by them (``SERVABLE``).
-Reason = Literal["confident", "point_estimate", "taught_bound", "audit", "unsure", "above_cut", "budget",
-                 "demoted"]
+Reason = Literal["confident", "point_estimate", "taught_bound", "taught_pool", "audit", "unsure", "above_cut",
+                 "budget", "demoted"]
 #: An audit is a confident serve explored at random; a budget miss was refused for when it came (the ledger was
 #: spent), not for itself. Their labels stand for the learner's hits.
 AUDIT: Reason = "audit"
@@ -117,22 +121,80 @@ class Decision:
     reason: Reason
 
 
+@dataclass(frozen=True, slots=True)
+class TaughtState:
+    """What a pool's teaching allows now (:meth:`SemanticLearner.taught_state`): its taught ``groups``, how many of
+    them separate cleanly above the pool's ``line`` (the nearest any taught question came to one of another group),
+    and how many serves of a paraphrase above it the pooled head start still pays for (at its bound now)."""
+
+    tenant: str
+    scenario: str
+    groups: int
+    separated: int
+    line: float | None
+    serves: int
+
+    def describe(self) -> str:
+        """One sentence, as ``edgecache warmup`` prints it."""
+        taught = f"taught {self.groups} group{'' if self.groups == 1 else 's'}"
+        waits = "so a paraphrase waits for the traffic's own labels"
+        if self.line is None:
+            return f"{taught}: no question of another group to draw a line against, {waits}"
+        if not self.separated:
+            return (f"{taught}: none separates cleanly (a question of one group came as near as {self.line:.3f} to "
+                    f"one of another), {waits}")
+        # Rounded up: every similarity above the printed one is above the line.
+        above = math.ceil(self.line * 100 - 1e-9) / 100
+        which = "" if self.separated == self.groups else f" of the {self.separated} that separate cleanly"
+        if not self.serves:
+            return f"{taught}: the head start for a paraphrase{which} above {above:.2f} is spent, {waits}"
+        return (f"{taught}: a paraphrase{which} above {above:.2f} is served; {self.serves} unsure "
+                f"serve{'' if self.serves == 1 else 's'} of head start")
+
+
 class _Taught:
     """What a tenant taught about one answer class: (similarity, right?) labels, and the same as arrays for the fit
-    (made when first asked for after a change: a class is taught once and looked up many times)."""
+    (made when first asked for after a change: a class is taught once and looked up many times); the line it
+    separates at (:meth:`separation`, set when its pool is taught) and what its lookups took of the pool's head
+    start (:meth:`SemanticLearner._pooled`)."""
 
-    __slots__ = ("labels", "_arrays")
+    __slots__ = ("labels", "_arrays", "lowest_right", "wrong_lookups", "line", "spent")
 
     def __init__(self) -> None:
         self.labels: list[tuple[float, bool]] = []
         self._arrays: tuple[np.ndarray, np.ndarray] | None = None
+        self.lowest_right: float | None = None
+        #: the similarities of its wrong labels that stood for a lookup (another group's variant had it nearest)
+        self.wrong_lookups: list[float] = []
+        self.line: float | None = None
+        self.spent = 0.0
 
     def __len__(self) -> int:
         return len(self.labels)
 
-    def extend(self, labels: Iterable[tuple[float, bool]]) -> None:
+    def extend(self, labels: Iterable[tuple[float, bool]], wrong_lookups: Iterable[float] = ()) -> None:
+        labels = list(labels)
         self.labels.extend(labels)
+        right = [s for s, ok in labels if ok] + ([] if self.lowest_right is None else [self.lowest_right])
+        self.lowest_right = min(right) if right else None
+        self.wrong_lookups.extend(wrong_lookups)
         self._arrays = None
+
+    def separation(self, line: float) -> float | None:
+        """``line`` (the highest similarity any question of another group came to a question of the pool) when every
+        right label of this class lies above it, so that it separates cleanly there; else None."""
+        return line if self.lowest_right is not None and self.lowest_right > line else None
+
+    def missed_by_line(self, highest: float, second: float | None) -> int:
+        """Its taught lookups that the pool's line, drawn without them, would have served wrongly: another group's
+        variant that had this class nearest, above the line that the pool's other wrong labels draw (``highest``,
+        or ``second`` where that variant's was the highest), on this class separating cleanly there. The
+        cross-validated errors of serving above the line."""
+        missed = 0
+        for s in self.wrong_lookups:
+            line = second if s >= highest else highest
+            missed += line is not None and s > line and self.separation(line) is not None
+        return missed
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """(similarities, wrong as 0/1)."""
@@ -192,6 +254,28 @@ class _Pool:
     #: bounds, and the variance of their outcomes at those bounds.
     head_start_spent: float = 0.0
     head_start_var: float = 0.0
+    #: The taught classes (one store key of each, in the order taught), the two highest similarities of taught wrong
+    #: labels (the first is the pool's line: no question of one group came nearer to one of another), and the
+    #: pooled separation (:meth:`SemanticLearner._separate`): how many classes separate cleanly there and the right
+    #: taught lookups on them, the evidence each of them counts as its own.
+    class_keys: dict[str, None] = field(default_factory=dict)
+    taught_lines: list[float] = field(default_factory=list)
+    clean_classes: int = 0
+    clean_lookups: int = 0
+    #: Taught lookups that the line of the class they met would have served wrongly, had they not been taught
+    #: (:meth:`_Taught.missed_by_line`), over every class of the pool.
+    line_errors: int = 0
+    #: What serves from the pooled head start took (their bounds, and their outcomes' variance there), and their
+    #: estimated false hits (with variance) for :meth:`SemanticLearner.estimate`.
+    pooled_spent: float = 0.0
+    pooled_var: float = 0.0
+    pooled_error: float = 0.0
+    pooled_error_var: float = 0.0
+    #: The check of the pooled estimate against the traffic: expected (at :meth:`pooled_estimate`) and observed
+    #: wrong answers of labelled lookups above the line of a class that separates cleanly, ``check_weight`` of both
+    #: as its prior (:meth:`pooled_trust`).
+    pooled_check_predicted: float = 0.0
+    pooled_check_wrong: float = 0.0
     #: The check of the teaching against the traffic: expected and observed wrong answers of the labelled decisions
     #: on taught classes that were estimated under the cut (explorations, audits, the ledger's refusals), with
     #: ``check_weight`` expected wrong answers of both as its prior (:meth:`taught_trust`).
@@ -219,6 +303,32 @@ class _Pool:
         if not self.taught:
             return 0.0
         return self.taught / (self.taught + self.labels) * min(1.0, 1.0 / self.taught_trust())
+
+    def pooled_lookups(self) -> float:
+        """What each class that separates cleanly counts as its own evidence, in lookups: every right taught lookup
+        on such a class, the pool's, not its own few (a pool of classes that all separate cleanly is evidence for
+        each of them), at most :data:`TAUGHT_LOOKUPS`; less as far as the traffic above the lines says the pooled
+        estimate is off (:meth:`pooled_trust`). It does not fade as the pool's other labels come, as a taught
+        label's weight does: it is a bounded credit, spent once, and those labels are about other lookups."""
+        return min(self.clean_lookups, TAUGHT_LOOKUPS) * min(1.0, 1.0 / self.pooled_trust())
+
+    def pooled_trust(self) -> float:
+        """Observed over expected wrong answers (at :meth:`pooled_estimate`) of the labelled lookups above the line
+        of a class that separates cleanly: the pooled estimate's own check, apart from :meth:`taught_trust` (which
+        checks the class fit where it serves)."""
+        return (self.pooled_check_wrong + self.check_weight) / (self.pooled_check_predicted + self.check_weight)
+
+    def pooled_estimate(self, confidence: float) -> tuple[float, float]:
+        """P(wrong) of serving a lookup above the line of a class that separates cleanly, from every class of the
+        pool: of the taught lookups such a line serves (the right ones on clean classes, and those a line drawn
+        without them would have served wrongly), the wrong share (with half a wrong answer as its prior), and its
+        Wilson upper bound at ``confidence`` deviations."""
+        n = self.clean_lookups + self.line_errors
+        p = (self.line_errors + 0.5) / (n + 1.0)
+        z2 = confidence * confidence
+        centre = p + z2 / (2 * (n + 1.0))
+        spread = confidence * math.sqrt(p * (1.0 - p) / (n + 1.0) + z2 / (4 * (n + 1.0) ** 2))
+        return p, min(1.0, (centre + spread) / (1.0 + z2 / (n + 1.0)))
 
     def taught_trust(self) -> float:
         """Observed over expected wrong answers of the labelled lookups on taught classes that the learner would
@@ -378,15 +488,20 @@ class SemanticLearner:
         cut = pool.last_cut = min(self._cut(pool, target_error), self.max_error)
         if entry is not None and entry.demoted:
             return Decision("miss", error, bound, cut, "demoted")
+        # A candidate the policy alone would not serve may still be served from the pooled head start (_pooled).
         if error > cut:
-            return Decision("miss", error, bound, cut, "above_cut")
+            return (self._pooled(pool, entry, similarity, target_error, cut)
+                    or Decision("miss", error, bound, cut, "above_cut"))
         taught_error, taught_var = self._taught_spent(pool, cut)
         if not self._within(pool.served_error + taught_error + error,
                             pool.served_var + taught_var + error * (1.0 - error),
                             target_error * pool.allowed_lookups()):
             # The cut is the policy for traffic like the past; the ledger is what was actually spent: expected false
             # hits of everything served so far, never over the pool's share.
-            return Decision("miss", error, bound, cut, BUDGET)
+            return (self._pooled(pool, entry, similarity, target_error, cut)
+                    or Decision("miss", error, bound, cut, BUDGET))
+        if bound > cut and (pooled := self._pooled(pool, entry, similarity, target_error, cut)) is not None:
+            return pooled
         if bound > cut and self._head_start(pool, taught_error, bound, target_error):
             # A taught pool serves an unsure candidate from the teaching's head start, charged at its upper bound:
             # the ledger's line holds even where the estimate is as far off as its bound allows, and the tenant's
@@ -437,6 +552,9 @@ class SemanticLearner:
         if decision is not None and entry.taught and decision.error <= decision.cut:
             pool.taught_check_predicted += decision.error
             pool.taught_check_wrong += 0.0 if correct else 1.0
+        if decision is not None and entry.taught.line is not None and similarity > entry.taught.line:
+            pool.pooled_check_predicted += pool.pooled_estimate(self.confidence)[0]
+            pool.pooled_check_wrong += 0.0 if correct else 1.0
         if not correct and not entry.demoted:
             # A strike: a wrong answer at a similarity where the pool alone would serve this entry.
             if self._curve(pool, self.prior_cut if prior_cut is None else prior_cut)[b] <= pool.last_cut:
@@ -462,7 +580,8 @@ class SemanticLearner:
             like.labels.extend(entry.labels)
             entry.labels = like.labels
         if entry.taught is not like.taught:
-            like.taught.extend(entry.taught.labels)
+            like.taught.extend(entry.taught.labels, entry.taught.wrong_lookups)
+            like.taught.spent += entry.taught.spent
             entry.taught = like.taught
 
     def teach(self, tenant: str, scenario: str, classes: Iterable[Sequence[str]],
@@ -484,16 +603,24 @@ class SemanticLearner:
         for keys in classes:
             for key in keys[1:]:
                 self.link(tenant, scenario, key, keys[0])
+            if keys:
+                pool.class_keys[keys[0]] = None
         taught = list(labels)
         by_key: dict[str, list[tuple[float, bool]]] = {}
-        for key, similarity, correct, _ in taught:
+        wrong_lookups: dict[str, list[float]] = {}
+        for key, similarity, correct, lookup in taught:
             b = _bin(similarity, pool.signal)
             (pool.taught_right if correct else pool.taught_wrong)[b] += 1
             by_key.setdefault(key, []).append((float(similarity), bool(correct)))
+            if lookup and not correct:
+                wrong_lookups.setdefault(key, []).append(float(similarity))
         for key, class_labels in by_key.items():
-            self._entry((tenant, scenario, key)).taught.extend(class_labels)
+            self._entry((tenant, scenario, key)).taught.extend(class_labels, wrong_lookups.get(key, ()))
         pool.taught += len(taught)
         pool.curve = None
+        pool.taught_lines = sorted([*pool.taught_lines, *(float(similarity) for _, similarity, correct, _ in taught
+                                                           if not correct)], reverse=True)[:2]
+        self._separate(tenant, scenario, pool)
         cut = self.prior_cut if prior_cut is None else prior_cut
         for key, similarity, _, lookup in taught:
             if not lookup:
@@ -522,6 +649,32 @@ class SemanticLearner:
 
     # ---- what it has learned ----
 
+    def taught_state(self, tenant: str, scenario: str, target_error: float) -> TaughtState | None:
+        """What the teaching of ``tenant`` and ``scenario`` allows now (None when nothing was taught there): its
+        groups, those that separate cleanly above the pool's line, and the serves above it that the pooled head start
+        still pays for at its bound now, within each class's share and, with the margin, the pool's."""
+        pool = self._pools.get((tenant, scenario))
+        if pool is None or not pool.taught:
+            return None
+        classes = self._classes(tenant, scenario, pool)
+        line = pool.taught_lines[0] if pool.taught_lines else None
+        serves = 0
+        if pool.clean_classes:
+            _, bound = pool.pooled_estimate(self.confidence)
+            bound = min(1.0, bound * max(1.0, pool.pooled_trust()))
+            share = target_error * pool.pooled_lookups()
+            if 0.0 < bound <= self.max_error:
+                # Each class within its share; the pool within its own, with the margin, as _pooled charges them.
+                room = sum(max(0, math.floor((share - taught.spent) / bound + 1e-9))
+                           for taught in classes if taught.line is not None)
+                spent, variance = pool.pooled_spent, pool.pooled_var
+                while serves < room and self._within(spent + bound, variance + bound * (1.0 - bound),
+                                                     share * pool.clean_classes):
+                    serves += 1
+                    spent, variance = spent + bound, variance + bound * (1.0 - bound)
+        return TaughtState(tenant=tenant, scenario=scenario, groups=len(classes), separated=pool.clean_classes,
+                           line=line, serves=serves)
+
     def summary(self) -> dict[tuple[str, str], dict[str, float | int]]:
         """Per (tenant, scenario): lookups decided, explorations, labels, and the estimated false-hit rate of what
         it served with its upper bound (shares of the pool's lookups)."""
@@ -539,8 +692,9 @@ class SemanticLearner:
             return 0.0, 0.0, 0
         if pool.lookups == 0:
             return 0.0, 0.0, pool.labels
-        rate = pool.served_error / pool.lookups
-        upper = (pool.served_error + self.confidence * math.sqrt(pool.served_var)) / pool.lookups
+        served, variance = pool.served_error + pool.pooled_error, pool.served_var + pool.pooled_error_var
+        rate = served / pool.lookups
+        upper = (served + self.confidence * math.sqrt(variance)) / pool.lookups
         return rate, upper, pool.labels
 
     def entry_labels_of(self, tenant: str, scenario: str, entry_key: str) -> list[tuple[float, bool]]:
@@ -688,6 +842,62 @@ class SemanticLearner:
         return self._within(taught_error + pool.head_start_spent + bound,
                             pool.head_start_var + bound * (1.0 - bound),
                             target_error * pool.taught_lookup_weight() * pool.taught_lookups)
+
+    def _classes(self, tenant: str, scenario: str, pool: _Pool) -> list[_Taught]:
+        """The pool's taught classes still tracked, each once (linked entries share one)."""
+        found: dict[int, _Taught] = {}
+        for key in pool.class_keys:
+            entry = self._entries.get((tenant, scenario, key))
+            if entry is not None and entry.taught:
+                found.setdefault(id(entry.taught), entry.taught)
+        return list(found.values())
+
+    def _separate(self, tenant: str, scenario: str, pool: _Pool) -> None:
+        """Which of the pool's taught classes separate cleanly above its line (:meth:`_Taught.separation`), the right
+        taught lookups on them (the pooled evidence each of them counts as its own, :meth:`_Pool.pooled_lookups`),
+        and the taught lookups the line would have served wrongly (:meth:`_Taught.missed_by_line`)."""
+        pool.clean_classes = pool.clean_lookups = pool.line_errors = 0
+        classes = self._classes(tenant, scenario, pool)
+        if not pool.taught_lines:
+            for taught in classes:
+                taught.line = None
+            return
+        highest, second = pool.taught_lines[0], (pool.taught_lines[1:] or [None])[0]
+        for taught in classes:
+            taught.line = taught.separation(highest)
+            pool.line_errors += taught.missed_by_line(highest, second)
+            if taught.line is not None:
+                pool.clean_classes += 1
+                pool.clean_lookups += sum(1 for _, ok in taught.labels if ok)
+
+    def _pooled(self, pool: _Pool, entry: _Entry | None, similarity: float, target_error: float,
+                cut: float) -> Decision | None:
+        """The pooled head start's serve of a candidate, or None. It serves where the candidate's class separates
+        cleanly and the lookup lies above the pool's line (nearer than any taught question came to one of another
+        group: each class's own few wrong labels say little of how near another question may come, the pool's say
+        more), no label of the class's own lookups says wrong above that line, and the estimate from every class of
+        the pool (:meth:`_Pool.pooled_estimate`, raised as far as its check says it is low:
+        :meth:`_Pool.pooled_trust`) has its bound within ``max_error``. Each serve is charged at that bound to the
+        class's share (the target's share of :meth:`_Pool.pooled_lookups`) and, with the ledger's margin, to the
+        pool's (that share for every clean class), apart from the ledger, whose line stays the traffic's own."""
+        if entry is None or entry.taught.line is None or similarity <= entry.taught.line:
+            return None
+        line = entry.taught.line
+        if any(not ok and s > line for s, ok in entry.labels):
+            return None  # the traffic contradicts the separation
+        error, bound = pool.pooled_estimate(self.confidence)
+        scale = max(1.0, pool.pooled_trust())
+        error, bound = min(1.0, error * scale), min(1.0, bound * scale)
+        share = target_error * pool.pooled_lookups()
+        if bound > self.max_error or entry.taught.spent + bound > share or not self._within(
+                pool.pooled_spent + bound, pool.pooled_var + bound * (1.0 - bound), share * pool.clean_classes):
+            return None
+        pool.pooled_spent += bound
+        pool.pooled_var += bound * (1.0 - bound)
+        pool.pooled_error += error
+        pool.pooled_error_var += error * (1.0 - error)
+        entry.taught.spent += bound
+        return self._serve(pool, similarity, error, bound, cut, 0.0, "taught_pool")
 
     def _note(self, pool: _Pool, bound: float, error: float) -> None:
         """File a decision under its bound (what decides whether it is served) at its expected cost (its error)."""
