@@ -250,7 +250,7 @@ class SemanticSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         "threshold, and this box's labels move it; explores where unsure), verifier (a calibrated score over the "
         "nearest candidates meets the target; fitted for use-multilingual only; measured over its target on "
         "unseen sets) or threshold (an explicit opt-in: the cosine reaches the scenario's threshold, else the "
-        "value calibrated for the embedder, and the guard finds no difference; it holds no target: docs/semantic.md "
+        "value calibrated for the embedder, and the guard finds no difference; it holds no target: docs/evaluation.md "
         "has the false hits it served on unseen traffic).")] = "learner"
     candidates: Annotated[int, Meta(ge=1, le=16), _help(
         "Nearest stored prompts the verifier scores per lookup; the best-scored one over the cut serves.")] = 3
