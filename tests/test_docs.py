@@ -114,6 +114,30 @@ def test_the_front_page_is_short() -> None:
     assert len(lines) <= 300, f"README.md has {len(lines)} lines; reference belongs in docs/"
 
 
+#: The most words a page of docs/ holds: a longer page mixes concerns, and is split by concern.
+MAX_PAGE_WORDS = 5_000
+
+
+def words(text: bytes) -> int:
+    """Words as `wc -w` counts them: runs of characters between whitespace."""
+    return len(text.split())
+
+
+@pytest.mark.parametrize("page", sorted((ROOT / "docs").glob("*.md")), ids=lambda p: p.name)
+def test_no_page_is_over_5000_words(page: Path) -> None:
+    count = words(page.read_bytes())
+    assert count <= MAX_PAGE_WORDS, f"docs/{page.name} has {count} words; split it by concern"
+
+
+def test_words_are_counted_as_wc_counts_them() -> None:
+    pages = sorted((ROOT / "docs").glob("*.md"))
+    wc = subprocess.run(["wc", "-w", *map(str, pages)], capture_output=True, text=True, check=True,
+                        env={"LC_ALL": "C.UTF-8", "PATH": "/usr/bin:/bin"}).stdout
+    counted = {line.split()[1]: int(line.split()[0]) for line in wc.splitlines() if not line.endswith(" total")}
+    assert counted == {str(page): words(page.read_bytes()) for page in pages}
+    assert words(b"one two\tthree\n  four\n") == 4
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_page_tells_how_or_when_it_was_built(page: Path) -> None:
     assert narration(page.read_text()) == []
