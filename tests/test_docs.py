@@ -1,7 +1,7 @@
-"""The docs stay true to the code: the front page is short, no page tells how or when it was built, every link,
-section and file a page (or a file in deploy/ and profiles/) names exists, README's commands parse, the generated
-tables (settings, metrics, commands) are what the code says, and every tenants-file field, header and pinned
-version the code has is on a page."""
+"""The docs stay true to the code: the front page is short, no page of docs/ is over 5,000 words, no page tells how or
+when it was built, every link, section and file a page (or a file in deploy/ and profiles/) names exists, README's
+commands parse, the generated tables (settings, metrics, commands) are what the code says, and every tenants-file
+field, header and pinned version the code has is on a page."""
 
 from __future__ import annotations
 
