@@ -118,9 +118,11 @@ def serve(
         raise typer.Exit(1) from exc
 
     engine = settings.engine.upstream_url if settings.engine.kind == "openai" else settings.engine.model
+    base = f"http://{_url_host(settings.server.host)}:{settings.server.port}"
     typer.echo(f"edgecache: profile {settings.profile}, engine {settings.engine.kind} ({engine}), "
-               f"data in {settings.data_dir}, serving on http://{settings.server.host}:{settings.server.port}/v1",
-               err=True)
+               f"data in {settings.data_dir}, serving on {base}/v1", err=True)
+    typer.echo(f"edgecache: the operator's page: {base}/dashboard (an admin key shows every tenant, a tenant's "
+               "key its own)", err=True)
     EdgeCacheServer(uvicorn_config(application, settings)).run(sockets=[listening])
 
 
@@ -140,6 +142,11 @@ def _bind(host: str, port: int):  # type: ignore[no-untyped-def]
         raise
     sock.set_inheritable(True)
     return sock
+
+
+def _url_host(host: str) -> str:
+    """``host`` as a URL names it (an IPv6 address in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _is_loopback(host: str) -> bool:

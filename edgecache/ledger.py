@@ -29,6 +29,12 @@ So the engine-seconds spent (by purpose) are measured, and the engine-seconds sa
 tokens not computed: ``saved + spent`` is what the box would have computed with no cache at all, ``saved / (saved +
 spent)`` the share of that work the cache did, and ``(saved + spent) / spent`` the effective capacity.
 
+The ledger keeps the rows as they stood at the start of each minute of the last :data:`FINE_MINUTES`, and of one
+minute in every :data:`COARSE_MINUTES` before that, back a day (:data:`HISTORY_MINUTES`): the last hour's figures
+are now's less an hour ago's, and :meth:`Ledger.timeline` gives what each minute saved and spent. Each kept minute
+holds only the rows changed since the one before, so its memory grows with the rows that change, not with the rows
+there are.
+
 The ledger survives a restart (``<data dir>/ledger/ledger.json``, written by the runtime's housekeeping and at
 shutdown). Nothing on the hit path waits for it: a request adds three numbers, booked at the next read.
 """
@@ -65,6 +71,16 @@ ENGINE_ERROR = "engine_error"    # the engine was asked and failed
 BUCKET_FILLING = "bucket_filling"  # sampling without a seed, its bucket holds fewer answers than its size
 MISS_REASONS = (FIRST_SEEN, EXPIRED, EVICTED, FLUSHED, NOT_CACHEABLE, POLICY, ENGINE_ERROR, BUCKET_FILLING)
 SEMANTIC_PREFIX = "semantic:"
+
+#: How far back the kept minutes reach: a day, so that the hour a hit rate fell can be found the next morning.
+HISTORY_MINUTES = 24 * 60
+#: The most recent minutes are kept one by one; before them, one minute in every COARSE_MINUTES (the first kept of
+#: each such block; the others are folded into the next), so a day costs 306 snapshots, not 1,440.
+FINE_MINUTES = 180
+COARSE_MINUTES = 10
+#: The fields :meth:`Ledger.timeline` gives per minute (what was saved and spent, what served, why misses missed).
+HISTORY_FIELDS = ("requests", "misses", "saved_prompt_tokens", "saved_completion_tokens", "saved_engine_s",
+                  "spent_engine_s", "spent_prompt_tokens", "spent_completion_tokens", "kv_prefix_tokens")
 
 
 _HIT_LAYERS = frozenset({"exact", "shared", "semantic"})
@@ -374,6 +390,12 @@ class Ledger:
         self._counts: dict[tuple[str, str, str], list[int]] = {}
         self._unpriced = False
         self._minutes: list[tuple[int, dict[str, Row]]] = []
+        # Each kept minute's rows as last encoded, by the rows' identity (a kept minute is never changed in place;
+        # folding one makes a new one): a save encodes only the minutes kept since the last.
+        self._encoded_minutes: dict[int, tuple[dict[str, Row], msgspec.Raw]] = {}
+        # The timeline's points up to the last kept minute, by (tenant, minutes, step), until the next kept minute.
+        self._timelines: dict[tuple[str | None, int, int], tuple[tuple[int, ...], dict[int, dict[str, Any]],
+                                                                  dict[str, Row]]] = {}
         self._busy_before = 0.0  # busy seconds of earlier runs (the meter counts this run's)
         self._dirty = False
         if path is not None:
@@ -504,12 +526,11 @@ class Ledger:
                              "not given until then; the tokens saved meanwhile are priced once it has")
         return report
 
-    def report(self, tenant: str | None = None, *, since_minute: int | None = None) -> dict[str, Any]:
-        """The ledger as /stats shows it: per ``tenant/scenario`` and in total (only ``tenant``'s rows when named),
-        since the ledger began, and over the last hour."""
+    def report(self, tenant: str | None = None) -> dict[str, Any]:
+        """The ledger as /stats shows it: per ``tenant/scenario``, per tenant and in total (only ``tenant``'s rows
+        when named), since the ledger began, and over the last hour."""
         rows = self.rows(tenant)
-        hour_ago = self._hour_ago()
-        before = {k: v for k, v in hour_ago[1].items() if k in rows} if hour_ago is not None else {}
+        hour_ago = self._baseline(int(self._clock() // 60) - 60)
         fit = self.fit_report()
         if tenant is not None:  # the fit rests on every tenant's calls: its basis is the admin's to see
             fit = {"ready": fit["ready"]}
@@ -518,18 +539,83 @@ class Ledger:
             "fit": fit,
             "price": ({"per_hour": self.price_per_hour, "currency": self.currency}
                       if self.price_per_hour is not None else None),
-            "total": self._figures(list(rows.values())),
-            "by_tenant_scenario": {name: self._figures([row]) for name, row in rows.items()},
+            **self._report_of(rows),
         }
-        last_hour = {name: _minus(row, before.get(name)) for name, row in rows.items()}
-        body["last_hour"] = {
-            "since": (hour_ago[0] * 60 if hour_ago is not None else self.started_at),
-            "total": self._figures(list(last_hour.values())),
-            "by_tenant_scenario": {name: self._figures([row]) for name, row in last_hour.items()},
-        }
+        body["last_hour"] = {"since": hour_ago[0] * 60 if hour_ago is not None else self.started_at,
+                             **self._report_of(_less(rows, hour_ago))}
         if tenant is None:
             body["engine_busy_s"] = self.busy_s
         return body
+
+    def _report_of(self, rows: dict[str, Row]) -> dict[str, Any]:
+        by_tenant: dict[str, list[Row]] = {}
+        for name, row in rows.items():
+            by_tenant.setdefault(name.split("/", 1)[0], []).append(row)
+        return {"total": self._figures(list(rows.values())),
+                "by_tenant": {tenant: self._figures(of) for tenant, of in by_tenant.items()},
+                "by_tenant_scenario": {name: self._figures([row]) for name, row in rows.items()}}
+
+    def timeline(self, tenant: str | None = None, *, minutes: int = FINE_MINUTES, step: int = 1) -> dict[str, Any]:
+        """What each minute of the last ``minutes`` saved and spent (only ``tenant``'s rows when named), from the
+        kept minutes, summed into points of ``step`` minutes: per point its start (``at``, unix seconds), the minutes
+        it covers (fewer where the server was down, a coarse kept minute's ten, a fraction for the minute under
+        way), and per field of :data:`HISTORY_FIELDS` what changed in it. ``window``: the ledger's figures over the
+        whole span (now's less the rows as they stood at its start: :meth:`_baseline`); the points add up to it."""
+        rows = self.rows(tenant)
+        now = self._clock()
+        start = int(now // 60) - minutes
+        points: dict[int, dict[str, Any]] = {}
+
+        def add(since: float, until: float, changed: dict[str, Row], before: dict[str, Row]) -> None:
+            bucket = int(since // 60) // step * step
+            point = points.get(bucket)
+            if point is None:
+                point = points[bucket] = {"at": bucket * 60, "minutes": 0.0, **{f: {} for f in HISTORY_FIELDS}}
+            point["minutes"] += max(0.0, until - since) / 60
+            for name, row in changed.items():
+                then = before.get(name)
+                for field in HISTORY_FIELDS:
+                    sums, old = point[field], getattr(then, field) if then is not None else {}
+                    for k, v in getattr(row, field).items():
+                        if d := v - old.get(k, 0):
+                            sums[k] = sums.get(k, 0) + d
+
+        began_within = self.started_at >= start * 60
+        # The points up to the last kept minute change only when a minute is kept: walked once per kept minute.
+        stamp = (start, len(self._minutes), self._minutes[0][0] if self._minutes else -1,
+                 self._minutes[-1][0] if self._minutes else -1)
+        known = self._timelines.get((tenant, minutes, step))
+        if known is not None and known[0] == stamp:
+            points = {k: {**p, **{f: dict(p[f]) for f in HISTORY_FIELDS}} for k, p in known[1].items()}
+            state = known[2]
+        else:
+            state = {}  # ``rows`` as they stood at the kept minute the walk is at
+            for i, (minute, changed) in enumerate(self._minutes):
+                mine = {name: row for name, row in changed.items() if name in rows}
+                if i and self._minutes[i - 1][0] >= start:
+                    add(self._minutes[i - 1][0] * 60, minute * 60, mine, state)
+                elif not i and began_within:  # from the ledger's start to its first kept minute
+                    add(self.started_at, minute * 60, mine, {})
+                state.update(mine)
+            if len(self._timelines) >= 32:  # a few views are asked for; a key holder asking for many finds none
+                self._timelines.clear()
+            self._timelines[(tenant, minutes, step)] = (
+                stamp, {k: {**p, **{f: dict(p[f]) for f in HISTORY_FIELDS}} for k, p in points.items()}, state)
+        if self._minutes and self._minutes[-1][0] >= start:
+            add(self._minutes[-1][0] * 60, now, rows, state)  # the minute under way, until now
+        elif not self._minutes and began_within:
+            add(self.started_at, now, rows, {})
+        first = self._baseline(start)
+        return {"since": first[0] * 60 if first is not None else self.started_at, "now": now, "step_minutes": step,
+                "points": [points[k] for k in sorted(points)],
+                "window": self._figures(list(_less(rows, first).values()))}
+
+    def _baseline(self, minute: int) -> tuple[int, dict[str, Row]] | None:
+        """The rows as they stood at ``minute``: the first kept minute since, with every row then (None: the ledger
+        began since, so every row counts whole; or no minute was kept since, and the same holds)."""
+        if self.started_at >= minute * 60:
+            return None
+        return self._as_of(minute)
 
     def _figures(self, rows: list[Row]) -> dict[str, Any]:
         def total(field: str) -> dict[str, float]:
@@ -585,7 +671,7 @@ class Ledger:
 
     def tick(self, now: float | None = None) -> None:
         """Called every few seconds (the runtime's housekeeping): keeps the rows as they stood at the start of each
-        minute of the last hour, so the last hour's figures are now's minus an hour ago's."""
+        minute (see the module's docstring for which minutes are kept, and for how long)."""
         self._settle()
         minute = int((self._clock() if now is None else now) // 60)
         if self._minutes and self._minutes[-1][0] == minute:
@@ -595,23 +681,42 @@ class Ledger:
         changed = self._rows if not self._minutes else {n: self._rows[n] for n in self._touched if n in self._rows}
         self._touched = set()
         self._minutes.append((minute, {_row_key(*name): _copy(row) for name, row in changed.items()}))
-        self._forget_before(minute - 60)
+        self._forget_before(minute - HISTORY_MINUTES)
+        self._coarsen_before(minute - FINE_MINUTES)
+        self._timelines.clear()
 
     def _forget_before(self, minute: int) -> None:
         """Drop the kept minutes older than ``minute``, folding each into the next so that the first kept one still
         holds every row as it stood then."""
         while len(self._minutes) > 1 and self._minutes[0][0] < minute:
-            _, base = self._minutes.pop(0)
-            at, changed = self._minutes[0]
-            self._minutes[0] = (at, {**base, **changed})
+            self._fold(0)
         if self._minutes and self._minutes[0][0] < minute:
             self._minutes.pop(0)
 
-    def _hour_ago(self) -> tuple[int, dict[str, Row]] | None:
-        """The oldest kept minute within the last hour, with every row as it stood then (None: none kept yet, so
-        the last hour is everything)."""
-        self._forget_before(int(self._clock() // 60) - 60)
-        return self._minutes[0] if self._minutes else None
+    def _coarsen_before(self, minute: int) -> None:
+        """Before ``minute``, keep one minute in every COARSE_MINUTES: the first kept of each block."""
+        i = 1
+        while i < len(self._minutes) - 1 and self._minutes[i][0] < minute:
+            if self._minutes[i][0] // COARSE_MINUTES == self._minutes[i - 1][0] // COARSE_MINUTES:
+                self._fold(i)
+            else:
+                i += 1
+
+    def _fold(self, i: int) -> None:
+        """Drop kept minute ``i``: the next one takes the rows it held that did not change again (it then holds
+        every row changed since the minute before ``i``)."""
+        _, rows = self._minutes.pop(i)
+        at, changed = self._minutes[i]
+        self._minutes[i] = (at, {**rows, **changed})
+
+    def _as_of(self, minute: int) -> tuple[int, dict[str, Row]] | None:
+        """The first kept minute at or after ``minute``, with every row as it stood then (None: none kept since)."""
+        state: dict[str, Row] = {}
+        for at, changed in self._minutes:
+            state.update(changed)
+            if at >= minute:
+                return at, state
+        return None
 
     # ---- Prometheus ----
 
@@ -658,6 +763,7 @@ class Ledger:
             self._unpriced = self._unpriced or bool(row.unpriced_prompt_tokens or row.unpriced_completion_tokens
                                                     or row.unpriced_calls)
         self._rows = rows
+        self._touched = set(rows)  # the next kept minute holds them as they were at shutdown
         for tenant, scenario in rows:
             self._scenarios_of.setdefault(tenant, set()).add(scenario)
         self._minutes = [(minute, rows_then) for minute, rows_then in saved.minutes]
@@ -671,11 +777,19 @@ class Ledger:
         self.write(self.encoded())
 
     def encoded(self) -> bytes:
-        """The ledger as it stands, encoded (on the event loop: a consistent snapshot)."""
+        """The ledger as it stands, encoded (on the event loop: a consistent snapshot). A kept minute encoded for an
+        earlier save is not encoded again (a day of them is most of the file)."""
         self._dirty = False
+        before, self._encoded_minutes = self._encoded_minutes, {}
+        minutes = []
+        for minute, rows in self._minutes:
+            known = before.get(id(rows))
+            raw = known[1] if known is not None and known[0] is rows else msgspec.Raw(msgspec.json.encode(rows))
+            self._encoded_minutes[id(rows)] = (rows, raw)
+            minutes.append((minute, raw))
         return msgspec.json.encode(_Saved(version=_FORMAT_VERSION, started_at=self.started_at, fit=self.fit.state(),
-                                          rows=self.rows(), minutes=self._minutes, history=self.history.state(),
-                                          busy_s=self.busy_s))
+                                          rows=self.rows(), minutes=minutes,  # type: ignore[arg-type]  # (encoded)
+                                          history=self.history.state(), busy_s=self.busy_s))
 
     @property
     def dirty(self) -> bool:
@@ -693,6 +807,12 @@ class Ledger:
 
 def _copy(row: Row) -> Row:
     return msgspec.structs.replace(row, **{f: dict(getattr(row, f)) for f in row.__struct_fields__})
+
+
+def _less(rows: dict[str, Row], then: tuple[int, dict[str, Row]] | None) -> dict[str, Row]:
+    """``rows`` less what each was at a kept minute (``then`` from :meth:`Ledger._as_of`; None: nothing to take)."""
+    before = then[1] if then is not None else {}
+    return {name: _minus(row, before.get(name)) for name, row in rows.items()}
 
 
 def _minus(row: Row, before: Row | None) -> Row:

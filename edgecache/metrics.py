@@ -6,6 +6,7 @@ can never disagree.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -57,6 +58,31 @@ class HourlyCount:
     def per_hour(self) -> float:
         """The average rate since start (over at least a minute, so a first label is not a thousand an hour)."""
         return self.total * 3600.0 / max(self._clock() - self.started, 60.0)
+
+
+#: The similarity bins of the semantic lookups near the cut (/stats' ``semantic.near_cut``): below the first edge,
+#: then one bin between each two edges (a similarity of 1 goes in the last).
+NEAR_CUT_EDGES = tuple(round(0.5 + 0.025 * i, 3) for i in range(21))
+
+
+class NearCut:
+    """Per tenant and scenario, the semantic lookups that found a candidate, by the candidate's cosine similarity:
+    those that served it and those that refused it. Where the two meet is the cut, as the traffic sees it."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
+
+    def observe(self, tenant: str, scenario: str, similarity: float, served: bool) -> None:
+        counts = self._counts.get((tenant, scenario))
+        if counts is None:
+            bins = len(NEAR_CUT_EDGES)
+            counts = self._counts[(tenant, scenario)] = ([0] * bins, [0] * bins)
+        counts[0 if served else 1][min(bisect.bisect_right(NEAR_CUT_EDGES, similarity), len(NEAR_CUT_EDGES) - 1)] += 1
+
+    def report(self, tenant: str | None = None) -> dict[str, dict[str, list[int]]]:
+        """Per ``tenant/scenario`` (only ``tenant``'s when named): ``served`` and ``refused`` counts per bin."""
+        return {f"{t}/{s}": {"served": list(served), "refused": list(refused)}
+                for (t, s), (served, refused) in sorted(self._counts.items()) if tenant is None or t == tenant}
 
 
 class Metrics:
@@ -180,6 +206,7 @@ class Metrics:
             "edgecache_feedback", "Callers' marks of the responses they received (POST /v1/feedback), by tenant, "
             "what served the response (exact, semantic, shared, miss) and the verdict (right, wrong).",
             ["tenant", "served", "verdict"], registry=self.registry)
+        self.near_cut = NearCut()
         self.labels_recent = HourlyCount(clock)  # labels from every source, unverified too (/stats' rate)
         self.decision_log_dropped = Counter(
             "edgecache_decision_log_dropped", "Decision-log records not written (the writer behind, or the disk "

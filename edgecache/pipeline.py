@@ -429,6 +429,9 @@ class RequestPipeline:
         if found.answer is None and found.lookup.similarity is not None:
             # How near the nearest candidate of a miss was: where a scenario's misses sit against its cut.
             self.metrics.semantic_miss_similarity.labels(call.scenario).observe(found.lookup.similarity)
+        if found.lookup.similarity is not None and found.dropped is None:  # (a dropped hit was neither)
+            self.metrics.near_cut.observe(call.tenant, call.scenario, found.lookup.similarity,
+                                          served=found.answer is not None)
         if self.decisions is None:
             return found
         return msgspec.structs.replace(found, decision_id=record_lookup(

@@ -28,7 +28,7 @@ from edgecache.health import READY, Health, HealthChecks, StorageFaults
 from edgecache.inflight import FlightTable
 from edgecache.inflight.local import InflightTable
 from edgecache.ledger import Ledger
-from edgecache.metrics import Metrics
+from edgecache.metrics import NEAR_CUT_EDGES, Metrics
 from edgecache.pipeline import RequestPipeline, metered_stream
 from edgecache.semantic.assembly import SemanticLayer
 from edgecache.semantic.cache import SemanticCache
@@ -191,6 +191,31 @@ class Runtime:
         self.metrics.observe_label(call.tenant, call.scenario, "explore" if lookup.explored else "refused", good)
         if self.semantic_layer is not None:
             self.semantic_layer.learn(call.tenant, call.scenario, lookup, answer_key, good)
+
+    def near_cut(self, tenant: str | None = None) -> dict[str, object]:
+        """The semantic layer near its cut, for /stats (only ``tenant``'s rows when named): per ``tenant/scenario``
+        the lookups that found a candidate by its similarity (bins between ``edges``), served and refused; the
+        scenario's target false-hit rate; the cosine cut where one is set (a threshold rule, or the learner's
+        prior); and the false-hit estimates, the learner's (``learner``) and the labelled served decisions'
+        (``labelled``), each None where there is none."""
+        pools = {}
+        if self.semantic is not None and (learned := self.semantic.learned()) is not None:
+            pools = learned["pools"]  # type: ignore[assignment]
+        labelled = self.metrics.label_summary()
+        rows: dict[str, object] = {}
+        for name, counts in self.metrics.near_cut.report(tenant).items():
+            who, scenario = name.split("/", 1)
+            configured = self.settings.scenarios.get(scenario)
+            rule = self.semantic.rule_for(who, scenario) if self.semantic is not None and configured else None
+            pool = pools.get(name)  # type: ignore[attr-defined]
+            rows[name] = {**counts,
+                          "target_false_hit_rate": rule.target_false_hit_rate if rule is not None else None,
+                          "threshold": rule.threshold if rule is not None else None,
+                          "learner": ({"false_hit_rate": pool["false_hit_rate"],
+                                       "false_hit_upper": pool["false_hit_upper"], "lookups": pool["lookups"],
+                                       "labels": pool["labels"]} if pool is not None else None),
+                          "labelled": labelled.get(name)}
+        return {"decision": self.settings.semantic.decision, "edges": list(NEAR_CUT_EDGES), "by_tenant_scenario": rows}
 
     def judge_wanted(self) -> bool:
         """Whether the served model is asked to judge: ``label_judge``, or unset, where the engine serves a model

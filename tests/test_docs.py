@@ -44,6 +44,11 @@ HISTORY = [
     re.compile(r"\b(this|last|next) round\b", re.IGNORECASE),
     re.compile(r"\bwhat was built\b", re.IGNORECASE),
     re.compile(r"\bfor the lead\b|\bthe lead,|\blead['’]s\b", re.IGNORECASE),
+    # first-person process: "I did", "I have not checked", "we tried", "my estimate"
+    re.compile(r"(?<![\w/])I (?!/)[a-z']+\b|\bI['’](ve|d|m|ll)\b"),
+    re.compile(r"\b[Ww]e(['’]ve)? (tried|did|chose|found|measured|ran|kept|added|built|decided|used|picked|saw|"
+               r"wrote|changed|fixed|moved|made|checked|left|followed)\b"),
+    re.compile(r"\bmy\b", re.IGNORECASE),
     # the docs' own versions: "first version", "before this change", "an earlier version", "one-off script"
     re.compile(r"\b(a|an|the|its|this|our) (first|earlier|previous|older|old|former) (version|draft|reading)\b",
                re.IGNORECASE),
@@ -55,37 +60,6 @@ HISTORY = [
     re.compile(r"(?<![\w/.#-])#\d+\b"),  # an issue number; another project's (vllm-project/vllm#17045) is a citation
     re.compile(r"\bnot (run|tested|measured|checked) on (a |the )?(GPU|hardware) (here|yet)\b", re.IGNORECASE),
 ]
-#: First-person process: "I did", "I have not checked", "we tried", "my estimate". A page may quote a user's own words
-#: ("How can I cancel my plan?"), so these are looked for outside double quotes and code spans.
-FIRST_PERSON = [
-    re.compile(r"(?<![\w/])I (?!/)[a-z']+\b|\bI['’](ve|d|m|ll)\b"),
-    re.compile(r"\b[Ww]e(['’]ve)? (tried|did|chose|found|measured|ran|kept|added|built|decided|used|picked|saw|"
-               r"wrote|changed|fixed|moved|made|checked|left|followed)\b"),
-    re.compile(r"\bmy\b", re.IGNORECASE),
-]
-
-
-def unquoted(text: str) -> str:
-    """``text`` with its code spans and double-quoted passages blanked (line breaks kept), paragraph by paragraph; a
-    paragraph whose quotes do not pair keeps them, so a stray quote never hides the rest of a page."""
-    def blank(match: re.Match[str]) -> str:
-        return re.sub(r"[^\n]", " ", match.group(0))
-
-    paragraphs = re.split(r"(\n\s*\n)", text)
-    for i, paragraph in enumerate(paragraphs):
-        paragraph = re.sub(r"`[^`]*`", blank, paragraph)
-        if paragraph.count('"') % 2 == 0:
-            paragraph = re.sub(r'"[^"]*"', blank, paragraph)
-        paragraphs[i] = paragraph
-    return "".join(paragraphs)
-
-
-def narration(text: str) -> list[str]:
-    """Where ``text`` speaks of its own making: ``line N: 'match'`` for each line a pattern finds."""
-    lines, bare = text.split("\n"), unquoted(text).split("\n")
-    return [f"line {n}: {m.group(0)!r}" for n, (line, line_bare) in enumerate(zip(lines, bare, strict=True), 1)
-            for pattern, where in [*((p, line) for p in HISTORY), *((p, line_bare) for p in FIRST_PERSON)]
-            for m in [pattern.search(where)] if m]
 
 
 @pytest.mark.parametrize("line", [
@@ -94,19 +68,18 @@ def narration(text: str) -> list[str]:
     "we tried two cuts", "My estimate of the total", "A first version reached 1.24x", "before this change: 13.3",
     "an earlier version read two keys", "a one-off script on the loaded box", "a throwaway script, not in the repo",
     "Goal status, honestly:", "**Left to know.**", "see #46", "fixed in issue 46", "(lead's file)",
-    "It has not run on a GPU yet", "not run on a GPU here", 'the user asks "How can I cancel?", as I did',
+    "It has not run on a GPU yet", "not run on a GPU here",
 ])
 def test_the_narration_check_catches(line: str) -> None:
-    assert narration(line), line
+    assert any(pattern.search(line) for pattern in HISTORY), line
 
 
 @pytest.mark.parametrize("line", [
     "I/O errors", "an ONNX session", "the session id", "vllm-project/vllm#17045", "LMCache#4825", "the version key",
     "the model's version", "a first-turn request", "`X-EdgeCache: miss`",
-    'new phrasings ("How could I cancel my flight?", "What should I do to ...?")', "`I want to cancel my plan.`",
 ])
 def test_the_narration_check_passes(line: str) -> None:
-    assert not narration(line), line
+    assert not any(pattern.search(line) for pattern in HISTORY), line
 
 
 def test_the_front_page_is_short() -> None:
@@ -140,7 +113,27 @@ def test_words_are_counted_as_wc_counts_them() -> None:
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_page_tells_how_or_when_it_was_built(page: Path) -> None:
-    assert narration(page.read_text()) == []
+    found = [f"line {n}: {m.group(0)!r}" for n, line in enumerate(unquoted(page.read_text().splitlines()), 1)
+             for pattern in HISTORY for m in [pattern.search(line)] if m]
+    assert found == []
+
+
+def unquoted(lines: list[str]) -> list[str]:
+    """Each line without what it quotes in double quotes (a user's question, "How can I cancel my subscription?", is
+    not the page speaking); a quote may run on to the next line, and a blank line ends one left open."""
+    out, inside = [], False
+    for line in lines:
+        inside = inside and bool(line.strip())
+        parts = line.split('"')
+        kept = [part for i, part in enumerate(parts) if (i % 2 == 1) == inside]
+        inside = inside != (len(parts) % 2 == 0)
+        out.append(" ".join(kept))
+    return out
+
+
+def test_quoted_text_is_not_narration() -> None:
+    lines = ['They ask "How can I', 'cancel my subscription?" and I did it.', "", 'We "tried" it']
+    assert unquoted(lines) == ["They ask ", " and I did it.", "", "We   it"]
 
 
 def test_no_source_file_cites_an_issue_number() -> None:

@@ -401,9 +401,97 @@ def test_the_last_hour_is_now_less_the_oldest_minute_within_it_and_each_minute_k
     hour = ledger.report()["last_hour"]["by_tenant_scenario"]
     assert hour["t1/default"]["requests"] == {"exact": 7} and hour["t2/default"]["requests"] == {"exact": 0}
     assert ledger.report("t1")["by_tenant_scenario"].keys() == {"t1/default"}
+    assert hour["t1/default"]["requests"] == ledger.report()["last_hour"]["by_tenant"]["t1"]["requests"]
     clock[0] = 200 * 60  # nothing kept within the hour (no tick since): the last hour is everything
     assert ledger.report()["last_hour"]["total"]["requests"] == {"exact": 15}
-    assert ledger._minutes == []
+    assert [minute for minute, _ in ledger._minutes] == [0, 5, 30, 40]  # kept for a day
+
+
+def test_history_gives_what_each_minute_saved_and_spent_and_its_sum_is_the_window() -> None:
+    clock = [0.0]
+    ledger = Ledger(clock=lambda: clock[0], fit_min_calls=1)
+    ledger.fit.observe(0.1, 10, 0.4, 5)  # a cost fit with a basis: hits are priced at once
+
+    def at_minute(minute: float, tenant: str, outcome: str, n: int) -> None:
+        clock[0] = minute * 60
+        ledger.tick()
+        for _ in range(n):
+            ledger.request(tenant, "default", outcome, prompt_tokens=10, completion_tokens=5,
+                           miss_reason=FIRST_SEEN if outcome == "miss" else None)
+
+    at_minute(0, "t1", "exact", 2)
+    at_minute(1, "t2", "miss", 3)
+    at_minute(2, "t1", "exact", 1)
+    at_minute(2.5, "t1", "miss", 1)  # the minute under way
+    history = ledger.timeline(minutes=60)
+    assert [(p["at"], p["minutes"]) for p in history["points"]] == [(0, 1.0), (60, 1.0), (120, 0.5)]
+    assert [p["requests"] for p in history["points"]] == [{"exact": 2}, {"miss": 3}, {"exact": 1, "miss": 1}]
+    assert history["points"][1]["misses"] == {FIRST_SEEN: 3}
+    assert history["points"][0]["saved_prompt_tokens"] == {"exact": 20}
+    assert history["points"][0]["saved_engine_s"]["exact"] > 0
+    assert history["window"]["requests"] == ledger.report()["total"]["requests"]
+    # A tenant's history holds its rows only; points of two minutes sum two.
+    mine = ledger.timeline("t1", minutes=60, step=2)
+    assert [(p["at"], p["requests"]) for p in mine["points"]] == [(0, {"exact": 2}), (120, {"exact": 1, "miss": 1})]
+    assert mine["window"]["requests"] == {"exact": 3, "miss": 1}
+    assert "t2" not in json.dumps(mine)
+    # A window that starts later leaves the earlier minutes out, in its points and in its sum.
+    late = ledger.timeline(minutes=1)
+    assert [p["at"] for p in late["points"]] == [60, 120] and late["since"] == 60
+    assert late["window"]["requests"] == {"miss": 4, "exact": 1}
+    # Asked again within the minute (the walk up to the last kept minute is remembered): the minute under way moves
+    # on, what came before does not, and the answer given before is left as it was.
+    ledger.request("t2", "default", "exact", prompt_tokens=10, completion_tokens=5)
+    again = ledger.timeline(minutes=60)
+    assert [p["requests"] for p in again["points"]] == [{"exact": 2}, {"miss": 3}, {"exact": 2, "miss": 1}]
+    assert history["points"][2]["requests"] == {"exact": 1, "miss": 1}
+    ledger._timelines.clear()
+    assert ledger.timeline(minutes=60) == again
+    assert ledger.encoded() == ledger.encoded()  # the kept minutes' encodings are reused, to the same bytes
+
+
+def test_the_kept_minutes_survive_a_restart_and_the_first_minute_after_it_holds_what_changed_before_it(
+        tmp_path: Path) -> None:
+    clock = [0.0]
+    path = tmp_path / "ledger.json"
+    ledger = Ledger(path=path, clock=lambda: clock[0])
+    ledger.tick()
+    clock[0] = 90.0
+    ledger.request("t1", "default", "exact", prompt_tokens=10, completion_tokens=5)
+    ledger.save()  # shutdown, with a request booked since the last kept minute
+    clock[0] = 600.0
+    again = Ledger(path=path, clock=lambda: clock[0])
+    again.tick()
+    assert [minute for minute, _ in again._minutes] == [0, 10]
+    assert again._minutes[-1][1]["t1/default"].requests == {"exact": 1}
+    points = again.timeline(minutes=60)["points"]
+    assert [(p["at"], p["requests"]) for p in points] == [(0, {"exact": 1}), (600, {})]
+
+
+def test_a_day_of_minutes_is_kept_one_by_one_for_three_hours_and_one_in_ten_before() -> None:
+    from edgecache.ledger import COARSE_MINUTES, FINE_MINUTES, HISTORY_MINUTES
+
+    clock = [0.0]
+    ledger = Ledger(clock=lambda: clock[0])
+    for minute in range(2 * HISTORY_MINUTES):
+        clock[0] = minute * 60 + 1
+        ledger.request("t1", "default", "exact", prompt_tokens=10, completion_tokens=5)
+        ledger.tick()
+    now = 2 * HISTORY_MINUTES - 1
+    kept = [minute for minute, _ in ledger._minutes]
+    assert now - HISTORY_MINUTES <= kept[0] < now - HISTORY_MINUTES + COARSE_MINUTES
+    fine = [m for m in kept if m >= now - FINE_MINUTES]
+    coarse = [m for m in kept if m < now - FINE_MINUTES]
+    assert fine == list(range(now - FINE_MINUTES, now + 1))
+    assert all(m % COARSE_MINUTES == 0 for m in coarse) and len(coarse) == (HISTORY_MINUTES - FINE_MINUTES) // 10
+    assert len(kept) < 320  # not 1,440
+    # Whatever was folded, the rows as they stood at each kept minute are right: one request a minute, from 0 on.
+    for minute in (kept[0], coarse[5], kept[-1]):
+        assert ledger._as_of(minute)[1]["t1/default"].requests == {"exact": minute + 1}
+    # And the points of a day still add up to the day: one request a minute.
+    day = ledger.timeline(minutes=HISTORY_MINUTES, step=60)
+    assert sum(p["requests"].get("exact", 0) for p in day["points"]) == day["window"]["requests"]["exact"]
+    assert sum(p["minutes"] for p in day["points"]) == pytest.approx(HISTORY_MINUTES, abs=1)
 
 
 def test_one_tenants_traffic_never_pushes_another_tenants_key_history_out() -> None:

@@ -4,7 +4,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 ``GET``/``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` (OpenAI), ``POST /v1/messages``
 and ``POST /v1/messages/count_tokens`` (Anthropic, whose errors come in Anthropic's shape), ``GET /health``
 (503 while the model loads), ``GET /model_info`` and ``GET /server_info`` (what SGLang's router reads of a worker),
-``GET /metrics`` (Prometheus), ``GET /stats`` (JSON), ``POST /admin/flush`` and
+``GET /metrics`` (Prometheus), ``GET /stats`` (JSON) and ``GET /stats/history`` (the ledger minute by minute),
+``GET /dashboard`` (the operator's page: :mod:`edgecache.http.dashboard`), ``POST /admin/flush`` and
 ``POST /admin/warmup`` (admin key when there is a tenants file), ``POST /v1/feedback`` (a caller marks a response
 right or wrong: :mod:`edgecache.http.feedback`). The state they share is a
 :class:`~edgecache.runtime.Runtime`.
@@ -53,6 +54,7 @@ from edgecache.errors import (
 from edgecache.http import anthropic_api
 from edgecache.http.access_log import TENANT_SCOPE_KEY, AccessLog, AccessLogMiddleware
 from edgecache.http.calls import apply_headers, read_body, read_headers
+from edgecache.http.dashboard import dashboard, dashboard_asset, load_assets
 from edgecache.http.embeddings import EmbeddingRequest, embed
 from edgecache.http.feedback import FeedbackRequest, ResponseLedger, apply_feedback
 from edgecache.http.front import Front
@@ -62,6 +64,7 @@ from edgecache.http.replies import RawAnswer, respond
 from edgecache.http.request_surface import check_engine_supports, decode_body
 from edgecache.http.responses_api import responses_names
 from edgecache.http.warmup_lines import WarmupBatch, warm_lines
+from edgecache.ledger import FINE_MINUTES, HISTORY_MINUTES
 from edgecache.runtime import Runtime
 from edgecache.settings import Settings
 from edgecache.tenants import TenantDirectory
@@ -326,6 +329,7 @@ async def stats(request: Request[Any, Any, Any]) -> Response[Any]:
     if rt.semantic is not None and (learned := rt.semantic.learned()) is not None:
         body["semantic"]["learner"] = learned  # type: ignore[index]
     body["semantic"]["labelling"]["judge"] = rt.judge_status()  # type: ignore[index]
+    body["semantic"]["near_cut"] = rt.near_cut()  # type: ignore[index]
     body["store"] = {field: sum(s[field] for s in stores.values())
                      for field in ("entries", "bytes", "budget_bytes", "memory_entries", "memory_bytes")}
     body["admission"] = {"running": rt.admission.running, "queued": rt.admission.queued,
@@ -356,9 +360,28 @@ async def _tenant_stats(rt: Runtime, tenant: str, responses: ResponseLedger) -> 
     bounds["feedback_responses"] = {"used": responses.held(tenant), "bound": responses.max_entries}
     return {"tenant": tenant, "requests": totals, "hit_rate": hits / served if served else 0.0, "bounds": bounds,
             "by_tenant": {tenant: mine}, "stores": stores, "ledger": rt.ledger.report(tenant),
+            "semantic": {"near_cut": rt.near_cut(tenant)},
             "prefix_cache": {t: usage for t, usage in rt.prefix_cache_usage().items() if t == tenant},
             "model": {"id": rt.engine.model_id, "version": rt.engine.version, "ready": rt.ready},
             "profile": rt.settings.profile}
+
+
+@get("/stats/history")
+async def stats_history(
+        request: Request[Any, Any, Any],
+        minutes: Annotated[int, QueryParameter(ge=1, le=HISTORY_MINUTES)] = FINE_MINUTES,
+        step: Annotated[int, QueryParameter(ge=1, le=HISTORY_MINUTES)] = 1,
+        tenant: Annotated[str | None, QueryParameter()] = None) -> Response[Any]:
+    """The ledger minute by minute over the last ``minutes`` (up to a day), in points of ``step`` minutes; keys
+    as for /stats: the admin's sees every tenant (``?tenant=NAME``: one), a tenant's its own rows only."""
+    rt = _runtime(request.app.state)
+    me = rt.tenants.authenticate_stats(*_credentials(request))
+    body = rt.ledger.timeline(me.id if me is not None else tenant or None, minutes=minutes, step=step)
+    if me is not None:
+        body["tenant"] = me.id
+    body["price"] = ({"per_hour": rt.ledger.price_per_hour, "currency": rt.ledger.currency}
+                     if rt.ledger.price_per_hour is not None else None)
+    return Response(_json.encode(body), media_type=JSON)
 
 
 class FlushRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -476,10 +499,11 @@ def create_app(settings: Settings, engine: Engine | None = None,
     app = Litestar(
         route_handlers=[chat_completions, completions, create_response, stored_response,
                         response_input_items, messages, count_tokens, feedback, embeddings, list_models,
-                        retrieve_model, model_info, server_info, openapi_json, health, metrics, stats, admin_flush,
-                        admin_warmup],
+                        retrieve_model, model_info, server_info, openapi_json, health, metrics, stats, stats_history,
+                        dashboard, dashboard_asset, admin_flush, admin_warmup],
         lifespan=[lifespan],
-        state=State({"openapi": _json.encode(openapi_document(_package_version())), "version": _package_version()}),
+        state=State({"openapi": _json.encode(openapi_document(_package_version())), "version": _package_version(),
+                     "dashboard": load_assets()}),
         exception_handlers={Exception: _error_response},
         request_max_body_size=settings.server.max_body_bytes,
         openapi_config=None,

@@ -47,6 +47,7 @@ from edgecache.http.responses_api import (
     ResponseObject,
 )
 from edgecache.http.warmup_lines import ONE_OF_MESSAGES_OR_PROMPT, WarmupBatch, WarmupLine
+from edgecache.ledger import HISTORY_MINUTES
 
 _REF = "#/components/schemas/{name}"
 
@@ -193,6 +194,17 @@ def openapi_document(version: str) -> dict[str, Any]:
                 "200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
             "/stats": {"get": {"summary": "Cache, engine and admission figures", "responses": {
                 **plain_json, **_errors(401)}}},
+            "/stats/history": {"get": {
+                "summary": "The ledger minute by minute: what each minute saved and spent, and why misses missed",
+                "parameters": [
+                    {"name": "minutes", "in": "query", "required": False,
+                     "schema": {"type": "integer", "minimum": 1, "maximum": HISTORY_MINUTES}},
+                    {"name": "step", "in": "query", "required": False,
+                     "schema": {"type": "integer", "minimum": 1, "maximum": HISTORY_MINUTES}},
+                    {"name": "tenant", "in": "query", "required": False, "schema": {"type": "string"}}],
+                "responses": {**plain_json, **_errors(400, 401)}}},
+            "/dashboard": {"get": {"summary": "The operator's page (HTML; its figures come from /stats)", "responses": {
+                "200": {"description": "OK", "content": {"text/html": {"schema": {"type": "string"}}}}}}},
             "/admin/flush": {"post": {
                 "summary": "Drop cached entries: {tenant}, {scenario}, both, or {all: true}",
                 "requestBody": {"required": True, "content": {"application/json": {"schema": {

@@ -847,7 +847,7 @@ class SemanticLearner:
         """The pool's taught classes still tracked, each once (linked entries share one)."""
         found: dict[int, _Taught] = {}
         for key in pool.class_keys:
-            entry = self._entries.get((tenant, scenario, key))
+            entry = self._entries.get(tenant, (scenario, key))
             if entry is not None and entry.taught:
                 found.setdefault(id(entry.taught), entry.taught)
         return list(found.values())
