@@ -245,9 +245,9 @@ class SemanticSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         "GPU memory the ONNX embedder may take on cuda (onnxruntime's gpu_mem_limit).")] = None
     decision: Annotated[Literal["threshold", "verifier", "learner"], _help(
         "How a semantic candidate is accepted: learner (the default: serves the nearest candidate only while the "
-        "expected wrong answers stay within the scenario's target_false_hit_rate of its lookups; its prior is the "
-        "verifier's calibrated probability where the verifier fits the embedder, else a flat one around the "
-        "threshold, and this box's labels move it; explores where unsure), verifier (a calibrated score over the "
+        "expected wrong answers stay within the scenario's target_false_hit_rate of its lookups; it decides on the "
+        "cosine, its prior a flat one around the threshold, and this box's labels move it; explores where "
+        "unsure), verifier (a calibrated score over the "
         "nearest candidates meets the target; fitted for use-multilingual only; measured over its target on "
         "unseen sets) or threshold (an explicit opt-in: the cosine reaches the scenario's threshold, else the "
         "value calibrated for the embedder, and the guard finds no difference; it holds no target: docs/evaluation.md "
