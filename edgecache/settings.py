@@ -245,12 +245,12 @@ class SemanticSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         "GPU memory the ONNX embedder may take on cuda (onnxruntime's gpu_mem_limit).")] = None
     decision: Annotated[Literal["threshold", "verifier", "learner"], _help(
         "How a semantic candidate is accepted: learner (the default: serves the nearest candidate only while the "
-        "expected wrong answers stay within the scenario's target_false_hit_rate of its lookups; its prior is the "
-        "verifier's calibrated probability where the verifier fits the embedder, else a flat one around the "
-        "threshold, and this box's labels move it; explores where unsure), verifier (a calibrated score over the "
+        "expected wrong answers stay within the scenario's target_false_hit_rate of its lookups; it decides on the "
+        "cosine, its prior a flat one around the threshold, and this box's labels move it; explores where "
+        "unsure), verifier (a calibrated score over the "
         "nearest candidates meets the target; fitted for use-multilingual only; measured over its target on "
         "unseen sets) or threshold (an explicit opt-in: the cosine reaches the scenario's threshold, else the "
-        "value calibrated for the embedder, and the guard finds no difference; it holds no target: docs/semantic.md "
+        "value calibrated for the embedder, and the guard finds no difference; it holds no target: docs/evaluation.md "
         "has the false hits it served on unseen traffic).")] = "learner"
     candidates: Annotated[int, Meta(ge=1, le=16), _help(
         "Nearest stored prompts the verifier scores per lookup; the best-scored one over the cut serves.")] = 3
@@ -297,7 +297,7 @@ class ScenarioSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     ttl_s: Annotated[Annotated[float, Meta(gt=0)] | None, _help(
         "How long answers in this scenario stay valid; unset lets the TTL tier classifier decide.")] = None
     bucket_size: Annotated[BucketSize | None, _help(
-        "Answers kept per request that samples without a seed (0 to 20; docs/api.md, \"Buckets for sampled "
+        "Answers kept per request that samples without a seed (0 to 20; docs/caching.md, \"Buckets for sampled "
         "requests\"): the first N such requests reach the engine, later ones get one of the N at random. Unset: the "
         "plan's bucket_size; a request's X-EdgeCache-Bucket-Size overrides both.")] = None
 
@@ -337,7 +337,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     data_dir: Annotated[str, _help(
         "Where the result stores and the semantic indexes live; survives restarts.")] = ""
     tenants_file: Annotated[str | None, _help(
-        "TOML file of plans, tenants and their API keys (docs/configuration.md); unset means one open `default` tenant, "
+        "TOML file of plans, tenants and their API keys (docs/tenants.md); unset means one open `default` tenant, "
         "and serve refuses a non-loopback host unless told --insecure.")] = None
     hardware: HardwareSettings = HardwareSettings()
     server: ServerSettings = ServerSettings()

@@ -78,8 +78,8 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     """The cache policies the tenant may ask for."""
     bucket_size: BucketSize = 0
     """Answers kept per request of the tenant that samples without a seed, where neither the request
-    (``X-EdgeCache-Bucket-Size``) nor its scenario says (docs/api.md, "Buckets for sampled requests"); 0: none, such a
-    request always reaches the engine."""
+    (``X-EdgeCache-Bucket-Size``) nor its scenario says (docs/caching.md, "Buckets for sampled requests"); 0: none,
+    such a request always reaches the engine."""
     log_prompts: bool = False
     """Keep the tenant's query text in the decision log (for `edgecache tune` and audits); off, the log holds a
     keyed hash of it and the scores only."""

@@ -16,7 +16,7 @@ the start-up check the server runs before it trusts a judge (``edgecache.semanti
         [--profile cpu] [--model MODEL]
 
 On a GPU box, ``--profile t4 --model MODEL_PATH --judge`` measures the judge of the model the box serves (the one
-``semantic.label_judge`` is on for in the GPU profiles); the figures in docs/semantic.md are the CPU model's.
+``semantic.label_judge`` is on for in the GPU profiles); the figures in docs/calibration.md are the CPU model's.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Their requests are 40-50 KB (12k tokens: a long system prompt and 9-12 tools), m
 so the engine is an OpenAI-compatible double (tests/openai_double.py) that answers one fixed text. Each CLI runs the
 same prompt twice: it must exit 0 and print the double's answer both times, and the second run must be an exact hit
 that never reaches the upstream. Neither CLI sends a temperature (so each request samples, at the API's default of
-1): the runs carry ``X-EdgeCache-Policy: reuse``, set in each CLI's own configuration (docs/api.md, "Agent
+1): the runs carry ``X-EdgeCache-Policy: reuse``, set in each CLI's own configuration (docs/clients.md, "Agent
 clients").
 
 The CLIs are npm packages, pinned in tests/agent_clis.json (`.ci/run` installs them into `.agent-clis/` when npm is

@@ -1,7 +1,7 @@
-"""The docs stay true to the code: the front page is short, no page tells how or when it was built, every link,
-section and file a page (or a file in deploy/ and profiles/) names exists, README's commands parse, the generated
-tables (settings, metrics, commands) are what the code says, and every tenants-file field, header and pinned
-version the code has is on a page."""
+"""The docs stay true to the code: the front page is short, no page of docs/ is over 5,000 words, no page tells how or
+when it was built, every link, section and file a page (or a file in deploy/ and profiles/) names exists, README's
+commands parse, the generated tables (settings, metrics, commands) are what the code says, and every tenants-file
+field, header and pinned version the code has is on a page."""
 
 from __future__ import annotations
 
@@ -85,6 +85,30 @@ def test_the_narration_check_passes(line: str) -> None:
 def test_the_front_page_is_short() -> None:
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 300, f"README.md has {len(lines)} lines; reference belongs in docs/"
+
+
+#: The most words a page of docs/ holds: a longer page mixes concerns, and is split by concern.
+MAX_PAGE_WORDS = 5_000
+
+
+def words(text: bytes) -> int:
+    """Words as `wc -w` counts them: runs of characters between whitespace."""
+    return len(text.split())
+
+
+@pytest.mark.parametrize("page", sorted((ROOT / "docs").glob("*.md")), ids=lambda p: p.name)
+def test_no_page_is_over_5000_words(page: Path) -> None:
+    count = words(page.read_bytes())
+    assert count <= MAX_PAGE_WORDS, f"docs/{page.name} has {count} words; split it by concern"
+
+
+def test_words_are_counted_as_wc_counts_them() -> None:
+    pages = sorted((ROOT / "docs").glob("*.md"))
+    wc = subprocess.run(["wc", "-w", *map(str, pages)], capture_output=True, text=True, check=True,
+                        env={"LC_ALL": "C.UTF-8", "PATH": "/usr/bin:/bin"}).stdout
+    counted = {line.split()[1]: int(line.split()[0]) for line in wc.splitlines() if not line.endswith(" total")}
+    assert counted == {str(page): words(page.read_bytes()) for page in pages}
+    assert words(b"one two\tthree\n  four\n") == 4
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -288,14 +312,14 @@ def test_every_variable_the_command_reads_is_on_a_page() -> None:
         assert f"`{name}`" in page, name
 
 
-def test_every_tenants_file_field_is_on_the_configuration_page() -> None:
+def test_every_tenants_file_field_is_on_the_tenants_page() -> None:
     """Each section and field of the tenants file (plans and their fields, tenants, admin, metrics), from the structs
-    the file is read into, is named in docs/configuration.md."""
+    the file is read into, is named in docs/tenants.md."""
     import msgspec
 
     from edgecache.tenants import TenantsFile
 
-    page = (ROOT / "docs" / "configuration.md").read_text()
+    page = (ROOT / "docs" / "tenants.md").read_text()
     missing = []
     for section in msgspec.structs.fields(TenantsFile):
         if f"[{section.name}" not in page and f"[[{section.name}]]" not in page:

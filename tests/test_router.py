@@ -5,7 +5,7 @@ set of the API tests' requests answered through the router as a node answers the
 
 The router rewrites every body it forwards: it adds its own fields at their defaults (``no_stop_trim: false``,
 ``separate_reasoning: true``, ...) and renames chat's ``max_tokens`` ``max_completion_tokens``; the nodes accept
-both (docs/api.md, "SGLang's fields"). It refuses some bodies itself, before any node sees them
+both (docs/clients.md, "SGLang's router"). It refuses some bodies itself, before any node sees them
 (:data:`ROUTER_REFUSES`)."""
 
 from __future__ import annotations

@@ -461,7 +461,7 @@ def test_the_page_hash_is_a_cpp_extension_built_on_first_use_with_openssl(wheel:
 
 
 def test_the_kv_pool_is_what_free_memory_leaves_past_the_static_fraction(wheel: Wheel) -> None:
-    """edgecache/hardware.py (and docs/configuration.md, "The memory model") size a GPU profile on SGLang's rule: the
+    """edgecache/hardware.py (and docs/gpu-profiles.md, "The memory model") size a GPU profile on SGLang's rule: the
     KV pool is the free memory after the weights less ``pre_model_load_memory * (1 - mem_fraction_static)``."""
     sizing = wheel.function(wheel.cls(KV_CONFIGURATOR, "KVCacheConfigurator"), "_profile_available_bytes")
     slack = [node for node in ast.walk(sizing) if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult)

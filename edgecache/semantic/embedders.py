@@ -381,7 +381,7 @@ EMBEDDERS: dict[str, Callable[[EmbedderOptions], Embedder]] = {
     "bge-small-en": _bge("BAAI/bge-small-en-v1.5"),
 }
 
-#: The CPU default, chosen by the measurements in docs/notes/semantic.md (zh + en both first-class).
+#: The CPU default, chosen by the measurements in docs/calibration.md (zh + en both first-class).
 DEFAULT_EMBEDDER = "use-multilingual"
 
 
@@ -424,7 +424,7 @@ def load_semantic_embedder(settings: Settings) -> Embedder:
 # ---- calibrated thresholds: data, per embedder version (scenario profiles may override) ----
 
 #: Cosine thresholds per embedder version and scenario, calibrated on one half of each public set and checked on the
-#: other half and on the other sets (docs/notes/semantic.md). A version not listed falls back to the strictest scenario
+#: other half and on the other sets (docs/calibration.md). A version not listed falls back to the strictest scenario
 #: value of any listed embedder, so an uncalibrated model errs toward misses, never false hits.
 DEFAULT_THRESHOLDS: dict[str, dict[str, float]] = {
     # default/knowledge: the PAWS-X zh half-0 1 % point (0.967) rounded up past half 1's (0.975); support: banking77

@@ -12,7 +12,8 @@ answer for the other is a confident wrong answer. :func:`check` compares the two
 - ``code``      identifiers, operators and literals of code in the prompt
 
 Which rules run by default is data (:data:`DEFAULT_RULES`), chosen from the per-rule measurements in
-docs/notes/semantic.md: a rule stays only where it removes more false hits than true hits at the calibrated thresholds.
+docs/calibration.md, "The guard": a rule stays only where it removes more false hits than true hits at the calibrated
+thresholds.
 """
 
 from __future__ import annotations
@@ -282,7 +283,7 @@ RULES: dict[str, Rule] = {
     "code": code_rule,
 }
 
-#: The rules that paid for themselves in the measurements (docs/notes/semantic.md).
+#: The rules that paid for themselves in the measurements (docs/calibration.md, "The guard").
 DEFAULT_RULES: tuple[str, ...] = ("numbers", "entities", "negation", "antonyms", "order", "code")
 
 

@@ -23,7 +23,7 @@ creates nothing.
 Everything here blocks (disk, SQLite, graph search); callers run it off the event loop. One lock serialises all
 calls: a search at 1M vectors takes well under a millisecond, so finer locking would buy little.
 
-usearch 2.26.2-2.26.6 segfault when imported before onnxruntime; the pin in docs/notes/semantic.md avoids those releases
+usearch 2.26.2-2.26.6 segfault when imported before onnxruntime; the pin in pyproject.toml avoids those releases
 and tests/test_import_order.py proves both orders work.
 """
 

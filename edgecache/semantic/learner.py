@@ -37,7 +37,7 @@ is the load-shedding switch: no exploration, and an unsure candidate is decided 
 saves engine time instead of turning would-be hits into misses. An entry labelled wrong ``demote_after`` times at
 similarities where its pool would serve is demoted: never served until forgotten.
 
-Three refinements, each measured with ``scripts/eval_semantic.py --stream`` (docs/semantic.md, "The online
+Three refinements, each measured with ``scripts/eval_semantic.py --stream`` (docs/evaluation.md, "The online
 learner"): the margin the cut and the ledger keep back can be ``z`` standard deviations of the expected false hits
 (``served error + z * sqrt(served variance) <= target * lookups``) instead of a fixed share ``margin`` of the target,
 so it shrinks relative to the target as lookups accumulate; a class with ``slope_after`` labels of both outcomes
@@ -69,7 +69,7 @@ it, as large as the tenant's grouped file); at most ``max_entries`` entries are 
 most is dropped, so one tenant's traffic never pushes out another's entries within its share); a pool is a few
 fixed-size arrays. Everything here is pure: no I/O, no clock, no threads; randomness comes from a seeded
 ``random.Random`` so a replay makes the same decisions. Measured with ``scripts/eval_semantic.py
---stream`` (docs/semantic.md has the figures).
+--stream`` (docs/evaluation.md has the figures).
 """
 
 from __future__ import annotations
