@@ -326,6 +326,7 @@ def main() -> None:
             after = admin(url, "GET", "/stats")
             cpu_after = process_cpu_s(proc.pid if proc is not None else None)
             raw[name] = results
+            (work / f"results-{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
             phases[name] = phase_summary(name, results, wall, before, after)
             phases[name]["ledger"] = ledger_delta(before, after, None if cpu_before is None or cpu_after is None
                                                   else cpu_after - cpu_before)
@@ -496,7 +497,8 @@ def report(args, wsum: dict, phases: dict, hitpath: dict, warmup: dict, teaching
         fh = phases[n].get("false_hits")
         if not fh:
             return "-"
-        return f"{fh[key_false]}/{fh[key_all]} ({fh[key_false] / fh[key_all]:.2%})" if fh[key_all] else "0/0"
+        cell = f"{fh[key_false]}/{fh[key_all]} ({fh[key_false] / fh[key_all]:.2%})" if fh[key_all] else "0/0"
+        return cell + (f", {fh['unjudged']} unjudged" if key_all == "hits" and fh["unjudged"] else "")
 
     rows = [
         row("QPS", lambda n: phases[n]["qps"]),

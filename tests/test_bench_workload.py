@@ -145,7 +145,8 @@ def test_the_judge_tells_right_hits_from_false_ones():
 
     reqs = [req(0, "a", "b77:card_arrival", "where is my card", 32), req(1, "a", "b77:card_arrival", "card not here"),
             req(2, "a", "b77:top_up_failed", "top up failed"), req(3, "b", "b77:card_arrival", "my card?"),
-            req(4, "a", "b77:card_arrival", "card arrival?"), req(5, "a", "b77:top_up_failed", "top-up broke")]
+            req(4, "a", "b77:card_arrival", "card arrival?"), req(5, "a", "b77:top_up_failed", "top-up broke"),
+            req(6, "a", "b77:card_arrival", "my card is late")]  # its off-phase request failed: no answer
     answer_of = {0: "Your card is on its way to you.", 1: "Cards take a week.", 2: "Try the top up again.",
                  3: "Member, your card is coming.", 4: "Cards take a few days.", 5: "Top ups can fail."}
     by_group = workload.group_answers(reqs, answer_of)
@@ -162,15 +163,16 @@ def test_the_judge_tells_right_hits_from_false_ones():
         hit(5, "Top up failed: Acme"),  # the group's written answer, cut
         hit(2, "Top up failed: Acme Bank can help with this.", "exact"),  # a repeat of that semantic hit
         hit(1, "Top up failed: Acme"),  # another group's written answer: false
+        hit(6, "Try the top up again."),  # not its group's, but the engine's own answer to it is not known
         {"idx": 2, "outcome": "miss", "answer": "anything", "similarity": None},  # misses are not judged
     ]
     without = workload.judge_hits(reqs, results, answer_of, by_group)
-    assert without["semantic_hits"] == 5 and without["hits"] == 7
+    assert without["semantic_hits"] == 6 and without["hits"] == 8 and without["unjudged"] == 1
     # Without the written answers (cold and warm phases), the taught answer is nobody's.
     assert without["false"] == 4 and without["false_all"] == 5
     judged = workload.judge_hits(reqs, results, answer_of, by_group, written)
     assert judged["false"] == 3 and judged["true"] == 2 and judged["false_all"] == 3
-    assert judged["by_outcome"]["exact"] == {"hits": 2, "false": 0, "identical_to_engine": 1}
-    assert judged["false_rate"] == 0.6 and judged["false_rate_all"] == round(3 / 7, 4)
+    assert judged["by_outcome"]["exact"] == {"hits": 2, "false": 0, "identical_to_engine": 1, "unjudged": 0}
+    assert judged["false_rate"] == 0.5 and judged["false_rate_all"] == round(3 / 8, 4) and judged["unjudged"] == 1
     assert {e["answer"] for e in judged["examples"]} == {"Try the top up again.", "Member, your card is coming.",
                                                          "Top up failed: Acme"}

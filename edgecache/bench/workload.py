@@ -335,16 +335,18 @@ def judge_hits(reqs: list[Request], results: list[dict], answer_of: dict[int, st
                written: dict[tuple[str, str], str] | None = None) -> dict:
     """Every hit of a phase judged: right when its answer is the engine's answer to
     that request, or the beginning of an answer of the query's own group (``by_group``, plus the group's written
-    answer in ``written``); otherwise false. ``false`` and ``semantic_hits`` count the semantic hits (the layer
-    that can be wrong); ``by_outcome`` counts every hit, exact ones included (a semantic hit is stored under its
-    query's key, so a repeat of it is an exact hit of the same answer)."""
+    answer in ``written``); otherwise false, unless the engine's answer to the query's question is not known (each
+    of its requests failed in the off phase): then it is counted ``unjudged``. ``false`` and ``semantic_hits``
+    count the semantic hits (the layer that can be wrong); ``by_outcome`` counts every hit, exact ones included (a
+    semantic hit is stored under its query's key, so a repeat of it is an exact hit of the same answer)."""
+    known = {reqs[idx].question() for idx in answer_of}
     written = written or {}
     answers_of_tenant: dict[str, list[tuple[str, str]]] = defaultdict(list)
     for (tenant, group), answers in by_group.items():
         answers_of_tenant[tenant] += [(a, group) for a in answers]
     for (tenant, group), answer in written.items():
         answers_of_tenant[tenant].append((answer, group))
-    by_outcome = {o: {"hits": 0, "false": 0, "identical_to_engine": 0} for o in HITS}
+    by_outcome = {o: {"hits": 0, "false": 0, "identical_to_engine": 0, "unjudged": 0} for o in HITS}
     shared = 0
     examples = []
     for r in results:
@@ -361,6 +363,9 @@ def judge_hits(reqs: list[Request], results: list[dict], answer_of: dict[int, st
         if any(a.startswith(answer) for a in own):
             shared += any(g != q.group and a.startswith(answer) for a, g in answers_of_tenant[q.tenant])
             continue
+        if q.question() not in known:
+            row["unjudged"] += 1
+            continue
         row["false"] += 1
         if len(examples) < 5:
             examples.append({"outcome": r["outcome"], "query": q.text, "tenant": q.tenant, "group": q.group,
@@ -370,9 +375,10 @@ def judge_hits(reqs: list[Request], results: list[dict], answer_of: dict[int, st
     sem = by_outcome["semantic"]
     hits = sum(row["hits"] for row in by_outcome.values())
     wrong = sum(row["false"] for row in by_outcome.values())
-    return {"semantic_hits": sem["hits"], "true": sem["hits"] - sem["false"], "false": sem["false"],
+    return {"semantic_hits": sem["hits"], "true": sem["hits"] - sem["false"] - sem["unjudged"], "false": sem["false"],
             "false_rate": round(sem["false"] / sem["hits"], 4) if sem["hits"] else 0.0,
             "hits": hits, "false_all": wrong, "false_rate_all": round(wrong / hits, 4) if hits else 0.0,
+            "unjudged": sum(row["unjudged"] for row in by_outcome.values()),
             "true_but_shared_answer": shared, "by_outcome": by_outcome, "examples": examples}
 
 
