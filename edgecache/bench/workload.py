@@ -331,8 +331,8 @@ def group_answers(reqs: list[Request], answer_of: dict[int, str]) -> dict[tuple[
     return out
 
 
-def judge_hits(reqs: list[Request], results: list[dict], answer_of: dict[int, str], by_group: dict[tuple[str, str], set[str]],
-               written: dict[tuple[str, str], str] | None = None) -> dict:
+def judge_hits(reqs: list[Request], results: list[dict], answer_of: dict[int, str],
+               by_group: dict[tuple[str, str], set[str]], written: dict[tuple[str, str], str] | None = None) -> dict:
     """Every hit of a phase judged: right when its answer is the engine's answer to
     that request, or the beginning of an answer of the query's own group (``by_group``, plus the group's written
     answer in ``written``); otherwise false, unless the engine's answer to the query's question is not known (each
