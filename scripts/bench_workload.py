@@ -1,25 +1,36 @@
-"""The headline benchmark: a seed-like mixed workload replayed against EdgeCache, caches on vs off, cold vs warm,
-and GPTCache on the same trace, side by side in one run.
+"""The headline benchmark: a seed-like mixed workload replayed against EdgeCache, caches on vs off, cold vs warm vs
+taught, and GPTCache on the same trace, side by side in one run.
 
 Phases, in this order, against one `edgecache serve --profile cpu` started here (or --url):
-  1. off   every request with `X-EdgeCache-Policy: bypass` (no cache read or write; the engine's own KV prefix
-           cache still works, as it would in any inference server). Also records the engine's answer to every request.
-  2. cold  caches on, starting empty (bypass wrote nothing; checked).
+  1. off     every request with `X-EdgeCache-Policy: bypass` (no cache read or write; the engine's own KV prefix
+             cache still works, as it would in any inference server). Also records the engine's answer to every
+             request.
+  2. cold    caches on, starting empty (bypass wrote nothing; checked).
   3. hit path: the requests phase 2 answered from a cache, replayed closed-loop: hits/s (all hits; semantic only).
-  4. warm  `POST /admin/flush {"all": true}`, `POST /admin/warmup` with a prompts file built from the pool
-           (each distinct new request, no answers: the engine fills them), then the same trace again.
-  5. GPTCache (its own venv under the work dir) on the same trace: for each request `get` by the last user message
+  4. warm    `POST /admin/flush {"all": true}`, `POST /admin/warmup` with a prompts file built from the pool (each
+             distinct new question at its tenant's largest max_tokens, no answers: the engine fills them), then the
+             same trace again.
+  5. taught  `POST /admin/flush {"all": true}`, then `edgecache warmup faq.jsonl`: each banking tenant's FAQ, the
+             taught share of every banking77 intent's texts (never in the trace), grouped by intent, each group with
+             its written answer and no max_tokens; then the same trace again (the GPTCache-pairs tenants start cold).
+  6. GPTCache (its own venv under the work dir) on the same trace: for each request `get` by the last user message
      (GPTCache's default pre-processing); on a miss the same engine's answer for that request (recorded in phase 1,
      temperature 0, so it is what the engine returns; --gptcache-live asks the server with bypass instead) is `put`.
      Then its hits are replayed for hit-path throughput.
 Every request streams (stream=true); TTFT is the time to the first content delta. Requests go out at the scaled
-Mooncake arrival times, at most --concurrency in flight (a request waits for a free slot when all are busy).
-QPS = completed requests / wall time of the phase. h = fraction served from a cache (exact + semantic + shared);
-the bound on the speed-up from caching is 1/(1-h) (hits free, misses as costly as uncached).
-False hit: a semantic hit whose answer is not the answer the engine gave (phase 1) to any request of the query's
-own intent (banking77) or origin (GPTCache pair); answers shared by several groups count as true (reported).
+Mooncake arrival times, at most --concurrency in flight (a request waits for a free slot when all are busy). Each
+tenant's clients send 2-3 of the --max-tokens values, so one question arrives with several limits.
+QPS = completed requests / wall time of the phase; x = QPS / the off phase's QPS. h = fraction served from a cache
+(exact + semantic + shared); the bound on the speed-up from caching is 1/(1-h) (hits free, misses as costly as
+uncached), and x / bound says how much of it the phase reached.
+A hit is right when its answer is the engine's answer to that request (phase 1), or the beginning (all of it, or
+its first max_tokens tokens) of an answer of the query's own group: the engine's answer to any request of the
+group (phase 1) or, in the taught phase, the group's written answer. Groups are per tenant: a banking77 intent or
+a GPTCache pair. Any other hit is a false hit; a right answer that is also the beginning of another group's answer
+is counted as right and reported (true_but_shared_answer).
 
-    python scripts/bench_workload.py [--requests 5000] [--seed 0] [--rate 50] [--concurrency 32] [--max-tokens 8]
+    python scripts/bench_workload.py [--requests 5000] [--seed 0] [--rate 50] [--concurrency 32]
+                                     [--max-tokens 8,12,16,24,32] [--teach-share 0.7] [--skip-gptcache]
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ from pathlib import Path
 
 from edgecache.bench import harness, workload
 from edgecache.bench.harness import free_port, percentile, stop_process, wait_ready
-from edgecache.bench.workload import ADMIN_KEY, send, tenants_toml
+from edgecache.bench.workload import ADMIN_KEY, group_answers, judge_hits, send, tenants_toml
 
 OUTCOMES = ("exact", "semantic", "shared", "miss")
 
@@ -204,27 +215,6 @@ def phase_summary(name: str, results: list[dict], wall: float, stats_before: dic
     }
 
 
-def judge_semantic(reqs, results: list[dict], answer_groups: dict[str, set[str]]) -> dict:
-    """Semantic hits: true when the served answer is one the engine gave to a request of the same group."""
-    true = false = ambiguous = 0
-    examples = []
-    for r in results:
-        if r["outcome"] != "semantic":
-            continue
-        groups = answer_groups.get(r["answer"], set())
-        q = reqs[r["idx"]]
-        if q.group in groups:
-            true += 1
-            ambiguous += len(groups) > 1
-        else:
-            false += 1
-            if len(examples) < 5:
-                examples.append({"query": q.text, "group": q.group, "answer": r["answer"],
-                                 "answer_groups": sorted(groups)[:3], "similarity": r["similarity"]})
-    return {"semantic_hits": true + false, "true": true, "false": false, "true_but_shared_answer": ambiguous,
-            "examples": examples}
-
-
 def start_server(work: Path, port: int, log_path: Path) -> subprocess.Popen:
     (work / "tenants.toml").write_text(tenants_toml())
     return harness.start_server(["--profile", "cpu", "--port", str(port), "--data-dir", str(work / "data")],
@@ -275,7 +265,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rate", type=float, default=50.0, help="mean offered req/s after scaling Mooncake times")
     ap.add_argument("--concurrency", type=int, default=32, help="most requests in flight (server queue: 32 + 2)")
-    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--max-tokens", default="8,12,16,24,32", type=lambda v: tuple(int(x) for x in v.split(",")),
+                    help="comma-separated max_tokens values; each tenant's clients send 2-3 of them")
+    ap.add_argument("--teach-share", type=float, default=0.7,
+                    help="of each banking77 intent's texts: the banking tenants' FAQ (taught phase), never asked")
     ap.add_argument("--no-stream", action="store_true", help="stream=false (TTFT = whole latency)")
     ap.add_argument("--repeat", type=float, default=0.40)
     ap.add_argument("--paraphrase", type=float, default=0.20)
@@ -304,7 +297,7 @@ def main() -> None:
 
     cfg = workload.WorkloadConfig(requests=args.requests, seed=args.seed, repeat=args.repeat,
                                   paraphrase=args.paraphrase, burst=args.burst, rate=args.rate,
-                                  max_tokens=args.max_tokens)
+                                  max_tokens=args.max_tokens, teach_share=args.teach_share)
     reqs = workload.generate(cfg)
     wsum = workload.summary(reqs)
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="bench-workload-"))
@@ -333,6 +326,7 @@ def main() -> None:
             after = admin(url, "GET", "/stats")
             cpu_after = process_cpu_s(proc.pid if proc is not None else None)
             raw[name] = results
+            (work / f"results-{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
             phases[name] = phase_summary(name, results, wall, before, after)
             phases[name]["ledger"] = ledger_delta(before, after, None if cpu_before is None or cpu_after is None
                                                   else cpu_after - cpu_before)
@@ -346,12 +340,10 @@ def main() -> None:
         off = run_phase("off", "bypass")
         store_after_off = admin(url, "GET", "/stats")["store"]["entries"]
         answer_of = {r["idx"]: r["answer"] for r in off if r["outcome"] in OUTCOMES}
-        answer_groups: dict[str, set[str]] = defaultdict(set)
-        for idx, ans in answer_of.items():
-            answer_groups[ans].add(reqs[idx].group)
+        by_group = group_answers(reqs, answer_of)
         # 2. caches on, cold
         cold = run_phase("cold", None)
-        phases["cold"]["false_hits"] = judge_semantic(reqs, cold, answer_groups)
+        phases["cold"]["false_hits"] = judge_hits(reqs, cold, answer_of, by_group)
         phases["cold"]["store_entries_before"] = store_after_off
         # 3. hit path
         hit_reqs = [reqs[r["idx"]] for r in cold if r["outcome"] in ("exact", "semantic", "shared")]
@@ -380,20 +372,50 @@ def main() -> None:
                   "flushed": flushed}
         print(f"warmup {json.dumps(warmup)}", flush=True)
         warm = run_phase("warm", None)
-        phases["warm"]["false_hits"] = judge_semantic(reqs, warm, answer_groups)
+        phases["warm"]["false_hits"] = judge_hits(reqs, warm, answer_of, by_group)
+        # 5. taught: the banking tenants' FAQs, then the trace
+        teaching = teach(url, work, cfg)
+        taught = run_phase("taught", None)
+        written = {(line["tenant"], f"b77:{line['group']}"): line["answer"] for line in workload.teaching_lines(cfg)}
+        phases["taught"]["false_hits"] = judge_hits(reqs, taught, answer_of, by_group, written)
+        phases["taught"]["store_entries_before"] = teaching["store_entries"]
 
-        # 5. GPTCache
+        # 6. GPTCache
         gpt = None
         if not args.skip_gptcache:
-            gpt = run_gptcache(args, work, reqs, answer_of, answer_groups, url)
+            gpt = run_gptcache(args, work, reqs, answer_of, url)
     finally:
         if proc is not None:
             stop_process(proc)
 
-    report(args, wsum, phases, hitpath, warmup, gpt)
+    report(args, wsum, phases, hitpath, warmup, teaching, gpt)
 
 
-def run_gptcache(args, work: Path, reqs, answer_of: dict, answer_groups: dict, url: str) -> dict:
+def teach(url: str, work: Path, cfg: workload.WorkloadConfig) -> dict:
+    """Flush everything, then warm the banking tenants' FAQs (:func:`workload.teaching_lines`) with `edgecache
+    warmup`, as a tenant would: the file is written to the work dir as faq.jsonl."""
+    flushed = admin(url, "POST", "/admin/flush", {"all": True})
+    lines = workload.teaching_lines(cfg)
+    path = work / "faq.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    t = time.perf_counter()
+    done = subprocess.run(harness.edgecache_command("warmup", str(path), "--url", url, "--key", ADMIN_KEY),
+                          capture_output=True, text=True, env={**os.environ, "TERM": "dumb"})
+    seconds = time.perf_counter() - t
+    if done.returncode != 0:
+        raise SystemExit(f"edgecache warmup failed (rc {done.returncode}): {done.stderr[-2000:]}{done.stdout}")
+    out = {"lines": len(lines), "groups": len({(x["tenant"], x["group"]) for x in lines}),
+           "tenants": sorted({x["tenant"] for x in lines}), "seconds": round(seconds, 1),
+           "said": [ln for ln in done.stdout.splitlines() if ln.strip()], "flushed": flushed,
+           "store_entries": admin(url, "GET", "/stats")["store"]["entries"]}
+    print(f"teaching {json.dumps(out)}", flush=True)
+    return out
+
+
+def run_gptcache(args, work: Path, reqs, answer_of: dict, url: str) -> dict:
+    answer_groups: dict[str, set[str]] = defaultdict(set)  # GPTCache has no tenants: a group across tenants
+    for idx, ans in answer_of.items():
+        answer_groups[ans].add(reqs[idx].group)
 
     with open(work / "gptcache-install.log", "w") as log:
         t = time.perf_counter()
@@ -444,95 +466,127 @@ def run_gptcache(args, work: Path, reqs, answer_of: dict, answer_groups: dict, u
                          if data["hit_replay_s"] else 0.0}}
 
 
-def report(args, wsum: dict, phases: dict, hitpath: dict, warmup: dict, gpt: dict | None) -> None:
-    off, cold, warm = phases["off"], phases["cold"], phases["warm"]
-    cols = ["", "caches off", "on, cold", "on, warm"] + (["GPTCache"] if gpt else [])
+PHASES = {"off": "caches off", "cold": "on, cold", "warm": "on, warm", "taught": "on, taught"}
+
+
+def side_by_side(phases: dict) -> dict:
+    """Each phase's QPS, x (speed-up vs off), h, the bound 1/(1-h), x / bound and its false-hit rates."""
+    off_qps = phases["off"]["qps"]
+    out = {}
+    for name in PHASES:
+        ph = phases[name]
+        x = ph["qps"] / off_qps if off_qps else float("nan")
+        fh = ph.get("false_hits") or {}
+        out[name] = {"qps": ph["qps"], "x": round(x, 3), "h": ph["hit_rate"], "bound": ph["bound"],
+                     "x_over_bound": round(x / ph["bound"], 3), "false_semantic": fh.get("false"),
+                     "semantic_hits": fh.get("semantic_hits"), "false_rate_semantic": fh.get("false_rate"),
+                     "false_all": fh.get("false_all"), "hits": fh.get("hits"),
+                     "false_rate_all": fh.get("false_rate_all")}
+    return out
+
+
+def report(args, wsum: dict, phases: dict, hitpath: dict, warmup: dict, teaching: dict, gpt: dict | None) -> None:
+    sbs = side_by_side(phases)
+    names = list(PHASES)
+    cols = [""] + [PHASES[n] for n in names] + (["GPTCache"] if gpt else [])
+
+    def row(label: str, cell, gpt_cell=None) -> list:
+        return [label] + [cell(n) for n in names] + ([gpt_cell if gpt_cell is not None else "-"] if gpt else [])
+
+    def false_cell(n: str, key_false: str, key_all: str) -> str:
+        fh = phases[n].get("false_hits")
+        if not fh:
+            return "-"
+        cell = f"{fh[key_false]}/{fh[key_all]} ({fh[key_false] / fh[key_all]:.2%})" if fh[key_all] else "0/0"
+        return cell + (f", {fh['unjudged']} unjudged" if key_all == "hits" and fh["unjudged"] else "")
+
     rows = [
-        ["QPS", off["qps"], cold["qps"], warm["qps"]] + (["-"] if gpt else []),
-        ["speed-up vs off", "1.00x", f"{cold['qps'] / off['qps']:.2f}x", f"{warm['qps'] / off['qps']:.2f}x"]
-        + (["-"] if gpt else []),
-        ["TTFT p50 ms", off["ttft_p50_ms"], cold["ttft_p50_ms"], warm["ttft_p50_ms"]] + (["-"] if gpt else []),
-        ["TTFT p99 ms", off["ttft_p99_ms"], cold["ttft_p99_ms"], warm["ttft_p99_ms"]] + (["-"] if gpt else []),
-        ["hit rate h", off["hit_rate"], cold["hit_rate"], warm["hit_rate"]] + ([gpt["hit_rate"]] if gpt else []),
+        row("QPS", lambda n: phases[n]["qps"]),
+        row("speed-up x vs off", lambda n: f"{sbs[n]['x']:.2f}x"),
+        row("hit rate h", lambda n: phases[n]["hit_rate"], gpt and gpt["hit_rate"]),
+        row("bound 1/(1-h)", lambda n: phases[n]["bound"], gpt and gpt["bound"]),
+        row("x / bound", lambda n: "-" if n == "off" else f"{sbs[n]['x_over_bound']:.1%}"),
     ]
-    for o in ("exact", "semantic", "shared", "miss", "rejected", "error"):
-        rows.append([f"  {o}", off["outcomes"][o], cold["outcomes"][o], warm["outcomes"][o]]
-                    + ([gpt["hits"] if o == "semantic" else (gpt["requests"] - gpt["hits"] if o == "miss" else "-")]
-                       if gpt else []))
+    for o in (*OUTCOMES, "rejected", "error"):
+        rows.append(row(f"  {o}", lambda n, o=o: phases[n]["outcomes"][o],
+                        gpt and (gpt["hits"] if o == "semantic" else (gpt["requests"] - gpt["hits"] if o == "miss"
+                                                                       else "-"))))
     rows += [
-        ["engine calls", off["engine_calls"], cold["engine_calls"], warm["engine_calls"]]
-        + ([gpt["requests"] - gpt["hits"]] if gpt else []),
-        ["bound 1/(1-h)", off["bound"], cold["bound"], warm["bound"]] + ([gpt["bound"]] if gpt else []),
-        ["speed-up / bound", "-", f"{cold['qps'] / off['qps'] / cold['bound']:.1%}",
-         f"{warm['qps'] / off['qps'] / warm['bound']:.1%}"] + (["-"] if gpt else []),
-        ["false hits (semantic)", "-", f"{cold['false_hits']['false']}/{cold['false_hits']['semantic_hits']}",
-         f"{warm['false_hits']['false']}/{warm['false_hits']['semantic_hits']}"]
-        + ([f"{gpt['false_hits']['by_source_group']}/{gpt['hits']}"] if gpt else []),
+        row("engine calls", lambda n: phases[n]["engine_calls"], gpt and gpt["requests"] - gpt["hits"]),
+        row("false hits, semantic", lambda n: false_cell(n, "false", "semantic_hits"),
+            gpt and f"{gpt['false_hits']['by_source_group']}/{gpt['hits']}"),
+        row("false hits, every hit", lambda n: false_cell(n, "false_all", "hits")),
+        row("TTFT p50 ms", lambda n: phases[n]["ttft_p50_ms"]),
+        row("TTFT p99 ms", lambda n: phases[n]["ttft_p99_ms"]),
     ]
     hp_all = hitpath.get("all_hits", {}).get("hits_per_s", 0.0)
     hp_sem = hitpath.get("semantic_hits", {}).get("hits_per_s", 0.0)
-    rows.append(["hit-path hits/s", "-", f"{hp_all} (sem {hp_sem})", "-"]
-                + ([gpt["hit_path"]["hits_per_s"]] if gpt else []))
+    rows.append(row("hit-path hits/s", lambda n: f"{hp_all} (sem {hp_sem})" if n == "cold" else "-",
+                    gpt and gpt["hit_path"]["hits_per_s"]))
     widths = [max(len(str(r[i])) for r in [cols] + rows) for i in range(len(cols))]
     print()
-    print(f"workload: {wsum['requests']} requests ({wsum['distinct']} distinct), kinds {wsum['kinds']}, "
-          f"{wsum['bursts']} bursts, offered {args.rate} req/s over {wsum['duration_s']} s, concurrency "
-          f"{args.concurrency}, max_tokens {args.max_tokens}, seed {args.seed}, stream {STREAM}")
-    print(f"warmup: {warmup['lines']} lines in {warmup['seconds']} s {warmup['outcomes']}")
+    print(f"workload: {wsum['requests']} requests ({wsum['distinct']} distinct, {wsum['distinct_questions']} "
+          f"distinct questions), kinds {wsum['kinds']}, {wsum['bursts']} bursts, offered {args.rate} req/s over "
+          f"{wsum['duration_s']} s, concurrency {args.concurrency}, max_tokens by tenant {wsum['max_tokens']}, "
+          f"seed {args.seed}, stream {STREAM}")
+    print(f"warm: {warmup['lines']} lines in {warmup['seconds']} s {warmup['outcomes']}")
+    print(f"taught: {teaching['lines']} lines, {teaching['groups']} groups ({', '.join(teaching['tenants'])}; "
+          f"teach share {args.teach_share}) in {teaching['seconds']} s; edgecache warmup said: "
+          + " / ".join(teaching["said"]))
     print(fmt_row(cols, widths))
     print(" | ".join("-" * w for w in widths))
     for r in rows:
         print(fmt_row(r, widths))
     goals = {
-        "cached_qps_ge_3x_uncached": cold["qps"] >= 3 * off["qps"],
-        "cached_qps_ge_90pct_of_bound": cold["qps"] / off["qps"] >= 0.9 * cold["bound"],
+        "cached_qps_ge_3x_uncached": sbs["cold"]["x"] >= 3,
+        "cached_qps_ge_90pct_of_bound": sbs["cold"]["x_over_bound"] >= 0.9,
+        "taught_qps_ge_90pct_of_bound": sbs["taught"]["x_over_bound"] >= 0.9,
     }
     if gpt:
         goals["hit_path_ge_5x_gptcache"] = hp_all >= 5 * gpt["hit_path"]["hits_per_s"]
         goals["semantic_hit_path_ge_5x_gptcache"] = hp_sem >= 5 * gpt["hit_path"]["hits_per_s"]
-        goals["fewer_false_hits_than_gptcache"] = cold["false_hits"]["false"] < gpt["false_hits"]["by_source_group"]
+        goals["fewer_false_hits_than_gptcache"] = phases["cold"]["false_hits"]["false"] < \
+            gpt["false_hits"]["by_source_group"]
         print(f"GPTCache: {gpt['config']}; default Onnx() embedding: {gpt['default_embedding_check']}; "
               f"false hits by answer {gpt['false_hits']['by_answer']}, cross-tenant hits "
               f"{gpt['false_hits']['cross_tenant']}")
     ledger_check = ledger_report(phases)
     goals.update(ledger_check["goals"])
     print("goals: " + ", ".join(f"{k} {'PASS' if v else 'FAIL'}" for k, v in goals.items()))
-    final = {"workload": wsum, "phases": phases, "hit_path": hitpath, "warmup": warmup, "gptcache": gpt,
-             "ledger_check": ledger_check, "goals": goals}
+    final = {"workload": wsum, "side_by_side": sbs, "phases": phases, "hit_path": hitpath, "warmup": warmup,
+             "teaching": teaching, "gptcache": gpt, "ledger_check": ledger_check, "goals": goals}
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(final, indent=1))
     print(json.dumps({
-        "requests": wsum["requests"], "seed": args.seed, "stream": STREAM,
-        "qps": {"off": off["qps"], "cold": cold["qps"], "warm": warm["qps"]},
-        "speedup": {"cold": round(cold["qps"] / off["qps"], 3), "warm": round(warm["qps"] / off["qps"], 3)},
-        "hit_rate": {"cold": cold["hit_rate"], "warm": warm["hit_rate"], "gptcache": gpt and gpt["hit_rate"]},
-        "bound": {"cold": cold["bound"], "warm": warm["bound"]},
-        "ttft_ms": {k: [phases[k]["ttft_p50_ms"], phases[k]["ttft_p99_ms"]] for k in ("off", "cold", "warm")},
-        "outcomes": {k: phases[k]["outcomes"] for k in ("off", "cold", "warm")},
-        "engine_calls": {k: phases[k]["engine_calls"] for k in ("off", "cold", "warm")},
-        "false_hits": {"cold": cold["false_hits"]["false"], "warm": warm["false_hits"]["false"],
-                       "gptcache": gpt and gpt["false_hits"]["by_source_group"]},
+        "requests": wsum["requests"], "seed": args.seed, "stream": STREAM, "side_by_side": sbs,
+        "gptcache": gpt and {"hit_rate": gpt["hit_rate"], "bound": gpt["bound"],
+                             "false_hits": gpt["false_hits"]["by_source_group"]},
+        "ttft_ms": {k: [phases[k]["ttft_p50_ms"], phases[k]["ttft_p99_ms"]] for k in PHASES},
+        "outcomes": {k: phases[k]["outcomes"] for k in PHASES},
+        "engine_calls": {k: phases[k]["engine_calls"] for k in PHASES},
         "hit_path_hits_per_s": {"edgecache": hp_all, "edgecache_semantic": hp_sem,
                                 "gptcache": gpt and gpt["hit_path"]["hits_per_s"]},
-        "warmup_s": warmup["seconds"], "ledger_check": {k: v for k, v in ledger_check.items() if k != "goals"},
-        "goals": goals}))
+        "warmup_s": warmup["seconds"], "teaching_s": teaching["seconds"],
+        "ledger_check": {k: v for k, v in ledger_check.items() if k != "goals"}, "goals": goals}))
 
 
 def ledger_report(phases: dict) -> dict:
     """The server's ledger beside the benchmark's own measurement, per phase: the engine time the off phase spent
     minus what the phase spent (measured) against what the ledger says the phase saved beyond what it saved in the
     off phase (the engine's prefix cache saves in both). Printed as a table; returns the figures and the goals."""
+    names = list(PHASES)
     off = phases["off"]["ledger"]
-    cols = ["ledger", "caches off", "on, cold", "on, warm"]
-    rows = [["engine-s spent (measured busy time)"] + [phases[p]["ledger"]["spent_engine_s"] for p in ("off", "cold", "warm")],
-            ["server CPU s"] + [phases[p]["ledger"]["server_cpu_s"] for p in ("off", "cold", "warm")]]
+    cols = ["ledger"] + [PHASES[n] for n in names]
+    rows = [["engine-s spent (measured busy time)"] + [phases[p]["ledger"]["spent_engine_s"] for p in names],
+            ["server CPU s"] + [phases[p]["ledger"]["server_cpu_s"] for p in names]]
     for layer in off["saved_engine_s"]:
-        rows.append([f"engine-s saved: {layer}"] + [phases[p]["ledger"]["saved_engine_s"][layer]
-                                                    for p in ("off", "cold", "warm")])
-    figures: dict = {"fit": phases["warm"]["ledger"]["fit"]}
+        rows.append([f"engine-s saved: {layer}"] + [phases[p]["ledger"]["saved_engine_s"][layer] for p in names])
+    figures: dict = {"fit": phases[names[-1]]["ledger"]["fit"]}
     goals = {}
-    measured_row, ledger_row, ratio_row = ["measured saving: off spent - spent"], ["ledger's saving: saved - off saved"], ["ledger / measured"]
-    for p in ("cold", "warm"):
+    measured_row = ["measured saving: off spent - spent", "-"]
+    ledger_row = ["ledger's saving: saved - off saved", "-"]
+    ratio_row = ["ledger / measured", "-"]
+    for p in names[1:]:
         led = phases[p]["ledger"]
         measured = off["spent_engine_s"] - led["spent_engine_s"]
         said = led["saved_total_s"] - off["saved_total_s"]
@@ -542,8 +596,7 @@ def ledger_report(phases: dict) -> dict:
         measured_row.append(round(measured, 2))
         ledger_row.append(round(said, 2))
         ratio_row.append(f"{ratio:.3f}")
-    rows += [measured_row[:1] + ["-"] + measured_row[1:], ledger_row[:1] + ["-"] + ledger_row[1:],
-             ratio_row[:1] + ["-"] + ratio_row[1:]]
+    rows += [measured_row, ledger_row, ratio_row]
     widths = [max(len(str(r[i])) for r in [cols] + rows) for i in range(len(cols))]
     print()
     fit = figures["fit"]

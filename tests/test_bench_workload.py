@@ -1,5 +1,6 @@
 """Smoke test of the headline benchmark's workload generator (edgecache/bench/workload.py): deterministic with a seed,
-proportions roughly as configured, every request well-formed. No server, no model: fast."""
+proportions roughly as configured, every request well-formed, mixed max_tokens, the FAQ held apart from the trace,
+and the false-hit judge. No server, no model: fast."""
 
 from __future__ import annotations
 
@@ -40,14 +41,14 @@ def test_proportions_roughly_as_configured(reqs):
 
 
 def test_repeats_paraphrases_and_bursts_mean_what_they_say(reqs):
-    seen_identity, seen_group = set(), {}
+    seen_question, seen_group = set(), {}
     for r in reqs:
         if r.kind == "repeat":
-            assert r.identity() in seen_identity  # byte-for-byte an earlier request
+            assert r.question() in seen_question  # word for word an earlier question
         elif r.kind == "paraphrase":
-            assert r.identity() not in seen_identity  # other words ...
+            assert r.question() not in seen_question  # other words ...
             assert r.group in seen_group.get(r.tenant, set())  # ... same intent / origin as an earlier request
-        seen_identity.add(r.identity())
+        seen_question.add(r.question())
         seen_group.setdefault(r.tenant, set()).add(r.group)
     bursts: dict[int, list] = {}
     for r in reqs:
@@ -58,8 +59,49 @@ def test_repeats_paraphrases_and_bursts_mean_what_they_say(reqs):
         assert len({m.identity() for m in members}) == 1 and len({m.t for m in members}) == 1
         assert len(members) >= 2 or members[-1].idx == N - 1  # only the last burst may be cut short
     # Repeats are skewed (Zipf): the most repeated request is far above the average.
-    counts = Counter(r.identity() for r in reqs if r.kind == "repeat")
+    counts = Counter(r.question() for r in reqs if r.kind == "repeat")
     assert max(counts.values()) > 5 * (sum(counts.values()) / len(counts))
+
+
+def test_each_tenant_sends_a_few_max_tokens_and_questions_come_with_several(reqs):
+    values = set(workload.WorkloadConfig().max_tokens)
+    by_tenant: dict[str, set[int]] = {}
+    by_question: dict[tuple, set[int]] = {}
+    for r in reqs:
+        by_tenant.setdefault(r.tenant, set()).add(r.max_tokens)
+        by_question.setdefault(r.question(), set()).add(r.max_tokens)
+    assert all(2 <= len(v) <= 3 and v <= values for v in by_tenant.values())
+    assert len({frozenset(v) for v in by_tenant.values()}) > 1  # tenants differ (seed 7)
+    assert sum(len(v) > 1 for v in by_question.values()) > 50  # the cache must serve across max_tokens
+    one = workload.generate(workload.WorkloadConfig(requests=300, seed=7, max_tokens=(8,)))
+    assert {r.max_tokens for r in one} == {8}
+
+
+def test_the_faq_is_held_apart_from_the_trace_and_grouped_with_written_answers(reqs):
+    cfg = workload.WorkloadConfig(requests=N, seed=7)
+    taught, trace = workload.split_banking(cfg)
+    assert set(taught) == set(trace) and len(taught) == 77
+    for intent in taught:
+        assert taught[intent] and trace[intent] and not set(taught[intent]) & set(trace[intent])
+        n = len(taught[intent]) + len(trace[intent])
+        assert abs(len(taught[intent]) - 0.7 * n) <= 1
+    lines = workload.teaching_lines(cfg)
+    asked = {r.text for r in reqs}
+    banking = [t for t in workload.TENANTS if t.source == "banking77"]
+    assert {x["tenant"] for x in lines} == {t.id for t in banking}
+    assert len(lines) == len(banking) * sum(len(v) for v in taught.values())
+    answers: dict[tuple[str, str], set[str]] = {}
+    for x in lines:
+        assert x["messages"][1]["content"] not in asked  # every trace question is a new phrasing
+        assert "max_tokens" not in x and x["answer"] and x["group"] in taught
+        answers.setdefault((x["tenant"], x["group"]), set()).add(x["answer"])
+    assert all(len(v) == 1 for v in answers.values())  # one written answer per group
+    assert len({a for v in answers.values() for a in v}) == len(answers)  # and no two groups share one
+    for r in reqs:
+        if r.scenario == "support":
+            assert r.text in trace[r.group[4:]]
+    other = workload.teaching_lines(workload.WorkloadConfig(requests=N, seed=8))
+    assert {x["messages"][1]["content"] for x in other} != {x["messages"][1]["content"] for x in lines}
 
 
 def test_every_request_is_well_formed(reqs):
@@ -72,7 +114,7 @@ def test_every_request_is_well_formed(reqs):
         assert r.idx == i
         body = json.loads(json.dumps(r.body()))
         assert set(body) == {"model", "messages", "max_tokens", "temperature", "stream"}
-        assert body["temperature"] == 0 and body["stream"] is True and 1 <= body["max_tokens"] <= 64
+        assert body["temperature"] == 0 and body["stream"] is True and body["max_tokens"] in (8, 12, 16, 24, 32)
         assert [m["role"] for m in body["messages"]] == ["system", "user"]
         assert body["messages"][0]["content"] == systems[r.tenant]  # a shared system prompt per tenant
         assert body["messages"][1]["content"].strip() and "\n" not in body["messages"][1]["content"]
@@ -86,10 +128,51 @@ def test_every_request_is_well_formed(reqs):
 def test_warmup_file_and_tenants_file(reqs):
     lines = workload.warmup_lines(reqs)
     assert lines and len(lines) == len({(x["tenant"], json.dumps(x["messages"])) for x in lines})
-    assert all("answer" not in x and x["max_tokens"] == reqs[0].max_tokens for x in lines)
+    largest = {t: max(r.max_tokens for r in reqs if r.tenant == t) for t in {r.tenant for r in reqs}}
+    assert all("answer" not in x and x["max_tokens"] == largest[x["tenant"]] for x in lines)
     import tomllib
 
     parsed = tomllib.loads(workload.tenants_toml())
     assert "bypass" in parsed["plans"]["bench"]["policies"]
     assert {t["id"] for t in parsed["tenants"]} == {t.id for t in workload.TENANTS}
     assert all(len(k) >= 8 for t in parsed["tenants"] for k in t["keys"])
+
+
+def test_the_judge_tells_right_hits_from_false_ones():
+    def req(idx: int, tenant: str, group: str, text: str, max_tokens: int = 8) -> workload.Request:
+        return workload.Request(idx=idx, t=0.0, tenant=tenant, scenario="support", system="s", text=text,
+                                group=group, kind="new", max_tokens=max_tokens)
+
+    reqs = [req(0, "a", "b77:card_arrival", "where is my card", 32), req(1, "a", "b77:card_arrival", "card not here"),
+            req(2, "a", "b77:top_up_failed", "top up failed"), req(3, "b", "b77:card_arrival", "my card?"),
+            req(4, "a", "b77:card_arrival", "card arrival?"), req(5, "a", "b77:top_up_failed", "top-up broke"),
+            req(6, "a", "b77:card_arrival", "my card is late")]  # its off-phase request failed: no answer
+    answer_of = {0: "Your card is on its way to you.", 1: "Cards take a week.", 2: "Try the top up again.",
+                 3: "Member, your card is coming.", 4: "Cards take a few days.", 5: "Top ups can fail."}
+    by_group = workload.group_answers(reqs, answer_of)
+    written = {("a", "b77:top_up_failed"): "Top up failed: Acme Bank can help with this."}
+
+    def hit(idx: int, answer: str, outcome: str = "semantic") -> dict:
+        return {"idx": idx, "outcome": outcome, "answer": answer, "similarity": "0.95"}
+
+    results = [
+        hit(1, "Cards take a week.", "exact"),  # the engine's own answer
+        hit(4, "Your card is on its way"),  # another request of its group's answer, cut at its max_tokens
+        hit(4, "Try the top up again."),  # another group's answer: false
+        hit(4, "Member, your card is coming."),  # another tenant's answer of the same intent: false
+        hit(5, "Top up failed: Acme"),  # the group's written answer, cut
+        hit(2, "Top up failed: Acme Bank can help with this.", "exact"),  # a repeat of that semantic hit
+        hit(1, "Top up failed: Acme"),  # another group's written answer: false
+        hit(6, "Try the top up again."),  # not its group's, but the engine's own answer to it is not known
+        {"idx": 2, "outcome": "miss", "answer": "anything", "similarity": None},  # misses are not judged
+    ]
+    without = workload.judge_hits(reqs, results, answer_of, by_group)
+    assert without["semantic_hits"] == 6 and without["hits"] == 8 and without["unjudged"] == 1
+    # Without the written answers (cold and warm phases), the taught answer is nobody's.
+    assert without["false"] == 4 and without["false_all"] == 5
+    judged = workload.judge_hits(reqs, results, answer_of, by_group, written)
+    assert judged["false"] == 3 and judged["true"] == 2 and judged["false_all"] == 3
+    assert judged["by_outcome"]["exact"] == {"hits": 2, "false": 0, "identical_to_engine": 1, "unjudged": 0}
+    assert judged["false_rate"] == 0.5 and judged["false_rate_all"] == round(3 / 8, 4) and judged["unjudged"] == 1
+    assert {e["answer"] for e in judged["examples"]} == {"Try the top up again.", "Member, your card is coming.",
+                                                         "Top up failed: Acme"}

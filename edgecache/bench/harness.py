@@ -43,10 +43,15 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def serve_command(*args: str) -> list[str]:
-    """``edgecache serve ARGS``: the installed command, or this interpreter's ``-m edgecache.cli.main``."""
+def edgecache_command(*args: str) -> list[str]:
+    """``edgecache ARGS``: the installed command, or this interpreter's ``-m edgecache.cli.main``."""
     exe = shutil.which("edgecache")
-    return [exe, "serve", *args] if exe else [sys.executable, "-m", "edgecache.cli.main", "serve", *args]
+    return [exe, *args] if exe else [sys.executable, "-m", "edgecache.cli.main", *args]
+
+
+def serve_command(*args: str) -> list[str]:
+    """``edgecache serve ARGS``."""
+    return edgecache_command("serve", *args)
 
 
 def start_server(args: Sequence[str], *, env: Mapping[str, str] | None = None, log: IO[Any] | None = None,

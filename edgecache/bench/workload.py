@@ -8,11 +8,18 @@ Built only from the data folder (:data:`edgecache.bench.harness.DATA`; see SOURC
 - mooncake_conversation_trace.jsonl: arrival times (ms) of a real hour of LLM traffic; a window of consecutive
   timestamps is taken and scaled to the requested mean rate, keeping the trace's burstiness.
 
-Request kinds (fractions of all requests, configurable): ``repeat`` (an earlier request again, byte for byte, drawn
-Zipf by first-appearance rank), ``paraphrase`` (same intent / origin as an earlier request, other words), ``burst``
-(a new request sent k times at the same instant: identical concurrent requests), ``new`` (the rest). Every tenant
-has its own shared system prompt; every request uses temperature 0 and a small max_tokens so it is cacheable and
-cheap for the CPU engine.
+Request kinds (fractions of all requests, configurable): ``repeat`` (an earlier question again, word for word, drawn
+Zipf by first-appearance rank, from any of its tenant's clients), ``paraphrase`` (same intent / origin as an earlier
+request, other words), ``burst`` (a new request sent k times at the same instant: identical concurrent requests),
+``new`` (the rest). Every tenant has its own shared system prompt; every request uses temperature 0.
+
+``max_tokens`` is mixed as real clients send it: each tenant's clients use 2-3 of the configured values (drawn with
+the seed), and each request (a repeat too) takes one of its tenant's, so one question arrives with several limits.
+
+The FAQ split: each banking77 intent's texts are split, with the seed, into a taught part (``teach_share`` of them)
+and a trace part; the trace draws its banking questions from the trace part only, so a tenant that teaches the
+taught part (:func:`teaching_lines`, grouped by intent, each group with its written answer) meets the trace's
+questions as new phrasings. The GPTCache-pairs tenants teach nothing (a pair has two phrasings, both in the trace).
 """
 
 from __future__ import annotations
@@ -37,31 +44,34 @@ class Tenant:
     source: str  # "banking77" | "gptcache"
     scenario: str
     weight: float
+    company: str
     system: str
 
 
-def _system(company: str, role: str, rules: list[str]) -> str:
-    return (f"You are the {role} of {company}. Answer in one or two short sentences, politely and precisely. "
-            + " ".join(f"Rule {i + 1}: {r}" for i, r in enumerate(rules)))
+def _tenant(id_: str, key: str, source: str, scenario: str, weight: float, company: str, role: str,
+            rules: list[str]) -> Tenant:
+    system = (f"You are the {role} of {company}. Answer in one or two short sentences, politely and precisely. "
+              + " ".join(f"Rule {i + 1}: {r}" for i, r in enumerate(rules)))
+    return Tenant(id_, key, source, scenario, weight, company, system)
 
 
 TENANTS: tuple[Tenant, ...] = (
-    Tenant("acme-bank", "sk-acme-bank-bench", "banking77", "support", 0.35, _system(
+    _tenant("acme-bank", "sk-acme-bank-bench", "banking77", "support", 0.35,
         "Acme Bank", "customer support assistant",
         ["never ask for a full card number or a PIN.", ("for lost or stolen cards, tell the customer to freeze the "
          "card in the app first."), "transfers between Acme accounts are free; card top-ups take up to an hour.",
-         "refer disputes to the disputes team."])),
-    Tenant("globex-bank", "sk-globex-bank-bench", "banking77", "support", 0.25, _system(
+         "refer disputes to the disputes team."]),
+    _tenant("globex-bank", "sk-globex-bank-bench", "banking77", "support", 0.25,
         "Globex Credit Union", "member services chatbot",
         ["members are called members, never customers.", "branch hours are 9 to 5 on weekdays.",
-         "exchange rates are updated every minute on weekdays.", "do not give investment advice."])),
-    Tenant("initech", "sk-initech-bench", "gptcache", "knowledge", 0.25, _system(
+         "exchange rates are updated every minute on weekdays.", "do not give investment advice."]),
+    _tenant("initech", "sk-initech-bench", "gptcache", "knowledge", 0.25,
         "Initech", "internal knowledge assistant",
         ["explain technical terms simply.", "prefer facts over opinions.", "cite no sources.",
-         "say you are unsure when you are."])),
-    Tenant("umbrella", "sk-umbrella-bench", "gptcache", "knowledge", 0.15, _system(
+         "say you are unsure when you are."]),
+    _tenant("umbrella", "sk-umbrella-bench", "gptcache", "knowledge", 0.15,
         "Umbrella Labs", "research helpdesk",
-        ["be concise.", "use metric units.", "avoid marketing language.", "answer in English."])),
+        ["be concise.", "use metric units.", "avoid marketing language.", "answer in English."]),
 )
 ADMIN_KEY = "sk-admin-bench-0001"
 
@@ -94,8 +104,12 @@ class Request:
         return h
 
     def identity(self) -> tuple[str, str, str, str, int]:
-        """What makes two requests identical (the cache key's inputs)."""
-        return (self.tenant, self.scenario, self.system, self.text, self.max_tokens)
+        """What makes two requests identical (the request's inputs, ``max_tokens`` included)."""
+        return (*self.question(), self.max_tokens)
+
+    def question(self) -> tuple[str, str, str, str]:
+        """What makes two requests ask the same question (whatever ``max_tokens`` their clients send)."""
+        return (self.tenant, self.scenario, self.system, self.text)
 
 
 @dataclass
@@ -108,7 +122,8 @@ class WorkloadConfig:
     burst_size: tuple[int, int] = (3, 6)
     zipf_s: float = 1.0
     rate: float = 50.0  # mean offered requests/s after scaling the Mooncake timestamps
-    max_tokens: int = 8
+    max_tokens: tuple[int, ...] = (8, 12, 16, 24, 32)  # the values clients send; each tenant's use 2-3 of them
+    teach_share: float = 0.7  # of each banking77 intent's texts: the tenants' FAQ, never in the trace
     data_dir: Path = field(default_factory=lambda: DATA_DIR)
 
 
@@ -152,11 +167,30 @@ def load_arrivals(data_dir: Path, n: int, rng: random.Random, rate: float) -> li
     return [r / span * target for r in rel]
 
 
+def split_banking(cfg: WorkloadConfig) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """(taught, trace): each banking77 intent's texts split with the seed, ``cfg.teach_share`` of them taught (at
+    least one text of each intent is left to the trace)."""
+    rng = random.Random(f"faq-split-{cfg.seed}")
+    taught, trace = {}, {}
+    for intent, texts in load_banking(cfg.data_dir).items():
+        shuffled = rng.sample(texts, len(texts))
+        cut = min(len(texts) - 1, round(cfg.teach_share * len(texts)))
+        taught[intent], trace[intent] = sorted(shuffled[:cut]), sorted(shuffled[cut:])
+    return taught, trace
+
+
+def tenant_max_tokens(cfg: WorkloadConfig, rng: random.Random) -> dict[str, list[int]]:
+    """Each tenant's clients' ``max_tokens`` values: 2-3 of ``cfg.max_tokens`` (all of them when fewer)."""
+    values = sorted(set(cfg.max_tokens))
+    return {t.id: sorted(rng.sample(values, min(len(values), rng.randint(2, 3)))) for t in TENANTS}
+
+
 def generate(cfg: WorkloadConfig) -> list[Request]:
     """The workload: ``cfg.requests`` requests, in arrival order, a pure function of ``cfg``."""
     rng = random.Random(cfg.seed)
-    banking = load_banking(cfg.data_dir)
+    banking = split_banking(cfg)[1]
     intents = list(banking)
+    limits = tenant_max_tokens(cfg, rng)
     unused_b = {k: rng.sample(v, len(v)) for k, v in banking.items()}  # shuffled, popped from the end
     pairs = load_pairs(cfg.data_dir)
     pair_order = rng.sample(range(len(pairs)), len(pairs))
@@ -197,9 +231,11 @@ def generate(cfg: WorkloadConfig) -> list[Request]:
             return None
         return similar, group
 
-    def add(tenant: Tenant, text: str, group: str, kind: str, burst: int = -1, first: bool = True) -> dict:
+    def add(tenant: Tenant, text: str, group: str, kind: str, burst: int = -1, first: bool = True,
+            max_tokens: int | None = None) -> dict:
         item = {"tenant": tenant.id, "scenario": tenant.scenario, "system": tenant.system, "text": text,
-                "group": group, "kind": kind, "burst": burst, "max_tokens": cfg.max_tokens}
+                "group": group, "kind": kind, "burst": burst,
+                "max_tokens": max_tokens or rng.choice(limits[tenant.id])}
         out.append(item)
         if first:
             distinct.append(item)
@@ -212,7 +248,7 @@ def generate(cfg: WorkloadConfig) -> list[Request]:
         if kind == "repeat" and distinct:
             w = [1.0 / (r + 1) ** cfg.zipf_s for r in range(len(distinct))]
             src = rng.choices(distinct, w)[0]
-            out.append({**src, "kind": "repeat", "burst": -1})
+            out.append({**src, "kind": "repeat", "burst": -1, "max_tokens": rng.choice(limits[src["tenant"]])})
             continue
         if kind == "paraphrase" and asked[tenant.id]:
             src = rng.choice(asked[tenant.id])
@@ -225,9 +261,9 @@ def generate(cfg: WorkloadConfig) -> list[Request]:
             continue
         if kind == "burst":
             k = min(rng.randint(*cfg.burst_size), cfg.requests - len(out))
-            add(tenant, made[0], made[1], "burst", n_bursts)
+            first = add(tenant, made[0], made[1], "burst", n_bursts)
             for _ in range(k - 1):
-                add(tenant, made[0], made[1], "burst", n_bursts, first=False)
+                add(tenant, made[0], made[1], "burst", n_bursts, first=False, max_tokens=first["max_tokens"])
             n_bursts += 1
         else:
             add(tenant, made[0], made[1], "new")
@@ -244,15 +280,106 @@ def generate(cfg: WorkloadConfig) -> list[Request]:
 
 
 def warmup_lines(reqs: list[Request]) -> list[dict]:
-    """A prompts file built from the pool: each distinct new request (not the paraphrases), as `edgecache warmup`
-    lines without answers, so the warmup runs them through the engine."""
+    """A prompts file built from the pool: each distinct new question (not the paraphrases), as `edgecache warmup`
+    lines without answers, so the warmup runs them through the engine, at the largest ``max_tokens`` its tenant's
+    clients send (an answer computed at the largest serves the smaller ones, cut)."""
+    largest: dict[str, int] = {}
+    for r in reqs:
+        largest[r.tenant] = max(largest.get(r.tenant, 0), r.max_tokens)
     seen, lines = set(), []
     for r in reqs:
-        if r.kind in ("new", "burst") and r.identity() not in seen:
-            seen.add(r.identity())
+        if r.kind in ("new", "burst") and r.question() not in seen:
+            seen.add(r.question())
             lines.append({"messages": r.messages(), "scenario": r.scenario, "tenant": r.tenant,
-                          "max_tokens": r.max_tokens})
+                          "max_tokens": largest[r.tenant]})
     return lines
+
+
+def faq_answer(tenant: Tenant, intent: str) -> str:
+    """The written answer of a banking tenant's FAQ group: it opens with the intent's own words (so even its first
+    few tokens name the group) and is longer than most clients' ``max_tokens`` (so it is served cut, too)."""
+    words = intent.strip("?").replace("_", " ")
+    return (f"{words[0].upper()}{words[1:]}: {tenant.company} can help with this. In the app, open Help, choose "
+            f"\"{words}\" and follow the steps shown there. If that does not settle it, reply here and a member of "
+            f"our team will take it from there.")
+
+
+def teaching_lines(cfg: WorkloadConfig) -> list[dict]:
+    """The banking tenants' FAQs as a prompts file: every taught text of :func:`split_banking` (none of them in the
+    trace), one line each, grouped by intent, each line with its group's written answer (:func:`faq_answer`) and no
+    ``max_tokens`` (a written answer serves every client's limit). The GPTCache-pairs tenants teach nothing."""
+    taught = split_banking(cfg)[0]
+    lines = []
+    for t in TENANTS:
+        if t.source != "banking77":
+            continue
+        for intent, texts in taught.items():
+            answer = faq_answer(t, intent)
+            lines += [{"messages": [{"role": "system", "content": t.system}, {"role": "user", "content": text}],
+                       "scenario": t.scenario, "tenant": t.id, "group": intent, "answer": answer} for text in texts]
+    return lines
+
+
+HITS = ("exact", "semantic", "shared")
+
+
+def group_answers(reqs: list[Request], answer_of: dict[int, str]) -> dict[tuple[str, str], set[str]]:
+    """(tenant, group) -> the engine's answers (phase 1) to the group's requests."""
+    out: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for idx, answer in answer_of.items():
+        out[(reqs[idx].tenant, reqs[idx].group)].add(answer)
+    return out
+
+
+def judge_hits(reqs: list[Request], results: list[dict], answer_of: dict[int, str],
+               by_group: dict[tuple[str, str], set[str]], written: dict[tuple[str, str], str] | None = None) -> dict:
+    """Every hit of a phase judged: right when its answer is the engine's answer to
+    that request, or the beginning of an answer of the query's own group (``by_group``, plus the group's written
+    answer in ``written``); otherwise false, unless the engine's answer to the query's question is not known (each
+    of its requests failed in the off phase): then it is counted ``unjudged``. ``false`` and ``semantic_hits``
+    count the semantic hits (the layer that can be wrong); ``by_outcome`` counts every hit, exact ones included (a
+    semantic hit is stored under its query's key, so a repeat of it is an exact hit of the same answer)."""
+    known = {reqs[idx].question() for idx in answer_of}
+    written = written or {}
+    answers_of_tenant: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    for (tenant, group), answers in by_group.items():
+        answers_of_tenant[tenant] += [(a, group) for a in answers]
+    for (tenant, group), answer in written.items():
+        answers_of_tenant[tenant].append((answer, group))
+    by_outcome = {o: {"hits": 0, "false": 0, "identical_to_engine": 0, "unjudged": 0} for o in HITS}
+    shared = 0
+    examples = []
+    for r in results:
+        if r["outcome"] not in HITS:
+            continue
+        q, answer = reqs[r["idx"]], r["answer"]
+        row = by_outcome[r["outcome"]]
+        row["hits"] += 1
+        if answer == answer_of.get(r["idx"]):
+            row["identical_to_engine"] += 1
+            continue
+        own = by_group.get((q.tenant, q.group), set()) | ({written[(q.tenant, q.group)]}
+                                                           if (q.tenant, q.group) in written else set())
+        if any(a.startswith(answer) for a in own):
+            shared += any(g != q.group and a.startswith(answer) for a, g in answers_of_tenant[q.tenant])
+            continue
+        if q.question() not in known:
+            row["unjudged"] += 1
+            continue
+        row["false"] += 1
+        if len(examples) < 5:
+            examples.append({"outcome": r["outcome"], "query": q.text, "tenant": q.tenant, "group": q.group,
+                             "max_tokens": q.max_tokens, "answer": answer, "similarity": r["similarity"],
+                             "answer_groups": sorted({g for a, g in answers_of_tenant[q.tenant]
+                                                      if a.startswith(answer)})[:3]})
+    sem = by_outcome["semantic"]
+    hits = sum(row["hits"] for row in by_outcome.values())
+    wrong = sum(row["false"] for row in by_outcome.values())
+    return {"semantic_hits": sem["hits"], "true": sem["hits"] - sem["false"] - sem["unjudged"], "false": sem["false"],
+            "false_rate": round(sem["false"] / sem["hits"], 4) if sem["hits"] else 0.0,
+            "hits": hits, "false_all": wrong, "false_rate_all": round(wrong / hits, 4) if hits else 0.0,
+            "unjudged": sum(row["unjudged"] for row in by_outcome.values()),
+            "true_but_shared_answer": shared, "by_outcome": by_outcome, "examples": examples}
 
 
 def tenants_toml() -> str:
@@ -272,6 +399,8 @@ def summary(reqs: list[Request]) -> dict:
         tenants[r.tenant] += 1
     n = len(reqs)
     return {"requests": n, "distinct": len({r.identity() for r in reqs}),
+            "distinct_questions": len({r.question() for r in reqs}),
+            "max_tokens": {t: sorted({r.max_tokens for r in reqs if r.tenant == t}) for t in sorted(tenants)},
             "kinds": {k: round(v / n, 3) for k, v in sorted(kinds.items())},
             "tenants": {k: round(v / n, 3) for k, v in sorted(tenants.items())},
             "bursts": len({r.burst for r in reqs if r.burst >= 0}),
