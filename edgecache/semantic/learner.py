@@ -137,7 +137,7 @@ class TaughtState:
     def describe(self) -> str:
         """One sentence, as ``edgecache warmup`` prints it."""
         taught = f"taught {self.groups} group{'' if self.groups == 1 else 's'}"
-        waits = "so a paraphrase waits for the traffic's own labels"
+        waits = "so each group is served on its own taught labels only, with no pooled head start"
         if self.line is None:
             return f"{taught}: no question of another group to draw a line against, {waits}"
         if not self.separated:
