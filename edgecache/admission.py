@@ -1,10 +1,16 @@
 """Admission control in front of the engine: a cold cache must not send every request to the model at once, and no
 tenant may hold the engine against the others.
 
-At most ``max_running`` engine calls run at once in total; up to ``max_queue`` more wait for a slot for at most
-``queue_timeout_s``. Beyond that a call is refused at once with :class:`~edgecache.errors.Overloaded` (429 +
-Retry-After), which is better for everyone than a queue whose wait outgrows the client's patience ("all misses, GPU
-saturated, TTFT over 3 s, then an avalanche").
+At most ``max_running`` engine calls run at once in total; up to ``max_queue`` more wait for a slot. Beyond that a
+call is refused at once with :class:`~edgecache.errors.Overloaded` (429 + Retry-After), which is better for everyone
+than a queue whose wait outgrows the client's patience ("all misses, GPU saturated, TTFT over 3 s, then an
+avalanche").
+
+How long a call may wait is charged to its own tenant's load: a waiting call's clock runs only while its tenant has
+calls running, and past ``queue_timeout_s`` of it the call gets its 429 (its tenant sent more than the engine gives
+it). While its tenant has nothing running, the call waits for the turn it is owed, behind at most one call of each
+other tenant per slot, and no other tenant's load makes it time out; ``turn_timeout_s`` bounds that whole wait (an
+engine that stopped answering, calls longer than any client waits).
 
 Fair by tenant, weighted by plan (``weight_of``: a tenant's plan ``weight``, 1 by default):
 
@@ -16,8 +22,8 @@ Fair by tenant, weighted by plan (``weight_of``: a tenant's plan ``weight``, 1 b
   the tenants that have calls waiting, the tenant's own included. Alone, a tenant may use every slot (nothing idles
   for a tenant that is not there); once another waits, the next free slots go to the other until each is within its
   share. Running calls are never cut for it, so a newcomer waits behind at most one call of another tenant per slot
-  (the first to end). How long one call may hold its slot is the plan's ``max_request_engine_s``
-  (:func:`within_engine_time`).
+  (the first to end), however long: its clock does not run meanwhile. How long one call may hold its slot is the
+  plan's ``max_request_engine_s`` (:func:`within_engine_time`).
 - The queue is shared the same way: a tenant's share of it is ``ceil(max_queue * weight / W)``. A call that finds
   the queue full while its tenant waits less than its share takes the place of the newest waiting call of the
   tenant most over its share (that one gets the 429). So one tenant's burst can neither fill the queue against the
@@ -57,10 +63,11 @@ class _Waiter:
 
 class AdmissionGate:
     def __init__(self, *, max_running: int, max_queue: int, queue_timeout_s: float, retry_after_s: int,
-                 weight_of: Callable[[str], float] = lambda tenant: 1.0) -> None:
+                 turn_timeout_s: float = 600.0, weight_of: Callable[[str], float] = lambda tenant: 1.0) -> None:
         self.max_running = max_running
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
+        self.turn_timeout_s = max(turn_timeout_s, queue_timeout_s)
         self.retry_after_s = retry_after_s
         self.weight_of = weight_of  # tenant -> its plan's weight (> 0)
         self.running = 0
@@ -71,6 +78,10 @@ class AdmissionGate:
         self._now = 0.0                    # the pass of the last grant: a tenant back from idle starts there
         self._grants = 0
         self._last_grant: dict[str, int] = {}  # tenant -> when (in grants) it last got a slot: ties go to the older
+        # Each tenant's busy clock: the seconds it has had calls running (while it has waiting ones), what a waiting
+        # call's queue_timeout_s is charged against.
+        self._busy_total: dict[str, float] = {}
+        self._busy_since: dict[str, float] = {}  # tenant -> when its running calls went from none to one
         self.rejected = 0
 
     @property
@@ -86,6 +97,13 @@ class AdmissionGate:
         """Whether the engine has a free slot and nothing waits for one: the only time optional engine work (an
         exploration, a label, the judge) may start, since it would otherwise take a slot from a caller."""
         return self._queued == 0 and self.running < self.max_running
+
+    def _busy_clock(self, tenant: str) -> float:
+        """Seconds ``tenant`` has had calls running since the clock began (it is dropped once the tenant neither
+        runs nor waits)."""
+        since = self._busy_since.get(tenant)
+        running = time.monotonic() - since if since is not None else 0.0
+        return self._busy_total.get(tenant, 0.0) + running
 
     # ---- shares ----
 
@@ -135,6 +153,8 @@ class AdmissionGate:
         self._queued -= 1
         if not queue:
             del self._queues[waiter.tenant]
+            if not self.running_by_tenant.get(waiter.tenant):
+                self._busy_total.pop(waiter.tenant, None)
         return True
 
     def _make_room(self, tenant: str) -> bool:
@@ -181,7 +201,7 @@ class AdmissionGate:
             raise self._full()
         if not future.done():
             try:
-                await asyncio.wait_for(asyncio.shield(future), self.queue_timeout_s)
+                await self._wait(future, tenant)
             except (TimeoutError, asyncio.CancelledError) as exc:
                 if future.done() and not future.cancelled() and future.exception() is None:
                     self._release(tenant)  # granted just as we gave up: hand the slot on
@@ -189,13 +209,33 @@ class AdmissionGate:
                     future.cancel()
                     self._remove(waiter)
                 if isinstance(exc, TimeoutError):
-                    raise self._reject(f"waited {self.queue_timeout_s:.0f} s for a slot") from None
+                    raise self._reject(str(exc)) from None
                 raise
         future.result()  # raises the 429 of a call whose place in the queue another tenant's call took
         try:
             yield
         finally:
             self._release(tenant)
+
+    async def _wait(self, future: asyncio.Future[None], tenant: str) -> None:
+        """Wait for ``future`` (the grant), or raise TimeoutError (its text says why) once the call has waited
+        ``queue_timeout_s`` of its tenant's busy clock, or ``turn_timeout_s`` in all."""
+        started, charged_from = time.monotonic(), self._busy_clock(tenant)
+        while True:
+            charged = self._busy_clock(tenant) - charged_from
+            waited = time.monotonic() - started
+            if charged >= self.queue_timeout_s:
+                raise TimeoutError(f"waited {waited:.0f} s for a slot, {charged:.0f} s of it while this key's "
+                                   f"tenant had its own misses running")
+            if waited >= self.turn_timeout_s:
+                raise TimeoutError(f"waited {waited:.0f} s for a slot")
+            # The busy clock runs no faster than the wall's: the soonest either limit can be reached.
+            left = min(self.queue_timeout_s - charged, self.turn_timeout_s - waited)
+            try:
+                await asyncio.wait_for(asyncio.shield(future), left)
+                return
+            except TimeoutError:
+                continue
 
     def _release(self, tenant: str) -> None:
         self.running -= 1
@@ -204,10 +244,14 @@ class AdmissionGate:
             self.running_by_tenant[tenant] = left
         else:
             self.running_by_tenant.pop(tenant, None)
+            since = self._busy_since.pop(tenant, None)
             if tenant not in self._queues:
                 # Idle: nothing to remember (it comes back at the current pass).
                 self._pass.pop(tenant, None)
                 self._last_grant.pop(tenant, None)
+                self._busy_total.pop(tenant, None)
+            elif since is not None:
+                self._busy_total[tenant] = self._busy_total.get(tenant, 0.0) + time.monotonic() - since
         self._grant()
 
     def _grant(self) -> None:
@@ -227,6 +271,8 @@ class AdmissionGate:
             self._grants += 1
             self._last_grant[tenant] = self._grants
             self.running += 1
+            if not self.running_by_tenant.get(tenant):
+                self._busy_since[tenant] = time.monotonic()
             self.running_by_tenant[tenant] = self.running_by_tenant.get(tenant, 0) + 1
             waiter.future.set_result(None)
 

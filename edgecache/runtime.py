@@ -103,9 +103,12 @@ class Runtime:
                                        memory_bytes=settings.store.memory_bytes, faults=self.storage_faults,
                                        damaged_dir=self.damaged_dir)
         adm = settings.admission
-        self.admission = AdmissionGate(max_running=adm.max_concurrent_misses, max_queue=adm.max_queue,
-                                       queue_timeout_s=adm.queue_timeout_s, retry_after_s=adm.retry_after_s,
-                                       weight_of=self.engine_weight_for)
+        # An engine that runs one call at a time gets one: the rest wait in the gate's fair queue, not in the engine.
+        parallel = getattr(self.engine, "parallel_calls", None)
+        running = min(adm.max_concurrent_misses, parallel) if parallel else adm.max_concurrent_misses
+        self.admission = AdmissionGate(max_running=running, max_queue=adm.max_queue,
+                                       queue_timeout_s=adm.queue_timeout_s, turn_timeout_s=adm.turn_timeout_s,
+                                       retry_after_s=adm.retry_after_s, weight_of=self.engine_weight_for)
         self.metrics.track_admission(self.admission)
         self.metrics.ttft_p99_target_seconds.set(settings.slo.ttft_p99_s)
         self.ttl = TtlClassifier(settings.ttl_tiers)

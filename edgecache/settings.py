@@ -185,7 +185,11 @@ class AdmissionSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     max_queue: Annotated[int, Meta(ge=0), _help(
         "Most misses waiting for a slot; beyond it a request gets 429 with Retry-After at once.")] = 64
     queue_timeout_s: Annotated[float, Meta(gt=0), _help(
-        "How long a miss may wait for a slot before it gets 429.")] = 30.0
+        "How long a miss may wait for a slot while its own tenant has misses running before it gets 429 (a tenant "
+        "with nothing running waits for its turn instead).")] = 30.0
+    turn_timeout_s: Annotated[float, Meta(gt=0), _help(
+        "The longest a miss waits for a slot in all, its turn behind other tenants' misses included, before it "
+        "gets 429; never below queue_timeout_s.")] = 600.0
     retry_after_s: Annotated[int, Meta(ge=1), _help("The Retry-After a 429 carries.")] = 2
 
 

@@ -71,7 +71,7 @@ async def test_a_per_tenant_limit_does_not_block_other_tenants() -> None:
     assert gate.running == 0 and gate.queued == 0
 
 
-async def test_waiting_too_long_is_a_429_and_frees_the_queue() -> None:
+async def test_waiting_too_long_behind_its_own_tenant_is_a_429_and_frees_the_queue() -> None:
     gate = AdmissionGate(max_running=1, max_queue=1, queue_timeout_s=0.05, retry_after_s=3)
     hold = asyncio.Event()
 
@@ -82,15 +82,66 @@ async def test_waiting_too_long_is_a_429_and_frees_the_queue() -> None:
     task = asyncio.create_task(holder())
     await asyncio.sleep(0)
     with pytest.raises(Overloaded) as info:
-        async with gate.slot("b"):
+        async with gate.slot("a"):
             pass
     assert info.value.headers() == {"Retry-After": "3"}
+    assert "its own misses running" in str(info.value)
     assert gate.queued == 0
     hold.set()
     await task
-    async with gate.slot("b"):
+    async with gate.slot("a"):
         assert gate.running == 1
     assert gate.running == 0
+
+
+async def test_a_tenant_with_nothing_running_waits_its_turn_behind_a_long_call_of_another() -> None:
+    """beta's call waits behind acme's running call far past queue_timeout_s (its clock runs only while beta has
+    calls running) and gets the slot when acme's call ends, before acme's next one; past turn_timeout_s it would
+    get its 429. acme's own second call, waiting behind acme's first, gets its 429 at queue_timeout_s."""
+    gate = AdmissionGate(max_running=1, max_queue=8, queue_timeout_s=0.05, turn_timeout_s=30, retry_after_s=1)
+    hold = asyncio.Event()
+    order: list[str] = []
+
+    async def call(tenant: str) -> None:
+        async with gate.slot(tenant):
+            order.append(tenant)
+            if tenant == "acme" and len(order) == 1:
+                await hold.wait()
+
+    long_call = asyncio.create_task(call("acme"))
+    await until(lambda: gate.running == 1, "acme running")
+    beta = asyncio.create_task(call("beta"))
+    await until(lambda: gate.queued == 1, "beta waiting")
+    with pytest.raises(Overloaded):
+        await call("acme")  # behind its own tenant's call: charged, refused
+    await asyncio.sleep(0.3)  # six of beta's queue timeouts
+    assert not beta.done() and gate.queued == 1
+    late = asyncio.create_task(call("acme"))
+    await until(lambda: gate.queued == 2, "acme's next call waiting")
+    hold.set()
+    await asyncio.gather(long_call, beta, late)
+    assert order == ["acme", "beta", "acme"]
+    assert gate.running == 0 and gate.queued == 0
+    assert not gate._busy_total and not gate._busy_since  # nothing kept for idle tenants
+
+
+async def test_the_turn_timeout_bounds_the_whole_wait() -> None:
+    gate = AdmissionGate(max_running=1, max_queue=8, queue_timeout_s=0.01, turn_timeout_s=0.1, retry_after_s=1)
+    hold = asyncio.Event()
+
+    async def holder() -> None:
+        async with gate.slot("acme"):
+            await hold.wait()
+
+    task = asyncio.create_task(holder())
+    await until(lambda: gate.running == 1, "acme running")
+    with pytest.raises(Overloaded) as info:
+        async with gate.slot("beta"):
+            pass
+    assert "its own misses" not in str(info.value)
+    assert gate.queued == 0
+    hold.set()
+    await task
 
 
 async def test_a_cancelled_waiter_leaves_the_queue() -> None:
