@@ -50,7 +50,8 @@ local function forget(member, lru, sizes, tags, bytes, tag_prefix)
 end
 """
 
-# KEYS: entry, lru zset, sizes hash, tags hash, byte counter, tag set (or "")
+# KEYS: entry, lru zset, sizes hash, tags hash, byte counter, tag set (unused without a tag, but named all the same:
+# on a cluster every key of a script must be in the tenant's slot, and "" is not)
 # ARGV: encoded answer, ttl ms, now ms, quota bytes, tag ("" for none), tag-set prefix
 _PUT = """
 local member = KEYS[1]
@@ -231,7 +232,7 @@ class RedisResultStore:
         try:
             await self._link.run(self._scripts.put(
                 keys=[self.entry_key(key), self._lru, self._sizes, self._tags, self._bytes,
-                      self._tag_prefix + tag if tag else ""],
+                      self._tag_prefix + tag],
                 args=[raw, ttl_ms, time.time() * 1000, self.quota_bytes, tag, self._tag_prefix]))
         except LinkDown:
             return False  # kept in this node's memory tier; the fleet recomputes it at worst
