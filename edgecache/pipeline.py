@@ -111,6 +111,19 @@ def call_keys(call: Call, model_version: str, rule: str) -> Keys:
                                   scenario=call.scenario, any_max_tokens=True))
 
 
+def _answered_either_way(text: str, any_max_tokens: CachedAnswer | None, full: CachedAnswer | None) -> bool:
+    """Whether a warmup line whose answer can be counted in the model's tokens is already answered whatever the
+    count would say, so that it need not be counted: the store holds what it holds under the line's key without
+    ``max_tokens`` (its key when the tokens spell ``text`` back) and under its full key (its key otherwise).
+
+    That takes a taught answer (no prompt tokens: a computed one is replaced) under the key without ``max_tokens``,
+    and either an answer under the full key too, or that taught answer being this very text, with token ends (then
+    the tokens spell it back: it was counted from the same text, under the same model version)."""
+    if any_max_tokens is None or any_max_tokens.prompt_tokens > 0:
+        return False
+    return full is not None or (any_max_tokens.token_ends is not None and any_max_tokens.text == text)
+
+
 class CallKeys:
     """Request keys of recently served calls, by call identity.
 
@@ -480,37 +493,58 @@ class RequestPipeline:
         """Warmup: keep each ``text`` as the answer to its ``call``, in the store and (first-turn chat) the semantic
         index, as if the engine had written it. Per item: True written, False already answered (in the store, or
         earlier in ``known``), None when the store refused the write (a full disk: counted by the store). Batched
-        all the way down: one existence read and one write transaction per tenant, embeddings in large batches,
-        one index insert per index.
+        all the way down: one read per tenant (:meth:`~edgecache.stores.ResultStore.get_many`) of what its store
+        holds under every key a line's answer may go to, one write transaction per tenant, embeddings in large
+        batches, one index insert per index.
 
         Where the request's key can leave ``max_tokens`` out (a prefix-stable engine's), the answer is counted in
         the model's tokens and kept there: it serves every ``max_tokens``, cut with finish ``length`` where it is
         longer, and it replaces an answer computed for the request before it was taught (a taught answer has no
-        prompt tokens; a computed one has). Elsewhere it stays under the key with ``max_tokens`` and serves that
-        limit only. Its prompt tokens are unknown and reported as 0."""
-        now = time.time()
+        prompt tokens; a computed one has). Elsewhere (and where the tokens do not spell the answer back) it stays
+        under the key with ``max_tokens`` and serves that limit only. A line already answered under whichever key
+        the count would choose (:func:`_answered_either_way`: a warmup run again) is not counted. Its prompt tokens
+        are unknown and reported as 0."""
         keys_of = [self._keys_of(call) for call, _ in known]
-        ends = await self._answer_ends(known, keys_of)
-        answers = [CachedAnswer(text=text, finish_reason="stop", prompt_tokens=0,
-                                completion_tokens=len(ends[i] or ()), created_at=now,
-                                expires_at=now + self.ttl_for(call), token_ends=ends[i])
-                   for i, (call, text) in enumerate(known)]
-        keys = [k.for_answer(answer) for k, answer in zip(keys_of, answers)]
+        counted = isinstance(self.engine, AnswerTokens)
+        wanted: dict[str, list[str]] = {}
+        for (call, _), keys in zip(known, keys_of):
+            candidates = wanted.setdefault(call.tenant, [])
+            if counted and keys.any_max_tokens is not None:
+                candidates.append(keys.any_max_tokens)
+            candidates.append(keys.full)
+        held: dict[tuple[str, str], CachedAnswer | None] = {}
+        for tenant, candidates in wanted.items():
+            unique = list(dict.fromkeys(candidates))
+            found = await self.stores(tenant).get_many(unique)
+            held.update(((tenant, key), answer) for key, answer in zip(unique, found))
+        todo = [i for i, ((call, text), keys) in enumerate(zip(known, keys_of))
+                if not (counted and keys.any_max_tokens is not None and _answered_either_way(
+                    text, held[call.tenant, keys.any_max_tokens], held[call.tenant, keys.full]))]
+        ends = await self._answer_ends([known[i] for i in todo], [keys_of[i] for i in todo])
+        now = time.time()
+        answers = {i: CachedAnswer(text=known[i][1], finish_reason="stop", prompt_tokens=0,
+                                   completion_tokens=len(found_ends or ()), created_at=now,
+                                   expires_at=now + self.ttl_for(known[i][0]), token_ends=found_ends)
+                   for i, found_ends in zip(todo, ends)}
+        keys = {i: keys_of[i].for_answer(answer) for i, answer in answers.items()}
         outcome: list[bool | None] = [False] * len(known)
         by_tenant: dict[str, list[int]] = {}
         seen: set[tuple[str, str]] = set()
-        for i, (call, _) in enumerate(known):
-            if (call.tenant, keys[i]) not in seen:  # a repeated line is "already answered"
-                seen.add((call.tenant, keys[i]))
-                by_tenant.setdefault(call.tenant, []).append(i)
+        for i in todo:
+            tenant = known[i][0].tenant
+            if (tenant, keys[i]) not in seen:  # a repeated line is "already answered"
+                seen.add((tenant, keys[i]))
+                by_tenant.setdefault(tenant, []).append(i)
         for tenant, items in by_tenant.items():
             store = self.stores(tenant)
-            present = await store.contains_many([keys[i] for i in items])
-            replaced = [i for i, there in zip(items, present) if there and await self._computed(store, keys[i], i,
-                                                                                               keys_of)]
-            for i in replaced:
-                await store.delete(keys[i])  # the memory copy too: a bulk write does not fill (or clear) it
-            fresh = sorted([i for i, there in zip(items, present) if not there] + replaced)
+            fresh = []
+            for i in items:
+                there = held[tenant, keys[i]]
+                if there is not None and keys[i] == keys_of[i].any_max_tokens and there.prompt_tokens > 0:
+                    await store.delete(keys[i])  # computed: replaced (the memory copy too, which a bulk write skips)
+                    there = None
+                if there is None:
+                    fresh.append(i)
             stored = await store.put_many([(keys[i], answers[i], known[i][0].scenario) for i in fresh])
             for i in fresh:
                 outcome[i] = True if stored else None
@@ -531,15 +565,6 @@ class RequestPipeline:
             for i, found in zip(counted, await self.engine.answer_token_ends([known[i][1] for i in counted])):
                 ends[i] = found
         return ends
-
-    @staticmethod
-    async def _computed(store: ResultStore, key: str, i: int, keys_of: list[Keys]) -> bool:
-        """Whether the answer under a taught line's key without ``max_tokens`` was computed (the teaching replaces
-        it) rather than taught (the line is already answered)."""
-        if key != keys_of[i].any_max_tokens:
-            return False
-        answer = await store.get(key)
-        return answer is not None and answer.prompt_tokens > 0
 
     async def _index_known(self, tenant: str, calls: list[tuple[Call, Keys, str]]) -> None:
         assert self.semantic is not None
