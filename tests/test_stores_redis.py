@@ -231,6 +231,8 @@ async def test_get_many_reads_what_get_reads_in_the_order_asked_and_fills_no_mem
     node = open_node()
     try:
         store, other = node("t1"), node("t2")
+        assert isinstance(store, (DiskResultStore, RedisResultStore))
+        store.READ_BATCH = 2  # the keys below span several of the backend's batches
         await store.put("a", answer("A"), tag="default")
         await store.put("b", answer("B"))
         await store.put("soon", answer("gone soon", ttl_s=0.05))

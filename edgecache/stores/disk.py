@@ -48,6 +48,7 @@ class DiskResultStore:
     """diskcache on disk + :class:`MemoryTier` in front. Construct, use, then :meth:`close` (safe twice)."""
 
     REOPEN_INTERVAL_S = 5.0
+    READ_BATCH = 256  # disk reads of get_many per SQLite transaction
 
     def __init__(self, directory: Path, *, disk_bytes: int, memory_bytes: int, faults: StorageFaults | None = None,
                  damaged_dir: Path | None = None) -> None:
@@ -283,12 +284,16 @@ class DiskResultStore:
             return found
 
         def read(disk: diskcache.Cache) -> list[CachedAnswer | bool | None]:
-            # Per key: its answer, None when absent, False when unreadable.
+            # Per key: its answer, None when absent, False when unreadable. Under the LRU policy each get stamps
+            # its entry's access time, a transaction of its own: READ_BATCH of them share one, and the writer
+            # thread gets its turn between batches.
             out: list[CachedAnswer | bool | None] = []
-            for i in wanted:
-                raw = disk.get(keys[i])
-                answer = None if raw is None else self._decode(raw)
-                out.append(False if raw is not None and answer is None else answer)
+            for start in range(0, len(wanted), self.READ_BATCH):
+                with disk.transact():
+                    raws = [disk.get(keys[i]) for i in wanted[start:start + self.READ_BATCH]]
+                for raw in raws:
+                    answer = None if raw is None else self._decode(raw)
+                    out.append(False if raw is not None and answer is None else answer)
             return out
 
         read_back = await self._on_disk(self._reader, "reads answered as misses", [None] * len(wanted), False, read)
