@@ -111,17 +111,11 @@ def call_keys(call: Call, model_version: str, rule: str) -> Keys:
                                   scenario=call.scenario, any_max_tokens=True))
 
 
-def _answered_either_way(text: str, any_max_tokens: CachedAnswer | None, full: CachedAnswer | None) -> bool:
-    """Whether a warmup line whose answer can be counted in the model's tokens is already answered whatever the
-    count would say, so that it need not be counted: the store holds what it holds under the line's key without
-    ``max_tokens`` (its key when the tokens spell ``text`` back) and under its full key (its key otherwise).
-
-    That takes a taught answer (no prompt tokens: a computed one is replaced) under the key without ``max_tokens``,
-    and either an answer under the full key too, or that taught answer being this very text, with token ends (then
-    the tokens spell it back: it was counted from the same text, under the same model version)."""
-    if any_max_tokens is None or any_max_tokens.prompt_tokens > 0:
-        return False
-    return full is not None or (any_max_tokens.token_ends is not None and any_max_tokens.text == text)
+def _taught_as(text: str, answer: CachedAnswer | None) -> bool:
+    """Whether ``answer``, under a warmup line's key without ``max_tokens``, is ``text`` as a warmup taught it (no
+    prompt tokens, token ends). Then the line is already answered, and needs no counting in the model's tokens:
+    they spell the text back, since they were counted from this same text under this same model version."""
+    return answer is not None and answer.prompt_tokens == 0 and answer.token_ends is not None and answer.text == text
 
 
 class CallKeys:
@@ -493,33 +487,26 @@ class RequestPipeline:
         """Warmup: keep each ``text`` as the answer to its ``call``, in the store and (first-turn chat) the semantic
         index, as if the engine had written it. Per item: True written, False already answered (in the store, or
         earlier in ``known``), None when the store refused the write (a full disk: counted by the store). Batched
-        all the way down: one read per tenant (:meth:`~edgecache.stores.ResultStore.get_many`) of what its store
-        holds under every key a line's answer may go to, one write transaction per tenant, embeddings in large
+        all the way down: one read per tenant of what its store holds under the lines' keys
+        (:meth:`~edgecache.stores.ResultStore.get_many`), one write transaction per tenant, embeddings in large
         batches, one index insert per index.
 
         Where the request's key can leave ``max_tokens`` out (a prefix-stable engine's), the answer is counted in
         the model's tokens and kept there: it serves every ``max_tokens``, cut with finish ``length`` where it is
         longer, and it replaces an answer computed for the request before it was taught (a taught answer has no
-        prompt tokens; a computed one has). Elsewhere (and where the tokens do not spell the answer back) it stays
-        under the key with ``max_tokens`` and serves that limit only. A line already answered under whichever key
-        the count would choose (:func:`_answered_either_way`: a warmup run again) is not counted. Its prompt tokens
-        are unknown and reported as 0."""
+        prompt tokens; a computed one has). Elsewhere, and where the tokens do not spell the answer back, it stays
+        under the key with ``max_tokens`` and serves that limit only (the store's answers under those keys are read
+        in a second batch). A line whose key without ``max_tokens`` already holds this very answer, taught
+        (:func:`_taught_as`: a warmup run again), is not counted. Its prompt tokens are unknown and reported as 0."""
         keys_of = [self._keys_of(call) for call, _ in known]
         counted = isinstance(self.engine, AnswerTokens)
-        wanted: dict[str, list[str]] = {}
-        for (call, _), keys in zip(known, keys_of):
-            candidates = wanted.setdefault(call.tenant, [])
-            if counted and keys.any_max_tokens is not None:
-                candidates.append(keys.any_max_tokens)
-            candidates.append(keys.full)
+        # Where each answer goes unless its tokens do not spell it back.
+        likely = [keys.any_max_tokens if counted and keys.any_max_tokens is not None else keys.full
+                  for keys in keys_of]
         held: dict[tuple[str, str], CachedAnswer | None] = {}
-        for tenant, candidates in wanted.items():
-            unique = list(dict.fromkeys(candidates))
-            found = await self.stores(tenant).get_many(unique)
-            held.update(((tenant, key), answer) for key, answer in zip(unique, found))
+        await self._read_held(held, [(call.tenant, key) for (call, _), key in zip(known, likely)])
         todo = [i for i, ((call, text), keys) in enumerate(zip(known, keys_of))
-                if not (counted and keys.any_max_tokens is not None and _answered_either_way(
-                    text, held[call.tenant, keys.any_max_tokens], held[call.tenant, keys.full]))]
+                if likely[i] == keys.full or not _taught_as(text, held[call.tenant, likely[i]])]
         ends = await self._answer_ends([known[i] for i in todo], [keys_of[i] for i in todo])
         now = time.time()
         answers = {i: CachedAnswer(text=known[i][1], finish_reason="stop", prompt_tokens=0,
@@ -527,6 +514,7 @@ class RequestPipeline:
                                    expires_at=now + self.ttl_for(known[i][0]), token_ends=found_ends)
                    for i, found_ends in zip(todo, ends)}
         keys = {i: keys_of[i].for_answer(answer) for i, answer in answers.items()}
+        await self._read_held(held, [(known[i][0].tenant, keys[i]) for i in todo])  # the full keys not read yet
         outcome: list[bool | None] = [False] * len(known)
         by_tenant: dict[str, list[int]] = {}
         seen: set[tuple[str, str]] = set()
@@ -553,6 +541,18 @@ class RequestPipeline:
             if stored and self.semantic is not None:
                 await self._index_known(tenant, [(known[i][0], keys_of[i], keys[i]) for i in fresh])
         return outcome
+
+    async def _read_held(self, held: dict[tuple[str, str], CachedAnswer | None],
+                         wanted: Sequence[tuple[str, str]]) -> None:
+        """Add to ``held`` what each tenant's store holds under the ``(tenant, key)`` pairs it lacks: one batched
+        read per tenant (none where it lacks nothing)."""
+        by_tenant: dict[str, dict[str, None]] = {}
+        for tenant, key in wanted:
+            if (tenant, key) not in held:
+                by_tenant.setdefault(tenant, {})[key] = None
+        for tenant, unique in by_tenant.items():
+            found = await self.stores(tenant).get_many(list(unique))
+            held.update(((tenant, key), answer) for key, answer in zip(unique, found))
 
     def _keys_of(self, call: Call) -> Keys:
         return call_keys(call, self.engine.version, prefix_stable_of(self.engine))

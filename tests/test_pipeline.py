@@ -418,15 +418,16 @@ async def test_a_second_warmup_of_the_same_lines_reads_each_store_once(tmp_path:
         engine.counted.clear()
         again = await warm(pipeline, lines)
         assert [r.outcome for r in again] == ["skipped"] * 401
-        # One batched read of both keys a line may go to, no single read per line; only the line whose tokens do
-        # not spell its answer back is counted again (its key is whichever the count says).
-        assert (stores["t1"].gets, stores["t1"].batched) == (0, [2 * 401])
+        # One batched read of the lines' keys without max_tokens, no single read per line. Only the line whose
+        # tokens do not spell its answer back is counted again (its key is whichever the count says: the full one,
+        # read in a second batch).
+        assert (stores["t1"].gets, stores["t1"].batched) == (0, [401, 1])
         assert engine.counted == ["an~answer"]
         # Another tenant's same lines are its own: written, in its own store, the first tenant's untouched.
         other = await warm(pipeline, [(n, msgspec.structs.replace(call, tenant="t2"), text)
                                       for n, call, text in lines])
         assert [r.outcome for r in other] == ["written"] * 401
-        assert stores["t2"].batched == [2 * 401] and stores["t1"].batched == [2 * 401]
+        assert stores["t2"].batched == [401, 1] and stores["t1"].batched == [401, 1]
         assert engine.calls == 0  # no line reached the engine
     finally:
         for store in stores.values():
@@ -443,10 +444,11 @@ async def test_a_warmup_counts_the_lines_whose_key_the_count_decides(store: Disk
     # One the tokens do not spell back: its key is the full one, which holds nothing yet.
     assert await pipeline.store_known_answers([(q, "the third~answer")]) == [True]
     assert engine.counted == ["the first answer", "a second answer", "the third~answer"]
-    # Both keys hold an answer now: any text is already answered, whatever its count.
+    # Both keys hold an answer now: every text is already answered. Only the one taught under the key without
+    # max_tokens is known to be there without counting it.
     assert await pipeline.store_known_answers([(q, "a fourth answer"), (q, "the first answer"),
                                                (q, "the third~answer")]) == [False, False, False]
-    assert len(engine.counted) == 3
+    assert engine.counted[3:] == ["a fourth answer", "the third~answer"]
     served, chunks = await serve_all(pipeline, Call(request=chat("q", max_tokens=2)))
     assert (served, text_of(chunks)) == ("exact", "the first")  # the taught answer, cut
 
