@@ -111,6 +111,13 @@ def call_keys(call: Call, model_version: str, rule: str) -> Keys:
                                   scenario=call.scenario, any_max_tokens=True))
 
 
+def _taught_as(text: str, answer: CachedAnswer | None) -> bool:
+    """Whether ``answer``, under a warmup line's key without ``max_tokens``, is ``text`` as a warmup taught it (no
+    prompt tokens, token ends). Then the line is already answered, and needs no counting in the model's tokens:
+    they spell the text back, since they were counted from this same text under this same model version."""
+    return answer is not None and answer.prompt_tokens == 0 and answer.token_ends is not None and answer.text == text
+
+
 class CallKeys:
     """Request keys of recently served calls, by call identity.
 
@@ -480,37 +487,52 @@ class RequestPipeline:
         """Warmup: keep each ``text`` as the answer to its ``call``, in the store and (first-turn chat) the semantic
         index, as if the engine had written it. Per item: True written, False already answered (in the store, or
         earlier in ``known``), None when the store refused the write (a full disk: counted by the store). Batched
-        all the way down: one existence read and one write transaction per tenant, embeddings in large batches,
-        one index insert per index.
+        all the way down: one read per tenant of what its store holds under the lines' keys
+        (:meth:`~edgecache.stores.ResultStore.get_many`), one write transaction per tenant, embeddings in large
+        batches, one index insert per index.
 
         Where the request's key can leave ``max_tokens`` out (a prefix-stable engine's), the answer is counted in
         the model's tokens and kept there: it serves every ``max_tokens``, cut with finish ``length`` where it is
         longer, and it replaces an answer computed for the request before it was taught (a taught answer has no
-        prompt tokens; a computed one has). Elsewhere it stays under the key with ``max_tokens`` and serves that
-        limit only. Its prompt tokens are unknown and reported as 0."""
-        now = time.time()
+        prompt tokens; a computed one has). Elsewhere, and where the tokens do not spell the answer back, it stays
+        under the key with ``max_tokens`` and serves that limit only (the store's answers under those keys are read
+        in a second batch). A line whose key without ``max_tokens`` already holds this very answer, taught
+        (:func:`_taught_as`: a warmup run again), is not counted. Its prompt tokens are unknown and reported as 0."""
         keys_of = [self._keys_of(call) for call, _ in known]
-        ends = await self._answer_ends(known, keys_of)
-        answers = [CachedAnswer(text=text, finish_reason="stop", prompt_tokens=0,
-                                completion_tokens=len(ends[i] or ()), created_at=now,
-                                expires_at=now + self.ttl_for(call), token_ends=ends[i])
-                   for i, (call, text) in enumerate(known)]
-        keys = [k.for_answer(answer) for k, answer in zip(keys_of, answers)]
+        counted = isinstance(self.engine, AnswerTokens)
+        # Where each answer goes unless its tokens do not spell it back.
+        likely = [keys.any_max_tokens if counted and keys.any_max_tokens is not None else keys.full
+                  for keys in keys_of]
+        held: dict[tuple[str, str], CachedAnswer | None] = {}
+        await self._read_held(held, [(call.tenant, key) for (call, _), key in zip(known, likely)])
+        todo = [i for i, ((call, text), keys) in enumerate(zip(known, keys_of))
+                if likely[i] == keys.full or not _taught_as(text, held[call.tenant, likely[i]])]
+        ends = await self._answer_ends([known[i] for i in todo], [keys_of[i] for i in todo])
+        now = time.time()
+        answers = {i: CachedAnswer(text=known[i][1], finish_reason="stop", prompt_tokens=0,
+                                   completion_tokens=len(found_ends or ()), created_at=now,
+                                   expires_at=now + self.ttl_for(known[i][0]), token_ends=found_ends)
+                   for i, found_ends in zip(todo, ends)}
+        keys = {i: keys_of[i].for_answer(answer) for i, answer in answers.items()}
+        await self._read_held(held, [(known[i][0].tenant, keys[i]) for i in todo])  # the full keys not read yet
         outcome: list[bool | None] = [False] * len(known)
         by_tenant: dict[str, list[int]] = {}
         seen: set[tuple[str, str]] = set()
-        for i, (call, _) in enumerate(known):
-            if (call.tenant, keys[i]) not in seen:  # a repeated line is "already answered"
-                seen.add((call.tenant, keys[i]))
-                by_tenant.setdefault(call.tenant, []).append(i)
+        for i in todo:
+            tenant = known[i][0].tenant
+            if (tenant, keys[i]) not in seen:  # a repeated line is "already answered"
+                seen.add((tenant, keys[i]))
+                by_tenant.setdefault(tenant, []).append(i)
         for tenant, items in by_tenant.items():
             store = self.stores(tenant)
-            present = await store.contains_many([keys[i] for i in items])
-            replaced = [i for i, there in zip(items, present) if there and await self._computed(store, keys[i], i,
-                                                                                               keys_of)]
-            for i in replaced:
-                await store.delete(keys[i])  # the memory copy too: a bulk write does not fill (or clear) it
-            fresh = sorted([i for i, there in zip(items, present) if not there] + replaced)
+            fresh = []
+            for i in items:
+                there = held[tenant, keys[i]]
+                if there is not None and keys[i] == keys_of[i].any_max_tokens and there.prompt_tokens > 0:
+                    await store.delete(keys[i])  # computed: replaced (the memory copy too, which a bulk write skips)
+                    there = None
+                if there is None:
+                    fresh.append(i)
             stored = await store.put_many([(keys[i], answers[i], known[i][0].scenario) for i in fresh])
             for i in fresh:
                 outcome[i] = True if stored else None
@@ -519,6 +541,18 @@ class RequestPipeline:
             if stored and self.semantic is not None:
                 await self._index_known(tenant, [(known[i][0], keys_of[i], keys[i]) for i in fresh])
         return outcome
+
+    async def _read_held(self, held: dict[tuple[str, str], CachedAnswer | None],
+                         wanted: Sequence[tuple[str, str]]) -> None:
+        """Add to ``held`` what each tenant's store holds under the ``(tenant, key)`` pairs it lacks: one batched
+        read per tenant (none where it lacks nothing)."""
+        by_tenant: dict[str, dict[str, None]] = {}
+        for tenant, key in wanted:
+            if (tenant, key) not in held:
+                by_tenant.setdefault(tenant, {})[key] = None
+        for tenant, unique in by_tenant.items():
+            found = await self.stores(tenant).get_many(list(unique))
+            held.update(((tenant, key), answer) for key, answer in zip(unique, found))
 
     def _keys_of(self, call: Call) -> Keys:
         return call_keys(call, self.engine.version, prefix_stable_of(self.engine))
@@ -531,15 +565,6 @@ class RequestPipeline:
             for i, found in zip(counted, await self.engine.answer_token_ends([known[i][1] for i in counted])):
                 ends[i] = found
         return ends
-
-    @staticmethod
-    async def _computed(store: ResultStore, key: str, i: int, keys_of: list[Keys]) -> bool:
-        """Whether the answer under a taught line's key without ``max_tokens`` was computed (the teaching replaces
-        it) rather than taught (the line is already answered)."""
-        if key != keys_of[i].any_max_tokens:
-            return False
-        answer = await store.get(key)
-        return answer is not None and answer.prompt_tokens > 0
 
     async def _index_known(self, tenant: str, calls: list[tuple[Call, Keys, str]]) -> None:
         assert self.semantic is not None

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import aclosing
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from edgecache.engines.base import Chunk, GenerationRequest, Message, SamplingParams
@@ -17,7 +18,9 @@ from edgecache.metrics import Metrics
 from edgecache.call import Call
 from edgecache.pipeline import RequestPipeline
 from edgecache.admission import AdmissionGate
+from edgecache.stores import CachedAnswer
 from edgecache.stores.disk import DiskResultStore
+from edgecache.warmup import warm
 from tests.fakes import FakeEngine
 
 
@@ -364,6 +367,90 @@ async def test_a_taught_answer_serves_every_max_tokens_and_replaces_a_computed_o
     assert (await pipeline.store_known_answers([(Call(request=chat("q", max_tokens=4)), "another")])) == [False]
     served, chunks = await serve_all(pipeline, Call(request=chat("q", max_tokens=50)))
     assert text_of(chunks) == "the taught answer"
+
+
+class SpellingEngine(WordEngine):
+    """A :class:`WordEngine` that records the answers it counts; one with a ``~`` is not spelled back by its
+    tokens (None), as a text the model's tokenizer does not round-trip."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counted: list[str] = []
+
+    async def answer_token_ends(self, texts: list[str]) -> list[tuple[int, ...] | None]:
+        self.counted.extend(texts)
+        ends = await super().answer_token_ends(texts)
+        return [None if "~" in text else found for text, found in zip(texts, ends)]
+
+
+class CountedStore(DiskResultStore):
+    """The disk store, counting its single and batched reads."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory, disk_bytes=64 * 2**20, memory_bytes=4 * 2**20)
+        self.gets = 0
+        self.batched: list[int] = []
+
+    async def get(self, key: str) -> CachedAnswer | None:
+        self.gets += 1
+        return await super().get(key)
+
+    async def get_many(self, keys: Sequence[str]) -> list[CachedAnswer | None]:
+        self.batched.append(len(keys))
+        return await super().get_many(keys)
+
+
+async def test_a_second_warmup_of_the_same_lines_reads_each_store_once(tmp_path: Path) -> None:
+    engine = SpellingEngine()
+    stores = {tenant: CountedStore(tmp_path / tenant) for tenant in ("t1", "t2")}
+    pipeline = RequestPipeline(engine=engine, stores=stores.__getitem__, inflight=InflightTable(), metrics=Metrics(),
+                               ttl_for=lambda call: 3600.0,
+                               admission=AdmissionGate(max_running=4, max_queue=4, queue_timeout_s=5, retry_after_s=1))
+    try:
+        lines = [(n, Call(request=chat(f"question {n}", max_tokens=16), tenant="t1"), f"answer {n}")
+                 for n in range(1, 401)]
+        lines.append((401, Call(request=chat("odd", max_tokens=16), tenant="t1"), "an~answer"))  # under its full key
+        first = await warm(pipeline, lines)
+        assert [r.outcome for r in first] == ["written"] * 401
+        assert len(engine.counted) == 401
+        for store in stores.values():
+            store.gets, store.batched = 0, []
+        engine.counted.clear()
+        again = await warm(pipeline, lines)
+        assert [r.outcome for r in again] == ["skipped"] * 401
+        # One batched read of the lines' keys without max_tokens, no single read per line. Only the line whose
+        # tokens do not spell its answer back is counted again (its key is whichever the count says: the full one,
+        # read in a second batch).
+        assert (stores["t1"].gets, stores["t1"].batched) == (0, [401, 1])
+        assert engine.counted == ["an~answer"]
+        # Another tenant's same lines are its own: written, in its own store, the first tenant's untouched.
+        other = await warm(pipeline, [(n, msgspec.structs.replace(call, tenant="t2"), text)
+                                      for n, call, text in lines])
+        assert [r.outcome for r in other] == ["written"] * 401
+        assert stores["t2"].batched == [401, 1] and stores["t1"].batched == [401, 1]
+        assert engine.calls == 0  # no line reached the engine
+    finally:
+        for store in stores.values():
+            store.close()
+
+
+async def test_a_warmup_counts_the_lines_whose_key_the_count_decides(store: DiskResultStore) -> None:
+    engine = SpellingEngine()
+    pipeline = make_pipeline(engine, store)
+    q = Call(request=chat("q", max_tokens=16))
+    assert await pipeline.store_known_answers([(q, "the first answer")]) == [True]  # under the key without max_tokens
+    # Another text: counted, its key is the first one's: already answered.
+    assert await pipeline.store_known_answers([(q, "a second answer")]) == [False]
+    # One the tokens do not spell back: its key is the full one, which holds nothing yet.
+    assert await pipeline.store_known_answers([(q, "the third~answer")]) == [True]
+    assert engine.counted == ["the first answer", "a second answer", "the third~answer"]
+    # Both keys hold an answer now: every text is already answered. Only the one taught under the key without
+    # max_tokens is known to be there without counting it.
+    assert await pipeline.store_known_answers([(q, "a fourth answer"), (q, "the first answer"),
+                                               (q, "the third~answer")]) == [False, False, False]
+    assert engine.counted[3:] == ["a fourth answer", "the third~answer"]
+    served, chunks = await serve_all(pipeline, Call(request=chat("q", max_tokens=2)))
+    assert (served, text_of(chunks)) == ("exact", "the first")  # the taught answer, cut
 
 
 async def test_a_follower_of_a_smaller_max_tokens_is_cut_from_a_running_leader(store: DiskResultStore) -> None:

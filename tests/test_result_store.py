@@ -311,7 +311,7 @@ def test_memory_tier_replays_its_reads_in_batches_kept_while_the_backend_cannot_
         tier.put(f"k{n}", answer(), 100)
     for n in range(batch - 1):
         assert tier.get(f"k{n}") is not None
-    assert tier.get("never-stored") is None and tier.holds("k0", time.time())  # neither is a read to replay
+    assert tier.get("never-stored") is None and tier.peek("k0", time.time()) is not None  # neither is a read
     assert batches == []  # not a full batch yet
     assert tier.get(f"k{batch - 1}") is not None
     assert batches == []  # a full batch, but the backend refused it: kept, not lost
@@ -323,6 +323,22 @@ def test_memory_tier_replays_its_reads_in_batches_kept_while_the_backend_cannot_
     assert tier.stats() == {"memory_entries": batch + 1, "memory_bytes": (batch + 1) * 100}
     tier.forget()
     assert tier.get("k0") is None and tier.stats() == {"memory_entries": 0, "memory_bytes": 0}
+
+
+def test_a_memory_tier_peek_is_no_read_to_replay_and_misses_an_expired_copy() -> None:
+    replayed: list[set[str]] = []
+    tier = MemoryTier(max_bytes=10**6, replay=lambda keys: replayed.append(set(keys)) or True)
+    now = time.time()
+    tier.put("live", answer("here"), 100)
+    tier.put("old", answer("gone", ttl_s=1.0, now=now - 2), 100)
+    for _ in range(MemoryTier.READ_SYNC_BATCH + 1):
+        assert tier.peek("live", now).text == "here"  # type: ignore[union-attr]
+    assert tier.peek("old", now) is None and tier.peek("never-stored", now) is None
+    tier.replay_reads()
+    assert replayed == []
+    assert tier.get("live") is not None
+    tier.replay_reads()
+    assert replayed == [{"live"}]  # whereas a get is one
 
 
 # --- corrupt entries -------------------------------------------------------------------------------------------
@@ -364,6 +380,24 @@ async def test_a_non_bytes_entry_reads_as_a_miss_and_is_deleted(store_dir: Path)
     try:
         assert await store.get("k") is None
         assert (await store.stats())["entries"] == 0
+    finally:
+        store.close()
+
+
+async def test_get_many_reads_every_damaged_entry_as_a_miss_and_drops_it(store_dir: Path) -> None:
+    # What get does for one entry, in one batched read (a warmup's): garbage, another layout, a non-bytes value.
+    with diskcache.Cache(str(store_dir)) as raw:
+        raw.set("garbage", b"\x93garbage that is not a CachedAnswer")
+        raw.set("layout", msgspec.msgpack.encode({"text": "old", "finish_reason": "stop"}))
+        raw.set("str", "a str written by an older version")
+    store = open_store(store_dir)
+    try:
+        await store.put("good", answer("kept"))
+        store.forget_memory()
+        got = await store.get_many(["garbage", "good", "layout", "str", "absent"])
+        assert [None if a is None else a.text for a in got] == [None, "kept", None, None, None]
+        stats = await store.stats()
+        assert stats["entries"] == 1 and stats["dropped_unreadable"] == 3
     finally:
         store.close()
 

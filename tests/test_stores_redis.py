@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -15,8 +15,8 @@ import pytest
 from edgecache.errors import NotReady
 from edgecache.fleet.link import RedisLink
 from edgecache.stores import CachedAnswer, ResultStores
-from edgecache.stores.disk import TenantStores
-from edgecache.stores.redis import RedisTenantStores
+from edgecache.stores.disk import DiskResultStore, TenantStores
+from edgecache.stores.redis import RedisResultStore, RedisTenantStores
 from tests.conftest import until
 from edgecache.bench.redis_servers import RedisServer
 
@@ -158,6 +158,7 @@ async def test_redis_down_serves_from_memory_and_never_raises_on_the_request_pat
         redis_server.kill()
         assert (await store.get("hot")).text == "in memory"  # type: ignore[union-attr]
         assert await store.get("cold") is None          # a miss, not an error: the engine will answer it
+        assert texts(await store.get_many(["cold", "hot"])) == [None, "in memory"]  # a warmup's look, too
         await store.put("new", answer("kept here"))      # no error; kept in the memory tier
         assert not link.up and link.error
         assert (await store.get("new")).text == "kept here"  # type: ignore[union-attr]
@@ -202,6 +203,94 @@ async def test_both_backends_answer_the_one_store_protocol(backend: str, link: R
         assert stats["entries"] == 1 and stats["memory_entries"] == 1 and (await store.get("k")).text == "kept"  # type: ignore[union-attr]
     finally:
         node.close()
+
+
+@pytest.fixture(params=["disk", "redis", "redis-cluster"])
+async def open_node(request: pytest.FixtureRequest, tmp_path: Any) -> AsyncIterator[Callable[[], ResultStores]]:
+    """Opens one node's stores on one backend: disk, one Redis, or a Redis Cluster (emptied for the test)."""
+    if request.param == "disk":
+        yield lambda: TenantStores(tmp_path / "results", quota_for=lambda tenant: 10**6, memory_bytes=10**6)
+        return
+    url = str(request.getfixturevalue("redis_url")) if request.param == "redis" else \
+        request.getfixturevalue("redis_cluster").url
+    if request.param == "redis-cluster":
+        request.getfixturevalue("redis_cluster").flushall()
+    link = RedisLink(url, timeout_s=5.0, check_interval_s=0.05)
+    await link.start()
+    assert link.up
+    yield lambda: stores_on(link)
+    await link.close()
+
+
+def texts(answers: list[CachedAnswer | None]) -> list[str | None]:
+    return [None if a is None else a.text for a in answers]
+
+
+async def test_get_many_reads_what_get_reads_in_the_order_asked_and_fills_no_memory_copy(
+        open_node: Callable[[], ResultStores]) -> None:
+    node = open_node()
+    try:
+        store, other = node("t1"), node("t2")
+        assert isinstance(store, (DiskResultStore, RedisResultStore))
+        store.READ_BATCH = 2  # the keys below span several of the backend's batches
+        await store.put("a", answer("A"), tag="default")
+        await store.put("b", answer("B"))
+        await store.put("soon", answer("gone soon", ttl_s=0.05))
+        await other.put("c", answer("theirs"))
+        store.forget_memory()
+        time.sleep(0.1)
+        got = await store.get_many(["a", "missing", "b", "soon", "c", "a"])
+        assert texts(got) == ["A", None, "B", None, None, "A"]
+        assert store.get_memory("a") is None and (await store.stats())["memory_entries"] == 0  # not filled
+        assert texts(await other.get_many(["a", "b", "c"])) == [None, None, "theirs"]  # tenants apart
+        assert await store.get_many([]) == []
+        # A copy in the memory tier answers without the backend: one written by this node since.
+        await store.put("new", answer("in memory"))
+        assert store.get_memory("new") is not None
+        assert texts(await store.get_many(["new", "a"])) == ["in memory", "A"]
+    finally:
+        node.close()
+
+
+async def test_get_many_drops_and_counts_an_unreadable_entry(open_node: Callable[[], ResultStores]) -> None:
+    node = open_node()
+    try:
+        store = node("t1")
+        await store.put("good", answer("fine"))
+        bad = msgspec.structs.replace(answer("poison"), finish_reason="exploded")
+        if isinstance(store, DiskResultStore):
+            await store.put("bad", bad)  # the disk store writes what it is given
+        else:
+            assert isinstance(store, RedisResultStore)
+            await store.put("bad", answer("fine for now"))
+            await store._link.client.set(store.entry_key("bad"), msgspec.msgpack.encode(bad), keepttl=True)
+        store.forget_memory()
+        assert texts(await store.get_many(["bad", "good"])) == [None, "fine"]
+        assert (await store.stats())["dropped_unreadable"] == 1
+        assert await store.get("bad") is None and (await store.stats())["dropped_unreadable"] == 1  # it went
+    finally:
+        node.close()
+
+
+@pytest.mark.parametrize("cluster", [False, True])
+async def test_get_many_moves_what_it_reads_up_the_tenants_lru(cluster: bool, request: pytest.FixtureRequest) -> None:
+    # As get does: a warmup run again over the tenant's answers keeps them, and the quota evicts the others first.
+    if cluster:
+        request.getfixturevalue("redis_cluster").flushall()
+    url = request.getfixturevalue("redis_cluster").url if cluster else request.getfixturevalue("redis_url")
+    link = RedisLink(url, timeout_s=5.0, check_interval_s=0.05)
+    await link.start()
+    try:
+        tight = stores_on(link, quota=9 * KiB, memory=0)("t1")
+        big = "x" * 2000
+        for i in range(4):
+            await tight.put(f"k{i}", answer(big))
+        assert texts(await tight.get_many(["k0", "k1"])) == [big, big]  # k0 and k1 now the most recently used
+        await tight.put("k4", answer(big))  # over 9 KiB: the least recently used (k2) goes
+        assert [a is not None for a in await tight.get_many([f"k{i}" for i in range(5)])] == \
+            [True, True, False, True, True]
+    finally:
+        await link.close()
 
 
 def test_a_single_box_never_imports_redis(tmp_path: Any) -> None:

@@ -111,8 +111,9 @@ class ResultStore(Protocol):
         """Store many ``(key, answer, tag)`` at once (a warmup), in one transaction where the backend has them."""
         ...
 
-    async def contains_many(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key has a live answer (a warmup skips those)."""
+    async def get_many(self, keys: Sequence[str]) -> list[CachedAnswer | None]:
+        """:meth:`get` of many keys in one pass on the backend (a warmup's look at what is already answered). The
+        memory copy is looked at but neither filled nor noted: a bulk read would only evict what traffic uses."""
         ...
 
     async def delete(self, key: str) -> bool:

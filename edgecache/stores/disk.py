@@ -48,6 +48,7 @@ class DiskResultStore:
     """diskcache on disk + :class:`MemoryTier` in front. Construct, use, then :meth:`close` (safe twice)."""
 
     REOPEN_INTERVAL_S = 5.0
+    READ_BATCH = 256  # disk reads of get_many per SQLite transaction
 
     def __init__(self, directory: Path, *, disk_bytes: int, memory_bytes: int, faults: StorageFaults | None = None,
                  damaged_dir: Path | None = None) -> None:
@@ -187,6 +188,18 @@ class DiskResultStore:
                                   lambda disk: disk.get(key))
         if raw is None:
             return None
+        answer = self._decode(raw)
+        if answer is None:
+            await self._drop_unreadable([key])
+            return None
+        if answer.expires_at <= time.time():
+            return None
+        self._memory.put(key, answer, len(raw))
+        return answer
+
+    def _decode(self, raw: object) -> CachedAnswer | None:
+        """The answer in an entry read from disk; None when it cannot be served (written by an incompatible version,
+        or damaged)."""
         try:
             if not isinstance(raw, bytes):
                 raise msgspec.DecodeError(f"not an answer: {type(raw).__name__}")
@@ -194,14 +207,19 @@ class DiskResultStore:
             if (why := unsound(answer)) is not None:
                 raise msgspec.DecodeError(why)
         except msgspec.DecodeError:
-            # An entry written by an incompatible version (or damaged): a miss, dropped and counted.
-            self.dropped += 1
-            await self._on_disk(self._writer, "damaged entry kept", False, True, lambda disk: disk.delete(key))
             return None
-        if answer.expires_at <= time.time():
-            return None
-        self._memory.put(key, answer, len(raw))
         return answer
+
+    async def _drop_unreadable(self, keys: Sequence[str]) -> None:
+        """Entries :meth:`_decode` refused: misses, dropped from disk and counted."""
+        self.dropped += len(keys)
+
+        def drop(disk: diskcache.Cache) -> bool:
+            for key in keys:
+                disk.delete(key)
+            return True
+
+        await self._on_disk(self._writer, "damaged entries kept", False, True, drop)
 
     async def put(self, key: str, answer: CachedAnswer, tag: str | None = None) -> bool:
         """Store ``answer`` (``tag``: its scenario, for a selective flush); False when it could not reach the
@@ -256,19 +274,38 @@ class DiskResultStore:
         return await self._on_disk(self._writer, f"{len(rows)} writes skipped", False, True,
                                    partial(_set_rows, rows=rows))
 
-    async def contains_many(self, keys: Sequence[str]) -> list[bool]:
-        """Whether each key has a live entry (memory or disk), read in one pass on the reader thread."""
+    async def get_many(self, keys: Sequence[str]) -> list[CachedAnswer | None]:
+        """:meth:`get` of many keys: the memory copy's, else the disk's, read and decoded in one pass on the reader
+        thread (a warmup's look at what is already answered). The memory copy is neither filled nor noted."""
         now = time.time()
-
-        def read(disk: diskcache.Cache) -> list[bool]:
-            found = []
-            for key in keys:
-                raw = disk.get(key)
-                found.append(isinstance(raw, bytes) and self._decoder.decode(raw).expires_at > now)
+        found = [self._memory.peek(key, now) for key in keys]
+        wanted = [i for i, answer in enumerate(found) if answer is None]
+        if not wanted:
             return found
 
-        on_disk = await self._on_disk(self._reader, "reads answered as misses", [False] * len(keys), False, read)
-        return [self._memory.holds(key, now) or hit for key, hit in zip(keys, on_disk)]
+        def read(disk: diskcache.Cache) -> list[CachedAnswer | bool | None]:
+            # Per key: its answer, None when absent, False when unreadable. Under the LRU policy each get stamps
+            # its entry's access time, a transaction of its own: READ_BATCH of them share one, and the writer
+            # thread gets its turn between batches.
+            out: list[CachedAnswer | bool | None] = []
+            for start in range(0, len(wanted), self.READ_BATCH):
+                with disk.transact():
+                    raws = [disk.get(keys[i]) for i in wanted[start:start + self.READ_BATCH]]
+                for raw in raws:
+                    answer = None if raw is None else self._decode(raw)
+                    out.append(False if raw is not None and answer is None else answer)
+            return out
+
+        read_back = await self._on_disk(self._reader, "reads answered as misses", [None] * len(wanted), False, read)
+        unreadable = []
+        for i, answer in zip(wanted, read_back):
+            if answer is False:
+                unreadable.append(keys[i])
+            elif isinstance(answer, CachedAnswer) and answer.expires_at > now:
+                found[i] = answer
+        if unreadable:
+            await self._drop_unreadable(unreadable)
+        return found
 
     async def delete(self, key: str) -> bool:
         """Drop one answer, from memory and disk; True when the disk held it (False too when the disk failed:

@@ -80,9 +80,9 @@ class MemoryTier:
                 self.replay_reads()
         return answer
 
-    def holds(self, key: str, now: float) -> bool:
-        """Whether a live copy is here (a warmup's check, not a read: nothing is noted)."""
-        return self._lru.get(key, now) is not None
+    def peek(self, key: str, now: float) -> CachedAnswer | None:
+        """The live copy of ``key``, if here, without noting a read (a warmup's look, not traffic's)."""
+        return self._lru.get(key, now)
 
     def put(self, key: str, answer: CachedAnswer, size: int) -> None:
         self._lru.put(key, answer, size)

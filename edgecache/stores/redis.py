@@ -50,7 +50,8 @@ local function forget(member, lru, sizes, tags, bytes, tag_prefix)
 end
 """
 
-# KEYS: entry, lru zset, sizes hash, tags hash, byte counter, tag set (or "")
+# KEYS: entry, lru zset, sizes hash, tags hash, byte counter, tag set (unused without a tag, but named all the same:
+# on a cluster every key of a script must be in the tenant's slot, and "" is not)
 # ARGV: encoded answer, ttl ms, now ms, quota bytes, tag ("" for none), tag-set prefix
 _PUT = """
 local member = KEYS[1]
@@ -141,6 +142,7 @@ class RedisResultStore:
     """One tenant's answers in Redis, :class:`MemoryTier` in front. Same interface as the disk store."""
 
     PRUNE_BATCH = 256
+    READ_BATCH = 1024  # keys per MGET of get_many
 
     def __init__(self, link: RedisLink, scripts: RedisScripts, tenant: str, *, quota_bytes: int,
                  memory_bytes: int, model_version: Callable[[], str]) -> None:
@@ -198,20 +200,26 @@ class RedisResultStore:
             return None
         if raw is None:
             return None
+        answer = await self._decode(key, raw)
+        if answer is None or answer.expires_at <= time.time():
+            return None
+        self._memory.put(key, answer, len(raw))
+        return answer
+
+    async def _decode(self, key: str, raw: bytes) -> CachedAnswer | None:
+        """The answer in an entry read from Redis. None for one written by an incompatible version, or by a writer
+        that is not a node of this fleet: a miss, dropped (the next put of this key would replace it; a bad entry
+        must not stay until its TTL) and counted."""
         try:
             answer = self._decoder.decode(raw)
             if (why := unsound(answer)) is not None:
                 raise msgspec.DecodeError(why)
         except msgspec.DecodeError as exc:
-            # Written by an incompatible version, or by a writer that is not a node of this fleet: a miss, dropped
-            # (the next put of this key would replace it; a bad entry must not stay until its TTL) and counted.
             self.dropped += 1
-            log.warning("redis store: dropped the unreadable entry %s of tenant %s: %s", entry, self.tenant, exc)
+            log.warning("redis store: dropped the unreadable entry %s of tenant %s: %s", self.entry_key(key),
+                        self.tenant, exc)
             await self.delete(key)
             return None
-        if answer.expires_at <= time.time():
-            return None
-        self._memory.put(key, answer, len(raw))
         return answer
 
     async def put(self, key: str, answer: CachedAnswer, tag: str | None = None) -> bool:
@@ -231,7 +239,7 @@ class RedisResultStore:
         try:
             await self._link.run(self._scripts.put(
                 keys=[self.entry_key(key), self._lru, self._sizes, self._tags, self._bytes,
-                      self._tag_prefix + tag if tag else ""],
+                      self._tag_prefix + tag],
                 args=[raw, ttl_ms, time.time() * 1000, self.quota_bytes, tag, self._tag_prefix]))
         except LinkDown:
             return False  # kept in this node's memory tier; the fleet recomputes it at worst
@@ -244,8 +252,38 @@ class RedisResultStore:
             stored = await self.put(key, answer, tag) and stored
         return stored
 
-    async def contains_many(self, keys: Sequence[str]) -> list[bool]:
-        return [await self.get(key) is not None for key in keys]
+    async def get_many(self, keys: Sequence[str]) -> list[CachedAnswer | None]:
+        """:meth:`get` of many keys: the memory copy's, else Redis', read in one round trip (MGETs of
+        :attr:`READ_BATCH` keys on a pipeline: a tenant's entries share its slot, so on a cluster they go to one
+        primary), and the entries found then moved up the tenant's LRU in one command. The memory copy is neither
+        filled nor noted; while Redis is away only it answers."""
+        now = time.time()
+        found = [self._memory.peek(key, now) for key in keys]
+        wanted = [i for i, answer in enumerate(found) if answer is None]
+        if not wanted or not self._link.up:
+            return found
+        entries = [self.entry_key(keys[i]) for i in wanted]
+        pipe = self._link.client.pipeline(transaction=False)
+        for start in range(0, len(entries), self.READ_BATCH):
+            # As a command: redis-py's cluster pipeline refuses its mget() (keys may span slots), not an MGET
+            # whose keys share one slot, as a tenant's do.
+            pipe.execute_command("MGET", *entries[start:start + self.READ_BATCH])
+        try:
+            raws = [raw for batch in await self._link.run(pipe.execute()) for raw in batch]
+        except LinkDown:
+            return found
+        read: dict[str, float] = {}
+        for i, entry, raw in zip(wanted, entries, raws):
+            if raw is None:
+                continue
+            answer = await self._decode(keys[i], raw)
+            if answer is not None:
+                read[entry] = now * 1000
+                if answer.expires_at > now:
+                    found[i] = answer
+        if read:
+            await self._touch(read)
+        return found
 
     async def delete(self, key: str) -> bool:
         """Drop one answer from Redis and this node's memory tier (another node's memory copy lives on until it
