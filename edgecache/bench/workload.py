@@ -415,6 +415,13 @@ class _Done(Exception):
     pass
 
 
+def _usage(rec: dict, usage: dict) -> None:
+    """The answer's token counts, as the server reported them, into ``rec``."""
+    rec["prompt_tokens"] = usage.get("prompt_tokens")
+    rec["completion_tokens"] = usage.get("completion_tokens")
+    rec["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+
 async def send(client, url: str, req, policy: str | None, *, stream: bool = True) -> dict:
     """One request of the workload (streamed unless ``stream`` is off), as a record: its outcome (the server's
     ``x-edgecache``, ``rejected`` or ``error``), similarity, time to first token, latency and answer."""
@@ -432,9 +439,10 @@ async def send(client, url: str, req, policy: str | None, *, stream: bool = True
             rec["similarity"] = r.headers.get("x-edgecache-similarity")
             if r.status_code == 200:
                 parts.append(r.json()["choices"][0]["message"]["content"] or "")
+                _usage(rec, r.json().get("usage") or {})
             raise _Done
-        async with client.stream("POST", url + "/v1/chat/completions", json=req.body(stream=True),
-                                 headers=req.headers(policy)) as r:
+        body = {**req.body(stream=True), "stream_options": {"include_usage": True}}  # not part of the key
+        async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=req.headers(policy)) as r:
             rec["status"] = r.status_code
             rec["outcome"] = r.headers.get("x-edgecache", "error") if r.status_code == 200 else (
                 "rejected" if r.status_code == 429 else "error")
@@ -446,6 +454,8 @@ async def send(client, url: str, req, policy: str | None, *, stream: bool = True
                 if "error" in chunk:
                     rec["outcome"] = "error"
                     continue
+                if chunk.get("usage"):
+                    _usage(rec, chunk["usage"])
                 for choice in chunk.get("choices") or ():
                     text = (choice.get("delta") or {}).get("content")
                     if text:
