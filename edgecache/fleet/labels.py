@@ -22,6 +22,7 @@ from collections.abc import Callable
 import msgspec
 
 from edgecache.fleet.link import LinkDown, RedisLink, SkippedRecords
+from edgecache.semantic.teaching import Taught
 
 log = logging.getLogger("edgecache.fleet")
 
@@ -36,6 +37,10 @@ class SharedTeaching(msgspec.Struct, frozen=True, array_like=True):
 
     classes: list[list[str]]
     labels: list[tuple[str, float, bool, bool]]
+    #: As :class:`edgecache.semantic.teaching.Taught` has them (empty from a node that does not send them).
+    namespace: str = ""
+    groups: list[str] = []
+    variants: list[str] = []
 
 
 class SharedLabel(msgspec.Struct, frozen=True, array_like=True):
@@ -85,11 +90,12 @@ class LabelFeed:
         except asyncio.QueueFull:
             self.dropped += 1
 
-    def publish_taught(self, tenant: str, scenario: str, classes: list[list[str]],
-                       labels: list[tuple[str, float, bool, bool]]) -> None:
+    def publish_taught(self, taught: Taught) -> None:
         """Queue what a tenant's groups taught this node, for the fleet (on the event loop; never blocks)."""
-        label = SharedLabel(origin=self.node_id, tenant=tenant, scenario=scenario, store_key="", similarity=0.0,
-                            good=None, answer_key=None, taught=SharedTeaching(classes=classes, labels=labels))
+        shared = SharedTeaching(classes=taught.classes, labels=taught.labels, namespace=taught.namespace,
+                                groups=taught.groups, variants=taught.variants)
+        label = SharedLabel(origin=self.node_id, tenant=taught.tenant, scenario=taught.scenario, store_key="",
+                            similarity=0.0, good=None, answer_key=None, taught=shared)
         try:
             self._queue.put_nowait(label)
         except asyncio.QueueFull:
