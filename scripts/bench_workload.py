@@ -281,6 +281,13 @@ def main() -> None:
     ap.add_argument("--gptcache-live", action="store_true", help="GPTCache misses ask the server (bypass)")
     ap.add_argument("--json-out", help="also write the full results here")
     ap.add_argument("--gptcache-runner", nargs=7, help=argparse.SUPPRESS)
+    ap.add_argument("--taught-offline", action="store_true",
+                    help="no server: replay the taught phase's semantic lookups (the banking tenants) through the "
+                         "learner alone and print what it served and how much of it was wrong")
+    ap.add_argument("--offline-labels", action="store_true",
+                    help="with --taught-offline: label every refused candidate with the truth (a busy box labels none)")
+    ap.add_argument("--offline-apart", action="store_true",
+                    help="with --taught-offline: teach each warmup send on its own lines only")
     args = ap.parse_args()
 
     if args.gptcache_runner:
@@ -299,6 +306,9 @@ def main() -> None:
                                   paraphrase=args.paraphrase, burst=args.burst, rate=args.rate,
                                   max_tokens=args.max_tokens, teach_share=args.teach_share)
     reqs = workload.generate(cfg)
+    if args.taught_offline:
+        print(json.dumps(taught_offline(cfg, reqs, labels=args.offline_labels, apart=args.offline_apart)))
+        return
     wsum = workload.summary(reqs)
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="bench-workload-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -410,6 +420,33 @@ def teach(url: str, work: Path, cfg: workload.WorkloadConfig) -> dict:
            "store_entries": admin(url, "GET", "/stats")["store"]["entries"]}
     print(f"teaching {json.dumps(out)}", flush=True)
     return out
+
+
+def taught_offline(cfg: workload.WorkloadConfig, reqs, *, labels: bool, apart: bool) -> dict:
+    """The taught phase without a server (:func:`workload.replay_taught`): the FAQ cut into the sends `edgecache
+    warmup` makes of it, the cpu profile's embedder, learner, target and prior cut for the banking tenants' scenario."""
+    from edgecache.bench.semantic_eval import embed_all
+    from edgecache.cli.warmup import _batches  # the sends edgecache warmup makes of a file
+    from edgecache.semantic.assembly import learner_for
+    from edgecache.semantic.embedders import default_threshold, load_embedder
+    from edgecache.settings import resolve_settings
+
+    settings = resolve_settings("cpu", {"semantic.enabled": True}, environ={})
+    lines = workload.teaching_lines(cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "faq.jsonl"
+        path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        _, batches = _batches(path)
+        sends = [[lines[item.line - 1] for item in batch] for batch in batches]
+    emb = load_embedder(settings.semantic.embedder)
+    texts = sorted({line["messages"][-1]["content"] for line in lines} | {r.text for r in reqs})
+    vectors = dict(zip(texts, embed_all(emb, texts)))
+    scenario = next(t.scenario for t in workload.TENANTS if t.source == "banking77")
+    rule = settings.scenarios[scenario]
+    prior_cut = rule.threshold if rule.threshold is not None else default_threshold(emb.version, scenario)
+    out = workload.replay_taught(reqs, sends, vectors.__getitem__, learner_for(settings),
+                                 target=rule.target_false_hit_rate, prior_cut=prior_cut, labels=labels, apart=apart)
+    return {"requests": cfg.requests, "seed": cfg.seed, "sends": len(sends), "labels": labels, "apart": apart, **out}
 
 
 def run_gptcache(args, work: Path, reqs, answer_of: dict, url: str) -> dict:
