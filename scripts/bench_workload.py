@@ -27,10 +27,15 @@ A hit is right when its answer is the engine's answer to that request (phase 1),
 its first max_tokens tokens) of an answer of the query's own group: the engine's answer to any request of the
 group (phase 1) or, in the taught phase, the group's written answer. Groups are per tenant: a banking77 intent or
 a GPTCache pair. Any other hit is a false hit; a right answer that is also the beginning of another group's answer
-is counted as right and reported (true_but_shared_answer).
+is counted as right and reported (true_but_shared_answer). The false semantic hits are also given as a share of the
+semantic lookups the learner decided (its false-hit target is a share of those, from /stats).
+
+--taught-offline starts no server: it replays the taught phase's semantic lookups of the banking tenants through the
+learner alone (workload.replay_taught) and prints what was served and how much of it was another group's answer.
 
     python scripts/bench_workload.py [--requests 5000] [--seed 0] [--rate 50] [--concurrency 32]
                                      [--max-tokens 8,12,16,24,32] [--teach-share 0.7] [--skip-gptcache]
+    python scripts/bench_workload.py --taught-offline [--requests 600] [--seed 0] [--offline-labels] [--offline-apart]
 """
 
 from __future__ import annotations
@@ -211,8 +216,16 @@ def phase_summary(name: str, results: list[dict], wall: float, stats_before: dic
         "outcomes": {o: counts[o] for o in (*OUTCOMES, "rejected", "error")},
         "hit_rate": round(h, 4), "bound": round(1 / (1 - h), 3) if h < 1 else float("inf"),
         "engine_calls": stats_after["engine"]["calls"] - stats_before["engine"]["calls"],
+        "semantic_lookups": learner_lookups(stats_after) - learner_lookups(stats_before),
         "false_hits": false_hits,
     }
+
+
+def learner_lookups(stats: dict) -> int:
+    """The semantic lookups the learner has decided since the last flush, over every pool (the lookups its false-hit
+    target is a share of), from /stats."""
+    pools = (((stats.get("semantic") or {}).get("learner") or {}).get("pools") or {}).values()
+    return sum(int(pool["lookups"]) for pool in pools)
 
 
 def start_server(work: Path, port: int, log_path: Path) -> subprocess.Popen:
@@ -517,6 +530,9 @@ def side_by_side(phases: dict) -> dict:
         out[name] = {"qps": ph["qps"], "x": round(x, 3), "h": ph["hit_rate"], "bound": ph["bound"],
                      "x_over_bound": round(x / ph["bound"], 3), "false_semantic": fh.get("false"),
                      "semantic_hits": fh.get("semantic_hits"), "false_rate_semantic": fh.get("false_rate"),
+                     "semantic_lookups": ph.get("semantic_lookups"),
+                     "false_per_semantic_lookup": round(fh["false"] / ph["semantic_lookups"], 4)
+                     if fh.get("false") is not None and ph.get("semantic_lookups") else None,
                      "false_all": fh.get("false_all"), "hits": fh.get("hits"),
                      "false_rate_all": fh.get("false_rate_all")}
     return out
@@ -553,6 +569,10 @@ def report(args, wsum: dict, phases: dict, hitpath: dict, warmup: dict, teaching
         row("false hits, semantic", lambda n: false_cell(n, "false", "semantic_hits"),
             gpt and f"{gpt['false_hits']['by_source_group']}/{gpt['hits']}"),
         row("false hits, every hit", lambda n: false_cell(n, "false_all", "hits")),
+        row("false hits / semantic lookups", lambda n: "-" if not phases[n].get("false_hits") else
+            f"{phases[n]['false_hits']['false']}/{phases[n]['semantic_lookups']}"
+            + (f" ({sbs[n]['false_per_semantic_lookup']:.2%})" if sbs[n]["false_per_semantic_lookup"] is not None
+               else "")),
         row("TTFT p50 ms", lambda n: phases[n]["ttft_p50_ms"]),
         row("TTFT p99 ms", lambda n: phases[n]["ttft_p99_ms"]),
     ]
