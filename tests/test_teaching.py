@@ -469,6 +469,13 @@ def test_grouped_lines_added_in_parts_teach_each_variant_what_the_whole_teaches(
             by_variant.setdefault(variant, []).append(label)
         latest.update(by_variant)
     assert sorted(label for labels in latest.values() for label in labels) == sorted(whole.labels)
+    # An earlier line the index no longer holds (expired): every line left is worked out again, as if taught whole.
+    gone = keys[order[0]]
+    again = lines.add([], [], {key: v for key, v in vector_of.items() if key != gone})
+    left = [n for n in order if keys[n] != gone]
+    rounded = lambda labels: sorted((key, round(s, 5), ok, lookup) for key, s, ok, lookup in labels)  # noqa: E731
+    assert rounded(again.labels) == rounded(group_labels([keys[n] for n in left], [groups[n] for n in left],
+                                                         vectors[left]).labels)
     assert _same_teaching(_taught_labels(parts, "t", "s"), _taught_labels(one, "t", "s"))
     # Taught without naming its variants, each part teaches only what its own lines see of each other.
     apart = SemanticLearner()

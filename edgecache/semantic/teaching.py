@@ -60,47 +60,93 @@ class GroupedLines:
     """
 
     def __init__(self) -> None:
+        #: Every line taught here (store key and group), in the order taught.
         self.keys: list[str] = []
         self.groups: list[str] = []
         self._position: dict[str, int] = {}
-        #: Per variant (rows in ``keys`` order): the similarity of its nearest variant of its own group and that
-        #: variant's position, then the same of another group (-inf and -1 where there is none); None when unknown
-        #: (lines known from a kept teaching, or an index that lost some of them): the next :meth:`add` works it
-        #: out again for every line.
-        self._nearest: np.ndarray | None = np.zeros((0, 4))
+        #: Lines a kept or another node's teaching taught, (classes, groups), merged at the next :meth:`add` (which
+        #: runs on a worker thread: appending here is all :meth:`known` does on the caller's).
+        self._pending: list[tuple[Sequence[Sequence[str]], Sequence[str]]] = []
+        #: The lines the last :meth:`add` worked on (those the index held then), and per line, in that order: the
+        #: similarity of its nearest line of its own group and that line's row, then the same of another group
+        #: (-inf and -1 where there is none).
+        self._present: list[str] = []
+        self._nearest = np.zeros((0, 4))
 
     def known(self, classes: Sequence[Sequence[str]], groups: Sequence[str]) -> None:
-        """Lines a kept (or another node's) teaching taught, by class and group name: counted as taught, their
-        nearest worked out again at the next :meth:`add`."""
-        for keys, group in zip(classes, groups):
-            for key in keys:
-                at = self._position.get(key)
-                if at is None:
-                    self._position[key] = len(self.keys)
-                    self.keys.append(key)
-                    self.groups.append(group)
-                    self._nearest = None
-                elif self.groups[at] != group:
-                    self.groups[at] = group
-                    self._nearest = None
+        """Lines a kept (or another node's) teaching taught, by class and group name: taught here from the next
+        :meth:`add` on, their nearest worked out again there."""
+        self._pending.append((classes, groups))
 
     def add(self, keys: Sequence[str], groups: Sequence[str], vectors: Mapping[str, np.ndarray]) -> Taught:
         """Teach the lines ``keys`` in ``groups`` beside those taught before; ``vectors``: the unit vector of every
         line the index holds (earlier ones included). Returns the teaching: the classes of the groups sent (with
-        their earlier lines, so they are one class), and the labels of every variant whose nearest changed (the new
-        ones, and earlier ones a new line came nearer to), each naming its variant. A line the index no longer
-        holds is dropped (the others' nearest worked out again)."""
-        if any(key not in vectors for key in self.keys):
-            kept = [(k, g) for k, g in zip(self.keys, self.groups) if k in vectors]
-            self.keys, self.groups = [k for k, _ in kept], [g for _, g in kept]
-            self._position = {k: n for n, k in enumerate(self.keys)}
-            self._nearest = None
-        first = len(self.keys)
-        sent: dict[str, None] = {}
+        their earlier lines, so they are one class), and the labels of every line whose nearest changed (the new
+        ones, and earlier ones a new line came nearer to), each naming its variant. Where the index holds other
+        earlier lines than the last time (one expired, or a fleet node's came), every line is worked out again."""
+        while self._pending:
+            classes, names = self._pending.pop(0)
+            for members, group in zip(classes, names):
+                self._taught(members, [group] * len(members))
+        earlier = [key for key in self.keys if key in vectors]
+        sent = self._taught(keys, groups)
+        present = [*earlier, *(key for key in dict.fromkeys(keys) if key in vectors and key not in earlier)]
+        again = earlier != self._present
+        n, first = len(present), 0 if again else len(self._present)
+        matrix = np.stack([np.asarray(vectors[key], dtype=np.float32) for key in present]) if n else \
+            np.zeros((0, 0), dtype=np.float32)
+        names = {g: i for i, g in enumerate(dict.fromkeys(self.groups))}
+        ids = np.array([names[self.groups[self._position[key]]] for key in present], dtype=np.int64)
+        unknown = np.tile([-np.inf, -1.0, -np.inf, -1.0], (n - first, 1))
+        before = np.vstack([self._nearest[:first], unknown])
+        nearest = before.copy()
+        rows = np.arange(first, n)
+        # Rows at a time: a line's similarity to every line is a row of the matrix; a file of 100k lines would be
+        # 40 GB whole.
+        step = max(1, _CELLS // max(n, 1))
+        for start in range(0, len(rows), step):
+            chunk = rows[start:start + step]
+            sim = matrix[chunk] @ matrix.T
+            sim[np.arange(len(chunk)), chunk] = -np.inf
+            same = ids[chunk][:, None] == ids[None, :]
+            nearest[chunk] = _nearest_of(sim, same)
+            if first:
+                # The earlier lines (columns) this chunk may have come nearer to: kept unless strictly nearer, so a
+                # tie keeps the earlier line, as one teaching of the whole file would.
+                closer = _nearest_of(sim[:, :first].T, same[:, :first].T, offset=int(chunk[0]))
+                mine = nearest[:first]
+                for col in (0, 2):
+                    better = closer[:, col] > mine[:, col]
+                    mine[better, col] = closer[better, col]
+                    mine[better, col + 1] = closer[better, col + 1]
+        changed = np.any(nearest != before, axis=1)
+        changed[first:] = True
+        self._present, self._nearest = present, nearest
+        labels: list[tuple[str, float, bool, bool]] = []
+        variants: list[str] = []
+        for i in np.flatnonzero(changed):
+            same_sim, same_at, other_sim, other_at = nearest[i]
+            # A right answer only where the line's nearest candidate is of its own group: a lookup meets its nearest,
+            # and a right answer behind a nearer wrong one would teach the pool that such lookups come right.
+            nearest_inside = same_at >= 0 and same_sim >= other_sim
+            if nearest_inside:
+                labels.append((present[int(same_at)], float(same_sim), True, True))
+                variants.append(present[i])
+            if other_at >= 0:
+                labels.append((present[int(other_at)], float(other_sim), False, not nearest_inside))
+                variants.append(present[i])
+        taught = set(self.groups) if again else sent
+        members: dict[str, list[str]] = {}
+        for key, group in zip(self.keys, self.groups):
+            if group in taught:
+                members.setdefault(group, []).append(key)
+        return Taught(tenant="", scenario="", classes=list(members.values()), labels=labels,
+                      groups=list(members), variants=variants)
+
+    def _taught(self, keys: Sequence[str], groups: Sequence[str]) -> set[str]:
+        """Count ``keys`` in ``groups`` as taught here (a line taught again in another group moves to it); returns
+        their groups."""
         for key, group in zip(keys, groups):
-            if key not in vectors:
-                continue  # not indexed: never anyone's candidate
-            sent.setdefault(group)
             at = self._position.get(key)
             if at is None:
                 self._position[key] = len(self.keys)
@@ -108,63 +154,8 @@ class GroupedLines:
                 self.groups.append(group)
             elif self.groups[at] != group:
                 self.groups[at] = group
-                self._nearest = None
-        n = len(self.keys)
-        matrix = np.stack([np.asarray(vectors[key], dtype=np.float32) for key in self.keys]) if n else \
-            np.zeros((0, 0), dtype=np.float32)
-        names = {g: i for i, g in enumerate(dict.fromkeys(self.groups))}
-        ids = np.array([names[g] for g in self.groups], dtype=np.int64)
-        if self._nearest is None:
-            self._nearest = np.tile([-np.inf, -1.0, -np.inf, -1.0], (n, 1))
-            changed = np.ones(n, dtype=bool)
-            rows = range(0, n)
-        else:
-            self._nearest = np.vstack([self._nearest, np.tile([-np.inf, -1.0, -np.inf, -1.0], (n - first, 1))])
-            changed = np.zeros(n, dtype=bool)
-            changed[first:] = True
-            rows = range(first, n)
-        before = self._nearest.copy()
-        new_rows = np.arange(rows.start, rows.stop)
-        # Rows at a time: a variant's similarity to every line is a row of the matrix; a file of 100k lines would
-        # be 40 GB whole.
-        step = max(1, _CELLS // max(n, 1))
-        for start in range(0, len(new_rows), step):
-            chunk = new_rows[start:start + step]
-            sim = matrix[chunk] @ matrix.T
-            sim[np.arange(len(chunk)), chunk] = -np.inf
-            same = ids[chunk][:, None] == ids[None, :]
-            self._nearest[chunk] = _nearest_of(sim, same)
-            # The earlier lines (columns) this chunk may have come nearer to: kept unless strictly nearer, so a tie
-            # keeps the earlier variant, as one teaching of the whole file would.
-            if rows.start:
-                old = slice(0, rows.start)
-                closer = _nearest_of(sim[:, old].T, same[:, old].T, offset=chunk[0])
-                mine = self._nearest[old]
-                for col in (0, 2):
-                    better = closer[:, col] > mine[:, col]
-                    mine[better, col] = closer[better, col]
-                    mine[better, col + 1] = closer[better, col + 1]
-        changed |= np.any(self._nearest != before, axis=1)
-        labels: list[tuple[str, float, bool, bool]] = []
-        variants: list[str] = []
-        for i in np.flatnonzero(changed):
-            same_sim, same_at, other_sim, other_at = self._nearest[i]
-            # A right answer only where the variant's nearest candidate is of its own group: a lookup meets its
-            # nearest, and a right answer behind a nearer wrong one would teach the pool that such lookups come right.
-            nearest_inside = same_at >= 0 and same_sim >= other_sim
-            if nearest_inside:
-                labels.append((self.keys[int(same_at)], float(same_sim), True, True))
-                variants.append(self.keys[i])
-            if other_at >= 0:
-                labels.append((self.keys[int(other_at)], float(other_sim), False, not nearest_inside))
-                variants.append(self.keys[i])
-        taught = set(sent) if rows.start else set(self.groups)
-        members: dict[str, list[str]] = {}
-        for key, group in zip(self.keys, self.groups):
-            if group in taught:
-                members.setdefault(group, []).append(key)
-        return Taught(tenant="", scenario="", classes=list(members.values()), labels=labels,
-                      groups=list(members), variants=variants)
+                self._present = []  # its earlier labels are another group's: every line is worked out again
+        return set(groups)
 
 
 def _nearest_of(sim: np.ndarray, same: np.ndarray, offset: int = 0) -> np.ndarray:
