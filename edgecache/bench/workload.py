@@ -502,7 +502,7 @@ def replay_taught(reqs: list[Request], sends: list[list[dict]], vector_of: Calla
                 learner.teach(tenant.id, tenant.scenario, taught.classes, taught.labels, prior_cut=prior_cut)
             else:
                 vectors.update((key, vector_of(key[4:]).astype(np.float16).astype(np.float32))
-                               for key in grouped.keys)
+                               for key in grouped.lines())
                 taught = grouped.add([f"faq:{text}" for text, _ in mine], [group for _, group in mine], vectors)
                 learner.teach(tenant.id, tenant.scenario, taught.classes, taught.labels, variants=taught.variants,
                               prior_cut=prior_cut)

@@ -272,7 +272,7 @@ class SemanticCache:
                 grouped = self._grouped.setdefault((tenant, scenario, namespace), GroupedLines())
                 vectors = await self._on_disk("lines not taught", None, False, self.index.vectors_of, tenant,
                                               self.index_scenario(scenario, namespace),
-                                              [*grouped.keys, *(key for key, _ in lines)])
+                                              [*grouped.lines(), *(key for key, _ in lines)])
                 if vectors is None:
                     continue  # the index could not be read: nothing is taught rather than a part of it
                 found = await asyncio.to_thread(grouped.add, [key for key, _ in lines],

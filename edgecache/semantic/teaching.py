@@ -73,6 +73,11 @@ class GroupedLines:
         self._present: list[str] = []
         self._nearest = np.zeros((0, 4))
 
+    def lines(self) -> list[str]:
+        """Every line taught here so far (those a kept or another node's teaching taught included): the vectors
+        :meth:`add` needs besides the new lines'."""
+        return [*self.keys, *(key for classes, _ in list(self._pending) for members in classes for key in members)]
+
     def known(self, classes: Sequence[Sequence[str]], groups: Sequence[str]) -> None:
         """Lines a kept (or another node's) teaching taught, by class and group name: taught here from the next
         :meth:`add` on, their nearest worked out again there."""
