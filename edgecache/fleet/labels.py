@@ -22,7 +22,6 @@ from collections.abc import Callable
 import msgspec
 
 from edgecache.fleet.link import LinkDown, RedisLink, SkippedRecords
-from edgecache.semantic.teaching import Taught
 
 log = logging.getLogger("edgecache.fleet")
 
@@ -90,12 +89,10 @@ class LabelFeed:
         except asyncio.QueueFull:
             self.dropped += 1
 
-    def publish_taught(self, taught: Taught) -> None:
+    def publish_taught(self, tenant: str, scenario: str, taught: SharedTeaching) -> None:
         """Queue what a tenant's groups taught this node, for the fleet (on the event loop; never blocks)."""
-        shared = SharedTeaching(classes=taught.classes, labels=taught.labels, namespace=taught.namespace,
-                                groups=taught.groups, variants=taught.variants)
-        label = SharedLabel(origin=self.node_id, tenant=taught.tenant, scenario=taught.scenario, store_key="",
-                            similarity=0.0, good=None, answer_key=None, taught=shared)
+        label = SharedLabel(origin=self.node_id, tenant=tenant, scenario=scenario, store_key="", similarity=0.0,
+                            good=None, answer_key=None, taught=taught)
         try:
             self._queue.put_nowait(label)
         except asyncio.QueueFull:

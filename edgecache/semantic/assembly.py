@@ -141,8 +141,11 @@ class SemanticLayer:
                 cursor_file=self.settings.data_path / "semantic" / "fleet-cursors.json",
                 cap_for=self._cap_for, index_thread=cache.in_index_thread)
             if self.learner is not None:  # a label on one node teaches every node
+                from edgecache.fleet.labels import SharedTeaching
+
                 feed = self._fleet.share_labels(self._apply_shared_label)
-                cache.on_taught = feed.publish_taught
+                cache.on_taught = lambda t: feed.publish_taught(t.tenant, t.scenario, SharedTeaching(
+                    classes=t.classes, labels=t.labels, namespace=t.namespace, groups=t.groups, variants=t.variants))
         if self.error is not None:
             log.info("the semantic layer is back")
         self.error = None
