@@ -52,8 +52,9 @@ def _progress(console: Console) -> Progress:
 
 
 def _batches(path: Path, tenant: str | None = None) -> tuple[int, Iterator[list[NumberedLine | LineResult]]]:
-    """The file's lines in sends. A group's lines go in one send (the server learns a group from the lines it is
-    sent together), unless the group alone is over a send's size; a file that contradicts itself is refused whole
+    """The file's lines in sends. A group's lines go in one send (the server finds a group's answer among the
+    lines of one send; what the groups teach is worked out against every line sent before), unless the group alone
+    is over a send's size; a file that contradicts itself is refused whole
     (:func:`edgecache.warmup.check_groups`), before anything is sent."""
     with path.open(encoding="utf-8") as f:
         lines = f.readlines()

@@ -27,10 +27,15 @@ A hit is right when its answer is the engine's answer to that request (phase 1),
 its first max_tokens tokens) of an answer of the query's own group: the engine's answer to any request of the
 group (phase 1) or, in the taught phase, the group's written answer. Groups are per tenant: a banking77 intent or
 a GPTCache pair. Any other hit is a false hit; a right answer that is also the beginning of another group's answer
-is counted as right and reported (true_but_shared_answer).
+is counted as right and reported (true_but_shared_answer). The false semantic hits are also given as a share of the
+semantic lookups the learner decided (its false-hit target is a share of those, from /stats).
+
+--taught-offline starts no server: it replays the taught phase's semantic lookups of the banking tenants through the
+learner alone (workload.replay_taught) and prints what was served and how much of it was another group's answer.
 
     python scripts/bench_workload.py [--requests 5000] [--seed 0] [--rate 50] [--concurrency 32]
                                      [--max-tokens 8,12,16,24,32] [--teach-share 0.7] [--skip-gptcache]
+    python scripts/bench_workload.py --taught-offline [--requests 600] [--seed 0] [--offline-labels] [--offline-apart]
 """
 
 from __future__ import annotations
@@ -236,8 +241,16 @@ def phase_summary(name: str, results: list[dict], wall: float, stats_before: dic
         "outcomes": {o: counts[o] for o in (*OUTCOMES, "rejected", "error")},
         "hit_rate": round(h, 4), "bound": round(1 / (1 - h), 3) if h < 1 else float("inf"),
         "engine_calls": stats_after["engine"]["calls"] - stats_before["engine"]["calls"],
+        "semantic_lookups": learner_lookups(stats_after) - learner_lookups(stats_before),
         "false_hits": false_hits,
     }
+
+
+def learner_lookups(stats: dict) -> int:
+    """The semantic lookups the learner has decided since the last flush, over every pool (the lookups its false-hit
+    target is a share of), from /stats."""
+    pools = (((stats.get("semantic") or {}).get("learner") or {}).get("pools") or {}).values()
+    return sum(int(pool["lookups"]) for pool in pools)
 
 
 def start_server(work: Path, port: int, log_path: Path) -> subprocess.Popen:
@@ -306,6 +319,13 @@ def main() -> None:
     ap.add_argument("--gptcache-live", action="store_true", help="GPTCache misses ask the server (bypass)")
     ap.add_argument("--json-out", help="also write the full results here")
     ap.add_argument("--gptcache-runner", nargs=7, help=argparse.SUPPRESS)
+    ap.add_argument("--taught-offline", action="store_true",
+                    help="no server: replay the taught phase's semantic lookups (the banking tenants) through the "
+                         "learner alone and print what it served and how much of it was wrong")
+    ap.add_argument("--offline-labels", action="store_true",
+                    help="with --taught-offline: label every refused candidate with the truth (a busy box labels none)")
+    ap.add_argument("--offline-apart", action="store_true",
+                    help="with --taught-offline: teach each warmup send on its own lines only")
     args = ap.parse_args()
 
     if args.gptcache_runner:
@@ -324,6 +344,9 @@ def main() -> None:
                                   paraphrase=args.paraphrase, burst=args.burst, rate=args.rate,
                                   max_tokens=args.max_tokens, teach_share=args.teach_share)
     reqs = workload.generate(cfg)
+    if args.taught_offline:
+        print(json.dumps(taught_offline(cfg, reqs, labels=args.offline_labels, apart=args.offline_apart)))
+        return
     wsum = workload.summary(reqs)
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="bench-workload-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -442,6 +465,33 @@ def teach(url: str, work: Path, cfg: workload.WorkloadConfig) -> dict:
     return out
 
 
+def taught_offline(cfg: workload.WorkloadConfig, reqs, *, labels: bool, apart: bool) -> dict:
+    """The taught phase without a server (:func:`workload.replay_taught`): the FAQ cut into the sends `edgecache
+    warmup` makes of it, the cpu profile's embedder, learner, target and prior cut for the banking tenants' scenario."""
+    from edgecache.bench.semantic_eval import embed_all
+    from edgecache.cli.warmup import _batches  # the sends edgecache warmup makes of a file
+    from edgecache.semantic.assembly import learner_for
+    from edgecache.semantic.embedders import default_threshold, load_embedder
+    from edgecache.settings import resolve_settings
+
+    settings = resolve_settings("cpu", {"semantic.enabled": True}, environ={})
+    lines = workload.teaching_lines(cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "faq.jsonl"
+        path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        _, batches = _batches(path)
+        sends = [[lines[item.line - 1] for item in batch] for batch in batches]
+    emb = load_embedder(settings.semantic.embedder)
+    texts = sorted({line["messages"][-1]["content"] for line in lines} | {r.text for r in reqs})
+    vectors = dict(zip(texts, embed_all(emb, texts)))
+    scenario = next(t.scenario for t in workload.TENANTS if t.source == "banking77")
+    rule = settings.scenarios[scenario]
+    prior_cut = rule.threshold if rule.threshold is not None else default_threshold(emb.version, scenario)
+    out = workload.replay_taught(reqs, sends, vectors.__getitem__, learner_for(settings),
+                                 target=rule.target_false_hit_rate, prior_cut=prior_cut, labels=labels, apart=apart)
+    return {"requests": cfg.requests, "seed": cfg.seed, "sends": len(sends), "labels": labels, "apart": apart, **out}
+
+
 def run_gptcache(args, work: Path, reqs, answer_of: dict, url: str) -> dict:
     answer_groups: dict[str, set[str]] = defaultdict(set)  # GPTCache has no tenants: a group across tenants
     for idx, ans in answer_of.items():
@@ -538,6 +588,9 @@ def side_by_side(phases: dict) -> dict:
                      "x_eq_over_own_cost_bound": round(x_eq / ph["own_cost_bound"], 3)
                      if ph.get("own_cost_bound") else None, "false_semantic": fh.get("false"),
                      "semantic_hits": fh.get("semantic_hits"), "false_rate_semantic": fh.get("false_rate"),
+                     "semantic_lookups": ph.get("semantic_lookups"),
+                     "false_per_semantic_lookup": round(fh["false"] / ph["semantic_lookups"], 4)
+                     if fh.get("false") is not None and ph.get("semantic_lookups") else None,
                      "false_all": fh.get("false_all"), "hits": fh.get("hits"),
                      "false_rate_all": fh.get("false_rate_all")}
     return out
@@ -580,6 +633,10 @@ def report(args, wsum: dict, phases: dict, hitpath: dict, warmup: dict, teaching
         row("false hits, semantic", lambda n: false_cell(n, "false", "semantic_hits"),
             gpt and f"{gpt['false_hits']['by_source_group']}/{gpt['hits']}"),
         row("false hits, every hit", lambda n: false_cell(n, "false_all", "hits")),
+        row("false hits / semantic lookups", lambda n: "-" if not phases[n].get("false_hits") else
+            f"{phases[n]['false_hits']['false']}/{phases[n]['semantic_lookups']}"
+            + (f" ({sbs[n]['false_per_semantic_lookup']:.2%})" if sbs[n]["false_per_semantic_lookup"] is not None
+               else "")),
         row("TTFT p50 ms", lambda n: phases[n]["ttft_p50_ms"]),
         row("TTFT p99 ms", lambda n: phases[n]["ttft_p99_ms"]),
     ]

@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from edgecache.bench import workload
+from edgecache.semantic.learner import SemanticLearner
 
 if not (workload.DATA_DIR / "banking77_train.csv").exists():
     pytest.skip("../shared/data is not present", allow_module_level=True)
@@ -176,3 +178,40 @@ def test_the_judge_tells_right_hits_from_false_ones():
     assert judged["false_rate"] == 0.5 and judged["false_rate_all"] == round(3 / 8, 4) and judged["unjudged"] == 1
     assert {e["answer"] for e in judged["examples"]} == {"Try the top up again.", "Member, your card is coming.",
                                                          "Top up failed: Acme"}
+
+
+def test_the_offline_replay_of_the_taught_phase_judges_what_the_learner_serves(tmp_path):
+    # A small bank (six intents of 36 questions) whose intents "a" and "b" mean nearly the same to the embedder and
+    # are warmed in different sends: taught send by send, neither learns the other's questions come near, and "b"'s
+    # questions are served "a"'s answer; taught against the lines sent before, none is.
+    for name in ("gptcache_mock_data.json", "mooncake_conversation_trace.jsonl"):
+        (tmp_path / name).symlink_to(workload.DATA_DIR / name)
+    words = [f"{a} {b}" for a in ("card", "transfer", "refund", "limit", "account", "statement")
+             for b in ("please", "today", "now", "again", "soon", "here")]
+    intents = ("a", "b", "c", "d", "e", "f")
+    with (tmp_path / "banking77_train.csv").open("w") as f:
+        f.write("text,category\n" + "".join(f"help with my {w} {i},{i}\n" for i in intents for w in words))
+    cfg = workload.WorkloadConfig(requests=600, seed=3, data_dir=tmp_path)
+    reqs = workload.generate(cfg)
+    rng = np.random.default_rng(0)
+    direction = {i: rng.normal(size=32) for i in intents}
+    direction["b"] = direction["a"] + rng.normal(scale=0.05, size=32)
+    texts = {line["messages"][-1]["content"]: line["group"] for line in workload.teaching_lines(cfg)}
+    texts.update((r.text, r.group[4:]) for r in reqs if r.group.startswith("b77:"))
+    vectors = {}
+    for text, intent in sorted(texts.items()):
+        v = direction[intent] + rng.normal(scale=0.35, size=32)
+        vectors[text] = (v / np.linalg.norm(v)).astype(np.float32)
+    lines = workload.teaching_lines(cfg)
+    sends = [[x for x in lines if x["group"] in part] for part in (("a", "c", "e"), ("b", "d", "f"))]
+    banking = [r for r in reqs if r.group.startswith("b77:")]
+    out = {}
+    for apart in (True, False):
+        out[apart] = workload.replay_taught(reqs, sends, vectors.__getitem__, SemanticLearner(), target=0.01,
+                                            prior_cut=0.85, apart=apart)
+        tenants = out[apart]["tenants"].values()
+        assert out[apart]["lookups"] + sum(t.get("exact", 0) for t in tenants) == len(banking)
+        assert out[apart]["wrong"] <= out[apart]["served"] <= out[apart]["lookups"]
+    assert out[True]["wrong"] > 0 and all(e["served_group"] in ("b77:a", "b77:b")
+                                          for t in out[True]["tenants"].values() for e in t["wrong_examples"])
+    assert out[False]["wrong"] == 0 and out[False]["served"] > 0

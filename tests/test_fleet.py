@@ -319,6 +319,31 @@ async def test_a_label_on_one_node_teaches_the_others(make_settings: Any, tmp_pa
         assert (await a.get("/health")).json()["redis"]["labels"]["published"] >= 1
 
 
+async def test_a_file_taught_in_parts_on_two_nodes_teaches_each_node_what_it_teaches_whole(
+        make_settings: Any, tmp_path: Path, fleet_redis_url: str) -> None:
+    # Half of a tenant's groups warmed on node A, the other half on node B once A's lines and teaching reached it:
+    # B teaches its half against A's lines (their group names come with the teaching, their vectors with the fleet's
+    # index), and both nodes end taught what one box is taught by the whole file.
+    from tests.test_teaching import _same_teaching, _taught_labels, faq, warm
+
+    rows = faq()
+    groups = list(dict.fromkeys(row["group"] for row in rows))
+    halves = [[row for row in rows if row["group"] in half] for half in (groups[:13], groups[13:])]
+    async with serve_in_process(create_app(make_settings(semantic__enabled=True, data_dir=str(tmp_path / "box")),
+                                           engine=FakeEngine())) as box:
+        assert (await warm(box, rows)).status_code == 200
+        expected = _taught_labels(box.app.state.runtime.learner, "default", "default")  # type: ignore[attr-defined]
+    async with fleet(make_settings, tmp_path, fleet_redis_url, [FakeEngine(), FakeEngine()],
+                     semantic__enabled=True) as (a, b):
+        ra, rb = (n.app.state.runtime for n in (a, b))  # type: ignore[attr-defined]
+        assert (await warm(a, halves[0])).status_code == 200
+        await until(lambda: rb.fleet.vectors.applied >= len(halves[0]) and rb.fleet.labels.applied >= 1)
+        assert (await warm(b, halves[1])).status_code == 200
+        await until(lambda: ra.fleet.labels.applied >= 1)
+        for rt in (ra, rb):
+            assert _same_teaching(_taught_labels(rt.learner, "default", "default"), expected)
+
+
 async def test_a_label_that_cannot_be_taught_does_not_stop_the_label_follower(fleet_redis_url: str) -> None:
     from edgecache.fleet.labels import LabelFeed, SharedLabel
     from edgecache.fleet.link import RedisLink

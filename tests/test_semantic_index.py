@@ -41,6 +41,16 @@ def test_add_then_search_finds_it(index: SemanticIndex) -> None:
     assert index.sizes() == {("t", "s"): 20}
 
 
+def test_vectors_of_reads_back_what_one_index_holds_by_store_key(index: SemanticIndex) -> None:
+    index.add_many("t", "s", np.stack([unit(i) for i in range(5)]), [f"store-{i}" for i in range(5)],
+                   [f"text {i}" for i in range(5)])
+    index.add("t", "other", unit(9), "store-9", "text 9")
+    index.remove_store_key("t", "s", "store-3")
+    got = index.vectors_of("t", "s", ["store-1", "store-3", "store-4", "store-9", "nowhere"])
+    assert sorted(got) == ["store-1", "store-4"]  # removed, in another index, or never added: not there
+    assert np.allclose(got["store-1"], unit(1), atol=1e-3) and got["store-4"].dtype == np.float32
+
+
 def test_similarity_is_the_cosine(index: SemanticIndex) -> None:
     # f16 indexes search by inner product (the vectors are unit length), i8 ones by cosine: either way a candidate's
     # similarity is the cosine of the two vectors, never past 1 (thresholds and the verifier read it as one).

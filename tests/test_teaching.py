@@ -17,7 +17,7 @@ from edgecache.cli.warmup import _batches
 from edgecache.engines.base import GenerationRequest, Message, SamplingParams
 from edgecache.http.app import create_app
 from edgecache.semantic.learner import SemanticLearner
-from edgecache.semantic.teaching import group_labels
+from edgecache.semantic.teaching import GroupedLines, group_labels
 from tests.conftest import chat_body, serve_in_process
 from tests.fakes import FakeEngine
 from tests.test_semantic_http import settled
@@ -399,3 +399,89 @@ def test_the_taught_state_says_what_the_pooled_head_start_pays_for() -> None:
     unclean = SemanticLearner()
     unclean.teach("t", "default", [["a"], ["b"]], [("a", 0.9, True, True), ("b", 0.95, False, True)])
     assert "none separates cleanly" in unclean.taught_state("t", "default", 0.005).describe()
+
+
+def _taught_labels(learner: SemanticLearner, tenant: str, scenario: str) -> tuple:
+    """What a pool was taught: its counts, and each class's taught labels as (right?, similarity), sorted."""
+    pool = learner._pools[(tenant, scenario)]
+    classes = sorted(sorted((ok, s) for s, ok in taught.labels) for taught in learner._classes(tenant, scenario, pool))
+    return (pool.taught, pool.taught_lookups, pool.taught_right.tolist(), pool.taught_wrong.tolist(),
+            pool.taught_lines[0] if pool.taught_lines else None, classes)
+
+
+def _same_teaching(a: tuple, b: tuple) -> bool:
+    """The same labels, similarities to 1e-4 (the same vectors multiplied in another order round otherwise)."""
+    if a[:4] != b[:4] or len(a[5]) != len(b[5]) or (a[4] is None) != (b[4] is None) or \
+            (a[4] is not None and abs(a[4] - b[4]) > 1e-4):
+        return False
+    return all([ok for ok, _ in x] == [ok for ok, _ in y] and np.allclose([s for _, s in x], [s for _, s in y],
+                                                                           atol=1e-4)
+               for x, y in zip(sorted(a[5]), sorted(b[5])))
+
+
+async def test_a_file_sent_in_parts_teaches_what_it_teaches_whole_across_a_restart(learner_settings: Any,
+                                                                                 tmp_path: Path) -> None:
+    # edgecache warmup sends a large file in parts (a group whole in each). Every line meets every other at lookup
+    # time, so each part is taught against the lines sent before it, and an earlier line a later one came nearer to
+    # is taught again: a class's wrong labels come from every group of the file, not from the few sent with it.
+    rows = faq()
+    groups = list(dict.fromkeys(row["group"] for row in rows))
+    whole = learner_settings(data_dir=str(tmp_path / "whole"))
+    async with serve_in_process(create_app(whole, engine=FakeEngine())) as c:
+        assert (await warm(c, rows)).status_code == 200
+        rt = c.app.state.runtime  # type: ignore[attr-defined]
+        expected = _taught_labels(rt.learner, "default", "default")
+        expected_state = rt.learner.taught_state("default", "default", 0.005)
+    parts = learner_settings(data_dir=str(tmp_path / "parts"))
+    async with serve_in_process(create_app(parts, engine=FakeEngine())) as c:
+        for group in groups[:len(groups) // 2]:  # one group a send: alone, a send teaches no wrong answer at all
+            assert (await warm(c, [row for row in rows if row["group"] == group])).status_code == 200
+    async with serve_in_process(create_app(parts, engine=FakeEngine())) as c:  # restarted: the rest in one send
+        assert (await warm(c, [row for row in rows if row["group"] in groups[len(groups) // 2:]])).status_code == 200
+        rt = c.app.state.runtime  # type: ignore[attr-defined]
+    assert expected_state is not None and expected_state.line is not None
+    assert _same_teaching(_taught_labels(rt.learner, "default", "default"), expected)
+    state = rt.learner.taught_state("default", "default", 0.005)
+    assert (state.groups, state.separated) == (expected_state.groups, expected_state.separated)
+    assert state.line == pytest.approx(expected_state.line, abs=1e-4)
+
+
+def test_grouped_lines_added_in_parts_teach_each_variant_what_the_whole_teaches() -> None:
+    rng = np.random.default_rng(7)
+    centres = rng.normal(size=(12, 16))
+    groups = [f"g{n % 12}" for n in range(120)]
+    vectors = centres[[n % 12 for n in range(120)]] + rng.normal(scale=0.9, size=(120, 16))
+    vectors = (vectors / np.linalg.norm(vectors, axis=1, keepdims=True)).astype(np.float32)
+    keys = [f"k{n}" for n in range(120)]
+    order = sorted(range(120), key=lambda n: groups[n])  # a file grouped by group, cut into sends of whole groups
+    whole = group_labels([keys[n] for n in order], [groups[n] for n in order], vectors[order])
+    one = SemanticLearner()
+    one.teach("t", "s", whole.classes, whole.labels, variants=whole.variants)
+    lines, parts = GroupedLines(), SemanticLearner()
+    latest: dict[str, list[tuple[str, float, bool, bool]]] = {}
+    vector_of = dict(zip(keys, vectors))
+    for start in range(0, 120, 30):
+        part = order[start:start + 30]
+        taught = lines.add([keys[n] for n in part], [groups[n] for n in part], vector_of)
+        assert {v for v in taught.variants} >= {keys[n] for n in part}  # every new line, and earlier ones it moved
+        parts.teach("t", "s", taught.classes, taught.labels, variants=taught.variants)
+        by_variant: dict[str, list[tuple[str, float, bool, bool]]] = {}
+        for variant, label in zip(taught.variants, taught.labels):
+            by_variant.setdefault(variant, []).append(label)
+        latest.update(by_variant)
+    assert sorted(label for labels in latest.values() for label in labels) == sorted(whole.labels)
+    # An earlier line the index no longer holds (expired): every line left is worked out again, as if taught whole.
+    gone = keys[order[0]]
+    again = lines.add([], [], {key: v for key, v in vector_of.items() if key != gone})
+    left = [n for n in order if keys[n] != gone]
+    rounded = lambda labels: sorted((key, round(s, 5), ok, lookup) for key, s, ok, lookup in labels)  # noqa: E731
+    assert rounded(again.labels) == rounded(group_labels([keys[n] for n in left], [groups[n] for n in left],
+                                                         vectors[left]).labels)
+    assert _same_teaching(_taught_labels(parts, "t", "s"), _taught_labels(one, "t", "s"))
+    # Taught without naming its variants, each part teaches only what its own lines see of each other.
+    apart = SemanticLearner()
+    for start in range(0, 120, 30):
+        part = order[start:start + 30]
+        alone = group_labels([keys[n] for n in part], [groups[n] for n in part], vectors[part])
+        apart.teach("t", "s", alone.classes, alone.labels)
+    assert not _same_teaching(_taught_labels(apart, "t", "s"), _taught_labels(one, "t", "s"))

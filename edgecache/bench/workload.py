@@ -29,10 +29,16 @@ import json
 import random
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from edgecache.bench.harness import DATA as DATA_DIR
+from edgecache.semantic.guard import check
+from edgecache.semantic.learner import SemanticLearner
+from edgecache.semantic.teaching import GroupedLines
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -471,3 +477,92 @@ async def send(client, url: str, req, policy: str | None, *, stream: bool = True
     rec["ttft_s"] = ttft if ttft is not None else rec["latency_s"]
     rec["answer"] = "".join(parts)
     return rec
+
+
+def replay_taught(reqs: list[Request], sends: list[list[dict]], vector_of: Callable[[str], np.ndarray],
+                  learner: SemanticLearner, *, target: float, prior_cut: float, labels: bool = False,
+                  apart: bool = False) -> dict:
+    """The taught phase's semantic lookups of the banking tenants, through the server's learner alone (no server, no
+    engine): each of ``sends`` (the FAQ's lines as ``edgecache warmup`` sends them) is taught as the server teaches a
+    send (:class:`~edgecache.semantic.teaching.GroupedLines` of each tenant's index, on float16 vectors as the index
+    keeps them; ``apart``: each send on its own lines only, without naming its variants), then the trace is asked.
+    A question asked before is an exact hit (its answer was stored); any other is looked up: the nearest of the
+    tenant's index (the FAQ, and every question the engine answered so far), past the guard, decided as a box whose
+    engine is busy decides, as the benchmark's is: no exploration (an unsure candidate on its point estimate) and no
+    label (a busy box labels no refusal; ``labels``: every refused candidate labelled with the truth instead, as a box
+    whose labeler can tell). A served candidate is wrong when its group is not the query's. Simplified: a stored
+    answer serves every ``max_tokens`` of its question, and a question in flight is already stored."""
+    out: dict = {"tenants": {}}
+    for tenant in [t for t in TENANTS if t.source == "banking77"]:
+        grouped = GroupedLines()
+        keys: list[str] = []
+        texts: list[str] = []
+        groups: list[str] = []
+        for send in sends:
+            mine = [(line["messages"][-1]["content"], line["group"]) for line in send if line["tenant"] == tenant.id]
+            if not mine:
+                continue
+            for text, group in mine:
+                keys.append(f"faq:{text}")
+                texts.append(text)
+                groups.append(f"b77:{group}")
+            vectors = {f"faq:{text}": vector_of(text).astype(np.float16).astype(np.float32) for text, _ in mine}
+            if apart:
+                taught = GroupedLines().add(list(vectors), [group for _, group in mine], vectors)
+                learner.teach(tenant.id, tenant.scenario, taught.classes, taught.labels, prior_cut=prior_cut)
+            else:
+                vectors.update((key, vector_of(key[4:]).astype(np.float16).astype(np.float32))
+                               for key in grouped.lines())
+                taught = grouped.add([f"faq:{text}" for text, _ in mine], [group for _, group in mine], vectors)
+                learner.teach(tenant.id, tenant.scenario, taught.classes, taught.labels, variants=taught.variants,
+                              prior_cut=prior_cut)
+        matrix = np.stack([vector_of(text) for text in texts]).astype(np.float16).astype(np.float32)
+        answered: set[str] = set()
+        counts: dict[str, int] = defaultdict(int)
+        wrong: list[dict] = []
+        for r in reqs:
+            if r.tenant != tenant.id:
+                continue
+            if r.text in answered:
+                counts["exact"] += 1
+                continue
+            answered.add(r.text)
+            counts["lookups"] += 1
+            query = vector_of(r.text)
+            similarities = matrix @ query
+            j = int(np.argmax(similarities))
+            similarity = float(similarities[j])
+            right = groups[j] == r.group
+            if not check(r.text, texts[j]).allowed:
+                counts["guard"] += 1
+                decision = None
+            else:
+                decision = learner.decide(tenant.id, tenant.scenario, keys[j], similarity, target,
+                                          prior_cut=prior_cut, may_explore=False)
+                counts[f"{decision.action}:{decision.reason}"] += 1
+            if decision is not None and decision.action == "serve":
+                counts["served"] += 1
+                if not right:
+                    counts["wrong"] += 1
+                    wrong.append({"query": r.text, "group": r.group, "served_group": groups[j],
+                                  "similarity": round(similarity, 3), "error": round(decision.error, 4)})
+                continue
+            if decision is not None and labels:
+                learner.record(tenant.id, tenant.scenario, keys[j], similarity, right, prior_cut=prior_cut,
+                               decision=decision)
+                if right:
+                    learner.link(tenant.id, tenant.scenario, f"trace:{r.idx}", keys[j])
+            keys.append(f"trace:{r.idx}")
+            texts.append(r.text)
+            groups.append(r.group)
+            matrix = np.vstack([matrix, query.astype(np.float16).astype(np.float32)[None]])
+        state = learner.taught_state(tenant.id, tenant.scenario, target)
+        out["tenants"][tenant.id] = {**dict(sorted(counts.items())), "wrong_examples": wrong[:5],
+                                     "taught": state.describe() if state else None}
+    lookups = sum(t["lookups"] for t in out["tenants"].values())
+    served = sum(t.get("served", 0) for t in out["tenants"].values())
+    bad = sum(t.get("wrong", 0) for t in out["tenants"].values())
+    out.update(lookups=lookups, served=served, wrong=bad, hit_rate=round(served / lookups, 4) if lookups else 0.0,
+               wrong_per_lookup=round(bad / lookups, 4) if lookups else 0.0,
+               wrong_per_hit=round(bad / served, 4) if served else 0.0)
+    return out

@@ -36,6 +36,10 @@ class SharedTeaching(msgspec.Struct, frozen=True, array_like=True):
 
     classes: list[list[str]]
     labels: list[tuple[str, float, bool, bool]]
+    #: As :class:`edgecache.semantic.teaching.Taught` has them (empty from a node that does not send them).
+    namespace: str = ""
+    groups: list[str] = []
+    variants: list[str] = []
 
 
 class SharedLabel(msgspec.Struct, frozen=True, array_like=True):
@@ -85,11 +89,10 @@ class LabelFeed:
         except asyncio.QueueFull:
             self.dropped += 1
 
-    def publish_taught(self, tenant: str, scenario: str, classes: list[list[str]],
-                       labels: list[tuple[str, float, bool, bool]]) -> None:
+    def publish_taught(self, tenant: str, scenario: str, taught: SharedTeaching) -> None:
         """Queue what a tenant's groups taught this node, for the fleet (on the event loop; never blocks)."""
         label = SharedLabel(origin=self.node_id, tenant=tenant, scenario=scenario, store_key="", similarity=0.0,
-                            good=None, answer_key=None, taught=SharedTeaching(classes=classes, labels=labels))
+                            good=None, answer_key=None, taught=taught)
         try:
             self._queue.put_nowait(label)
         except asyncio.QueueFull:

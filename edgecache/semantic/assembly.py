@@ -141,8 +141,11 @@ class SemanticLayer:
                 cursor_file=self.settings.data_path / "semantic" / "fleet-cursors.json",
                 cap_for=self._cap_for, index_thread=cache.in_index_thread)
             if self.learner is not None:  # a label on one node teaches every node
+                from edgecache.fleet.labels import SharedTeaching
+
                 feed = self._fleet.share_labels(self._apply_shared_label)
-                cache.on_taught = lambda t: feed.publish_taught(t.tenant, t.scenario, t.classes, t.labels)
+                cache.on_taught = lambda t: feed.publish_taught(t.tenant, t.scenario, SharedTeaching(
+                    classes=t.classes, labels=t.labels, namespace=t.namespace, groups=t.groups, variants=t.variants))
         if self.error is not None:
             log.info("the semantic layer is back")
         self.error = None
@@ -210,8 +213,9 @@ class SemanticLayer:
         """A label another node of the fleet got (edgecache/fleet/labels.py), or one a group taught there (kept here
         too, so this node's restart keeps it)."""
         if self.cache is not None and label.taught is not None:
-            taught = Taught(tenant=label.tenant, scenario=label.scenario, classes=label.taught.classes,
-                            labels=label.taught.labels)
+            shared = label.taught
+            taught = Taught(tenant=label.tenant, scenario=label.scenario, classes=shared.classes, labels=shared.labels,
+                            namespace=shared.namespace, groups=shared.groups, variants=shared.variants)
             if self.cache.teach_taught(taught) and self.cache.taught_log is not None:
                 asyncio.get_running_loop().run_in_executor(None, self.cache.taught_log.append, taught)
             return

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
+import msgspec
 import numpy as np
 
 from edgecache.errors import StorageUnavailable
@@ -44,7 +45,7 @@ from edgecache.semantic.guard import DEFAULT_RULES
 from edgecache.semantic.index import Candidate, SemanticIndex, TenantBounds, TenantUsage
 from edgecache.semantic.learner import Decision, SemanticLearner, TaughtState
 from edgecache.semantic.lookup import Lookup, MatchRule, Probe
-from edgecache.semantic.teaching import Taught, TaughtLog, group_labels
+from edgecache.semantic.teaching import GroupedLines, Taught, TaughtLog
 from edgecache.semantic.verifier import Verifier
 
 
@@ -142,6 +143,10 @@ class SemanticCache:
         #: of it (the fleet's label feed).
         self.taught_log: TaughtLog | None = None
         self.on_taught: Callable[[Taught], None] | None = None
+        #: The grouped lines taught so far per (tenant, scenario, namespace), and the lock that keeps teachings in
+        #: order (each is worked out on what the one before left).
+        self._grouped: dict[tuple[str, str, str], GroupedLines] = {}
+        self._teaching = asyncio.Lock()
 
     @staticmethod
     def index_scenario(scenario: str, namespace: str) -> str:
@@ -251,38 +256,51 @@ class SemanticCache:
 
     async def teach(self, tenant: str, scenario: str, items: Sequence[tuple[Probe, str, str]]) -> int:
         """Warmup lines of one tenant and scenario given in groups, as (probe, store key, group), each already stored
-        with its group's answer: what they teach the learner (:func:`edgecache.semantic.teaching.group_labels`, per
-        namespace, since only a namespace's entries are ever each other's candidates), kept in :attr:`taught_log`
-        and handed to :attr:`on_taught`. Returns the labels taught (0 without a learner)."""
+        with its group's answer: what they teach the learner beside every grouped line taught before in the same
+        namespace (:class:`~edgecache.semantic.teaching.GroupedLines`: a file sent in parts teaches what it would
+        whole; only a namespace's entries are ever each other's candidates), on the vectors the index holds, as
+        lookups meet them; kept in :attr:`taught_log` and handed to :attr:`on_taught`. Returns the labels taught (0
+        without a learner)."""
         if self.learner is None or not items:
             return 0
-        vectors = await self.embed_many([probe.text for probe, _, _ in items])
-        by_namespace: dict[str, list[int]] = {}
-        for i, (probe, _, _) in enumerate(items):
-            by_namespace.setdefault(probe.namespace, []).append(i)
+        by_namespace: dict[str, list[tuple[str, str]]] = {}
+        for probe, key, group in items:
+            by_namespace.setdefault(probe.namespace, []).append((key, group))
         taught = 0
-        for rows in by_namespace.values():
-            found = group_labels([items[i][1] for i in rows], [items[i][2] for i in rows], vectors[rows])
-            found = Taught(tenant=tenant, scenario=scenario, classes=found.classes, labels=found.labels)
-            taught += self.teach_taught(found)
-            if self.taught_log is not None:
-                await asyncio.to_thread(self.taught_log.append, found)
-            if self.on_taught is not None:
-                self.on_taught(found)
+        async with self._teaching:  # one teaching at a time: each is worked out on what the one before left
+            for namespace, lines in by_namespace.items():
+                grouped = self._grouped.setdefault((tenant, scenario, namespace), GroupedLines())
+                vectors = await self._on_disk("lines not taught", None, False, self.index.vectors_of, tenant,
+                                              self.index_scenario(scenario, namespace),
+                                              [*grouped.lines(), *(key for key, _ in lines)])
+                if vectors is None:
+                    continue  # the index could not be read: nothing is taught rather than a part of it
+                found = await asyncio.to_thread(grouped.add, [key for key, _ in lines],
+                                                [group for _, group in lines], vectors)
+                found = msgspec.structs.replace(found, tenant=tenant, scenario=scenario, namespace=namespace)
+                taught += self.teach_taught(found)
+                if self.taught_log is not None:
+                    await asyncio.to_thread(self.taught_log.append, found)
+                if self.on_taught is not None:
+                    self.on_taught(found)
         return taught
 
     def teach_taught(self, taught: Taught) -> int:
         """A teaching (this node's, one kept from before a restart, or a fleet node's) to the learner; 0 when its
-        scenario is no longer configured."""
+        scenario is no longer configured. Its lines count as taught in their namespace, so a later teaching there
+        is worked out beside them."""
         if self.learner is None:
             return 0
         try:
             prior_cut = self.rule_for(taught.tenant, taught.scenario).threshold
         except KeyError:
             return 0
+        if taught.groups:
+            self._grouped.setdefault((taught.tenant, taught.scenario, taught.namespace),
+                                     GroupedLines()).known(taught.classes, taught.groups)
         with self._learner_lock:
             return self.learner.teach(taught.tenant, taught.scenario, taught.classes, taught.labels,
-                                      prior_cut=prior_cut)
+                                      variants=taught.variants, prior_cut=prior_cut)
 
     def taught_state(self, tenant: str, scenario: str) -> TaughtState | None:
         """What ``tenant``'s teaching allows now in ``scenario`` (:meth:`SemanticLearner.taught_state`, at the
@@ -368,6 +386,8 @@ class SemanticCache:
         if self.learner is not None:
             with self._learner_lock:
                 self.learner.drop(tenant, scenario)
+        for key in [key for key in self._grouped if tenant in (None, key[0]) and scenario in (None, key[1])]:
+            del self._grouped[key]
         if self.taught_log is not None:
             await asyncio.to_thread(self.taught_log.drop, tenant, scenario)
         try:

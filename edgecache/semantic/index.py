@@ -236,6 +236,16 @@ class SemanticIndex:
             if key in found
         ]
 
+    def vectors_of(self, tenant: str, scenario: str, store_keys: Iterable[str]) -> dict[str, np.ndarray]:
+        """The vectors (as kept: float16, read as float32) of those of ``store_keys`` this index holds, by store key
+        (the newest where one key has several)."""
+        wanted = set(store_keys)
+        with self._lock:
+            rows = self._db.execute("SELECT store_key, vector FROM vectors WHERE tenant=? AND scenario=? ORDER BY key",
+                                    (tenant, scenario)).fetchall()
+        return {store_key: np.frombuffer(blob, dtype=np.float16).astype(np.float32)
+                for store_key, blob in rows if store_key in wanted}
+
     def remove(self, tenant: str, scenario: str, vector_keys: Iterable[int]) -> int:
         """Remove vectors (e.g. their result-store entry expired); return how many existed."""
         with self._lock:

@@ -79,7 +79,7 @@ import random
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -180,6 +180,19 @@ class _Taught:
         self.wrong_lookups.extend(wrong_lookups)
         self._arrays = None
 
+    def withdraw(self, similarity: float, correct: bool, lookup: bool) -> None:
+        """Take one label back (its variant is taught again); one not held (the class was forgotten since) is
+        skipped."""
+        try:
+            self.labels.remove((similarity, correct))
+        except ValueError:
+            return
+        if lookup and not correct and similarity in self.wrong_lookups:
+            self.wrong_lookups.remove(similarity)
+        right = [s for s, ok in self.labels if ok]
+        self.lowest_right = min(right) if right else None
+        self._arrays = None
+
     def separation(self, line: float) -> float | None:
         """``line`` (the highest similarity any question of another group came to a question of the pool) when every
         right label of this class lies above it, so that it separates cleanly there; else None."""
@@ -202,6 +215,18 @@ class _Taught:
             self._arrays = (np.array([s for s, _ in self.labels], dtype=float),
                             np.array([not ok for _, ok in self.labels], dtype=float))
         return self._arrays
+
+
+class _TaughtLabel(NamedTuple):
+    """One label a variant was taught (:meth:`SemanticLearner.teach`), as it went in, so it can be taken back: the
+    class's store key, the similarity, right?, the bin of its estimate among the taught decisions (-1: not the
+    variant's lookup) and that estimate."""
+
+    key: str
+    similarity: float
+    correct: bool
+    p_bin: int
+    error: float
 
 
 @dataclass(slots=True)
@@ -250,6 +275,8 @@ class _Pool:
     taught_p_count: np.ndarray = field(default_factory=lambda: np.zeros(len(_P_EDGES)))
     taught_p_sum: np.ndarray = field(default_factory=lambda: np.zeros(len(_P_EDGES)))
     taught_p_var: np.ndarray = field(default_factory=lambda: np.zeros(len(_P_EDGES)))
+    #: What each named variant was taught (:meth:`SemanticLearner.teach`), to take back when it is taught again.
+    taught_variants: dict[str, list[_TaughtLabel]] = field(default_factory=dict)
     #: What unsure serves took of the teaching's head start (:meth:`SemanticLearner._head_start`): their upper
     #: bounds, and the variance of their outcomes at those bounds.
     head_start_spent: float = 0.0
@@ -585,8 +612,8 @@ class SemanticLearner:
             entry.taught = like.taught
 
     def teach(self, tenant: str, scenario: str, classes: Iterable[Sequence[str]],
-              labels: Iterable[tuple[str, float, bool, bool]], *, prior_cut: float | None = None,
-              signal: Signal | None = None) -> int:
+              labels: Iterable[tuple[str, float, bool, bool]], *, variants: Sequence[str] = (),
+              prior_cut: float | None = None, signal: Signal | None = None) -> int:
         """What a tenant taught with grouped questions (:mod:`edgecache.semantic.teaching`): each of ``classes`` is one
         answer class (its entries are :meth:`link`-ed), and each label says the cached answer of an entry did
         (``True``) or did not serve a query at a similarity, and whether that query stands for a lookup (the pair was
@@ -598,7 +625,12 @@ class SemanticLearner:
         lookup of the tenant's questions, though: it counts among the lookups the target is a share of, and its
         estimate after the teaching among the decisions the cut is drawn from (at the same weight). The target's
         share of them, less what the cut spends on them, is a head start that pays for unsure serves at their upper
-        bound (:meth:`_head_start`). Returns the labels taught."""
+        bound (:meth:`_head_start`).
+
+        ``variants`` (one per label, or empty) names the variant (the taught question) each label stands for: the
+        labels a variant was taught before are withdrawn first, so a variant taught again (a later send's line came
+        nearer to it) is taught only what it teaches now (:class:`edgecache.semantic.teaching.GroupedLines`).
+        Returns the labels taught."""
         pool = self._pool(tenant, scenario, signal)
         for keys in classes:
             for key in keys[1:]:
@@ -606,6 +638,11 @@ class SemanticLearner:
             if keys:
                 pool.class_keys[keys[0]] = None
         taught = list(labels)
+        named = list(variants) or [None] * len(taught)
+        if len(named) != len(taught):
+            raise ValueError(f"{len(named)} variants named for {len(taught)} labels")
+        for variant in dict.fromkeys(v for v in named if v is not None):
+            self._withdraw(tenant, scenario, pool, variant)
         by_key: dict[str, list[tuple[float, bool]]] = {}
         wrong_lookups: dict[str, list[float]] = {}
         for key, similarity, correct, lookup in taught:
@@ -622,16 +659,40 @@ class SemanticLearner:
                                                            if not correct)], reverse=True)[:2]
         self._separate(tenant, scenario, pool)
         cut = self.prior_cut if prior_cut is None else prior_cut
-        for key, similarity, _, lookup in taught:
-            if not lookup:
-                continue
-            pool.taught_lookups += 1
-            error, bound = self._error(pool, self._entries.get(tenant, (scenario, key)), similarity, cut)
-            i = min(int(np.searchsorted(_P_EDGES, bound, side="left")), len(_P_EDGES) - 1)
-            pool.taught_p_count[i] += 1
-            pool.taught_p_sum[i] += error
-            pool.taught_p_var[i] += error * (1.0 - error)
+        for (key, similarity, correct, lookup), variant in zip(taught, named):
+            i, error = -1, 0.0
+            if lookup:
+                pool.taught_lookups += 1
+                error, bound = self._error(pool, self._entries.get(tenant, (scenario, key)), similarity, cut)
+                i = min(int(np.searchsorted(_P_EDGES, bound, side="left")), len(_P_EDGES) - 1)
+                pool.taught_p_count[i] += 1
+                pool.taught_p_sum[i] += error
+                pool.taught_p_var[i] += error * (1.0 - error)
+            if variant is not None:
+                pool.taught_variants.setdefault(variant, []).append(
+                    _TaughtLabel(key, float(similarity), bool(correct), i, error))
         return len(taught)
+
+    def _withdraw(self, tenant: str, scenario: str, pool: _Pool, variant: str) -> None:
+        """Take back what ``variant`` was taught (:meth:`teach`): its labels, in the pool and in their classes, and
+        its lookup among the decisions the cut is drawn from. The pool's line stays: a variant is taught again only
+        where a nearer line came, so its new wrong label is at least as near."""
+        for label in pool.taught_variants.pop(variant, ()):
+            b = _bin(label.similarity, pool.signal)
+            (pool.taught_right if label.correct else pool.taught_wrong)[b] -= 1
+            pool.taught -= 1
+            entry = self._entries.get(tenant, (scenario, label.key))
+            if entry is not None:
+                entry.taught.withdraw(label.similarity, label.correct, label.p_bin >= 0)
+            if label.p_bin >= 0:
+                pool.taught_lookups -= 1
+                i = label.p_bin
+                pool.taught_p_count[i] -= 1
+                # Kept off the rounding below zero (a variance's square root is taken): an emptied bin is exactly 0.
+                held = pool.taught_p_count[i] > 0
+                pool.taught_p_sum[i] = max(0.0, pool.taught_p_sum[i] - label.error) if held else 0.0
+                pool.taught_p_var[i] = max(0.0, pool.taught_p_var[i] - label.error * (1.0 - label.error)) \
+                    if held else 0.0
 
     def forget(self, tenant: str, scenario: str, entry_key: str) -> None:
         """Drop an entry's labels (evicted, flushed, or replaced)."""
