@@ -485,3 +485,33 @@ def test_grouped_lines_added_in_parts_teach_each_variant_what_the_whole_teaches(
         alone = group_labels([keys[n] for n in part], [groups[n] for n in part], vectors[part])
         apart.teach("t", "s", alone.classes, alone.labels)
     assert not _same_teaching(_taught_labels(apart, "t", "s"), _taught_labels(one, "t", "s"))
+
+
+async def test_what_a_namespace_taught_goes_when_the_tenants_bound_drops_its_index(make_settings: Any,
+                                                                                  tmp_path: Path) -> None:
+    # Each system prompt is an index of its own; a plan bounds how many a tenant holds. The grouped lines a dropped
+    # index was taught (kept to teach the next part of its file against) go with it; the other tenant's stay.
+    path = tmp_path / "tenants.toml"
+    path.write_text('[plans.one]\nsemantic_max_indexes = 1\n[plans.roomy]\n'
+                    '[[tenants]]\nid = "acme"\nplan = "one"\nkeys = ["sk-acme-00000001"]\n'
+                    '[[tenants]]\nid = "beta"\nplan = "roomy"\nkeys = ["sk-beta-00000001"]\n'
+                    '[admin]\nkeys = ["sk-admin-0001"]\n')
+    settings = make_settings(tenants_file=str(path), semantic__enabled=True)
+    admin = {"Authorization": "Bearer sk-admin-0001"}
+    async with serve_in_process(create_app(settings, engine=FakeEngine())) as c:
+        rt = c.app.state.runtime  # type: ignore[attr-defined]
+        for tenant in ("acme", "beta"):
+            resp = await c.post("/admin/warmup", headers=admin, json={"tenant": tenant, "lines": numbered(faq())})
+            assert resp.status_code == 200, resp.text
+        taught = {key[0] for key in rt.semantic._grouped}
+        assert taught == {"acme", "beta"}
+        for tenant, key in (("acme", "sk-acme-00000001"), ("beta", "sk-beta-00000001")):
+            resp = await c.post("/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, json=chat_body(
+                "Where is my card?", messages=[{"role": "system", "content": "You are another assistant."},
+                                               {"role": "user", "content": "Where is my card?"}]))
+            assert resp.status_code == 200, resp.text
+        await settled(c)
+        assert {key[0] for key in rt.semantic._grouped} == {"beta"}
+        sizes = await rt.semantic.sizes()
+        assert sizes[("acme", "default")] == 1  # only the new prompt's index: the taught one was dropped whole
+        assert sizes[("beta", "default")] == len(faq()) + 1

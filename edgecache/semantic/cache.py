@@ -147,6 +147,13 @@ class SemanticCache:
         #: order (each is worked out on what the one before left).
         self._grouped: dict[tuple[str, str, str], GroupedLines] = {}
         self._teaching = asyncio.Lock()
+        index.on_release = self._index_released
+
+    def _index_released(self, tenant: str, name: str) -> None:
+        """An index was dropped whole or emptied (on the index thread): what its grouped lines were goes with it, so
+        a later teaching there starts anew. One atomic dict operation: the event loop reads the dict too."""
+        scenario, _, namespace = name.partition("~")
+        self._grouped.pop((tenant, scenario, namespace), None)
 
     @staticmethod
     def index_scenario(scenario: str, namespace: str) -> str:
@@ -386,8 +393,8 @@ class SemanticCache:
         if self.learner is not None:
             with self._learner_lock:
                 self.learner.drop(tenant, scenario)
-        for key in [key for key in self._grouped if tenant in (None, key[0]) and scenario in (None, key[1])]:
-            del self._grouped[key]
+        for key in [key for key in list(self._grouped) if tenant in (None, key[0]) and scenario in (None, key[1])]:
+            self._grouped.pop(key, None)  # (the index thread may have released it meanwhile)
         if self.taught_log is not None:
             await asyncio.to_thread(self.taught_log.drop, tenant, scenario)
         try:

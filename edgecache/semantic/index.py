@@ -33,7 +33,7 @@ import os
 import sqlite3
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 from urllib.parse import quote
@@ -144,6 +144,9 @@ class SemanticIndex:
         # tenant -> its indexes (by name) with their vector counts, least recently used first
         self._usage: dict[str, OrderedDict[str, int]] = self._read_usage()
         self._closed = False
+        #: Told (tenant, index name) when an index is released: dropped whole (a flush, the tenant's bound on
+        #: indexes) or emptied. Called on the thread that released it, under the index's lock.
+        self.on_release: Callable[[str, str], None] | None = None
 
     # ---- public API ----
 
@@ -459,6 +462,8 @@ class SemanticIndex:
             used.pop(scenario, None)
             if not used:
                 del self._usage[tenant]
+        if self.on_release is not None:
+            self.on_release(tenant, scenario)
 
     def _read_usage(self) -> dict[str, OrderedDict[str, int]]:
         """Each tenant's indexes and their sizes from the mapping, the most recently added to last."""
