@@ -215,3 +215,31 @@ def test_the_offline_replay_of_the_taught_phase_judges_what_the_learner_serves(t
     assert out[True]["wrong"] > 0 and all(e["served_group"] in ("b77:a", "b77:b")
                                           for t in out[True]["tenants"].values() for e in t["wrong_examples"])
     assert out[False]["wrong"] == 0 and out[False]["served"] > 0
+
+
+def test_the_bounds_price_each_miss_at_its_own_cost():
+    """The own-cost bound prices the requests a phase computed at their off-phase usage; the priced engine-seconds
+    price a phase's calls at their own usage. A phase that hits only the cheap requests has a lower own-cost bound
+    than 1/(1-h)."""
+    fit = {"ready": True, "call_s": 0.1, "prefill_s_per_token": 0.01, "decode_s_per_token": 0.1}
+
+    def res(idx, outcome, prompt=10, cached=0, completion=9):
+        return {"idx": idx, "outcome": outcome, "prompt_tokens": prompt, "cached_tokens": cached,
+                "completion_tokens": completion}
+
+    # Off: request 0 is cheap (0.1 + 0.1 + 0.1 = 0.3 s), request 1 dear (0.1 + 0.1 + 2.0 = 2.2 s).
+    off = [res(0, "miss", completion=1), res(1, "miss", completion=20)]
+    assert workload.priced_s(off[0], fit) == pytest.approx(0.3)
+    assert workload.priced_s({"idx": 0, "outcome": "miss", "completion_tokens": None}, fit) is None
+    raw = {"off": off,
+           "cheap_hit": [res(0, "exact"), res(1, "miss", cached=10, completion=20)],  # h = 0.5, 1/(1-h) = 2
+           "dear_hit": [res(0, "miss"), res(1, "exact")]}
+    bounds = workload.own_cost_bounds(raw, fit)
+    assert bounds["off"] == pytest.approx(1.0)
+    assert bounds["cheap_hit"] == pytest.approx(2.5 / 2.2, abs=1e-3)  # below 2: the hit was the cheap one
+    assert bounds["dear_hit"] == pytest.approx(2.5 / 0.3, abs=1e-3)
+    priced = workload.priced_engine_s(raw, fit)
+    assert priced["off"] == pytest.approx(2.5)
+    assert priced["cheap_hit"] == pytest.approx(0.1 + 0.0 + 2.0)  # its own usage: the prompt came from the prefix
+    assert priced["dear_hit"] == pytest.approx(0.1 + 0.1 + 0.9)
+    assert workload.own_cost_bounds(raw, {"ready": False}) == {name: None for name in raw}

@@ -566,3 +566,41 @@ def replay_taught(reqs: list[Request], sends: list[list[dict]], vector_of: Calla
                wrong_per_lookup=round(bad / lookups, 4) if lookups else 0.0,
                wrong_per_hit=round(bad / served, 4) if served else 0.0)
     return out
+
+
+def priced_s(result: dict, fit: dict) -> float | None:
+    """What one request's engine call costs by the ledger's ``fit`` (a call, its prompt tokens computed, its
+    completion tokens) at the usage recorded for it; None where none was."""
+    if result.get("completion_tokens") is None:
+        return None
+    return (fit["call_s"] + fit["prefill_s_per_token"] * (result["prompt_tokens"] - result["cached_tokens"])
+            + fit["decode_s_per_token"] * result["completion_tokens"])
+
+
+def own_cost_bounds(raw: dict[str, list[dict]], fit: dict) -> dict[str, float | None]:
+    """Each phase's bound with hits free and each miss as costly as its request was with caches off: the off phase's
+    engine-seconds for the whole trace over its seconds for the requests the phase computed, each request priced
+    by :func:`priced_s` at its off-phase usage. Unlike 1/(1-h) it does not assume the misses cost what an average
+    request does (a taught FAQ serves short answers and leaves the longer ones to the engine)."""
+    if not fit.get("ready"):
+        return {name: None for name in raw}
+    cost = {r["idx"]: c for r in raw["off"] if (c := priced_s(r, fit)) is not None}
+    total = sum(cost.values())
+    bounds: dict[str, float | None] = {}
+    for name, results in raw.items():
+        missed = sum(cost.get(r["idx"], 0.0) for r in results if r["outcome"] == "miss")
+        bounds[name] = round(total / missed, 3) if missed else None
+    return bounds
+
+
+def priced_engine_s(raw: dict[str, list[dict]], fit: dict) -> dict[str, float | None]:
+    """Each phase's engine calls priced by :func:`priced_s` at their own usage in that phase: the engine-seconds they
+    would have taken at the speed ``fit`` was measured at (the off phase's). A phase's measured engine-seconds over
+    this is a second look at the engine's speed, from the phase's own calls rather than the probes around it (it
+    also moves where calls cost what the fit does not see)."""
+    if not fit.get("ready"):
+        return {name: None for name in raw}
+    out: dict[str, float | None] = {}
+    for name, results in raw.items():
+        out[name] = sum(c for r in results if r["outcome"] == "miss" and (c := priced_s(r, fit)) is not None) or None
+    return out
