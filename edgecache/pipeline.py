@@ -476,12 +476,29 @@ class RequestPipeline:
             return SemanticAnswer(lookup=lookup, dropped="gone")
         if not _fresh_enough(answer, call):
             return SemanticAnswer(lookup=lookup, dropped="too_old")
+        # The candidate's usage counts the candidate's prompt (a warmup line's given answer counts none); served to
+        # this request, and kept under its key, it counts this request's: what the client is told it sent, and the
+        # prefill the ledger says this hit saved.
+        own = await self._prompt_tokens(call)
+        if own is not None:
+            answer = msgspec.structs.replace(answer, prompt_tokens=own)
+            served = msgspec.structs.replace(served, prompt_tokens=own)
         # Kept under this request's own key too (unless it writes nothing): its repeats are exact hits. Whole:
         # under a key without max_tokens it serves this request's other limits too.
         key = keys.for_answer(answer)
         if policy.write and await store.put(key, answer, tag=call.scenario):
             self.ledger.history.stored(call.tenant, call.scenario, key, answer.expires_at)
         return SemanticAnswer(lookup=lookup, answer=served, similarity=hit.similarity, stored_as=key)
+
+    async def _prompt_tokens(self, call: Call) -> int | None:
+        """``call``'s prompt tokens where the engine counts them itself (a model's tokenizer in this process: the
+        engines that count answers in tokens); None behind an upstream, whose count would cost an engine call."""
+        if not isinstance(self.engine, AnswerTokens):
+            return None
+        try:
+            return await self.engine.count_tokens(call.request)
+        except EdgeCacheError:
+            return None
 
     async def store_known_answers(self, known: Sequence[tuple[Call, str]]) -> list[bool | None]:
         """Warmup: keep each ``text`` as the answer to its ``call``, in the store and (first-turn chat) the semantic

@@ -568,12 +568,17 @@ async def test_a_semantic_hit_serves_under_the_same_rule(store: DiskResultStore,
         assert (await serve_all(pipeline, Call(request=chat(original, max_tokens=30))))[0] == "miss"
         # The index's namespace leaves max_tokens out: a paraphrase of a limit nobody asked finds the vector, and
         # the candidate's stored answer, now the 20-token one, serves it cut.
-        served, chunks = await serve_all(pipeline, Call(request=chat(paraphrase, max_tokens=7)))
+        asked = chat(paraphrase, max_tokens=7)
+        served, chunks = await serve_all(pipeline, Call(request=asked))
         assert served == "semantic" and text_of(chunks) == words(7)
         assert (chunks[-1].finish_reason, chunks[-1].completion_tokens) == ("length", 7)
-        # Kept whole under the paraphrase's own key: its other limits are exact hits.
+        # Its usage counts its own prompt (the engine counts it), not the candidate's (2 here): what the client sent,
+        # and the prefill the ledger says it saved.
+        own = engine.prompt_tokens(asked)
+        assert own != 2 and (chunks[-1].prompt_tokens, chunks[-1].cached_tokens) == (own, own)
+        # Kept whole under the paraphrase's own key: its other limits are exact hits, with its own count too.
         served, chunks = await serve_all(pipeline, Call(request=chat(paraphrase, max_tokens=5)))
-        assert served == "exact" and text_of(chunks) == words(5)
+        assert served == "exact" and text_of(chunks) == words(5) and chunks[-1].prompt_tokens == own
         served, chunks = await serve_all(pipeline, Call(request=chat(paraphrase, max_tokens=100)))
         assert served == "exact" and text_of(chunks) == words(20) and chunks[-1].finish_reason == "stop"
         assert engine.calls == 2
