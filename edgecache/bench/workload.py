@@ -596,8 +596,8 @@ def own_cost_bounds(raw: dict[str, list[dict]], fit: dict) -> dict[str, float | 
 def priced_engine_s(raw: dict[str, list[dict]], fit: dict) -> dict[str, float | None]:
     """Each phase's engine calls priced by :func:`priced_s` at their own usage in that phase: the engine-seconds they
     would have taken at the speed ``fit`` was measured at (the off phase's). A phase's measured engine-seconds over
-    this is a second look at the engine's speed, from the phase's own calls rather than the probes around it (it
-    also moves where calls cost what the fit does not see)."""
+    this is the engine's speed in that phase, from its own calls (it also moves where calls cost what the fit does
+    not see: the same figure in every phase of a run says neither moved)."""
     if not fit.get("ready"):
         return {name: None for name in raw}
     out: dict[str, float | None] = {}
