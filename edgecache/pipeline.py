@@ -402,11 +402,19 @@ class RequestPipeline:
         loop."""
         free = keys.any_max_tokens
         if free is None:
-            return self._exact_reply(call, keys.full, store.get_memory(keys.full) or await store.get(keys.full))
-        return (self._exact_reply(call, keys.full, store.get_memory(keys.full))
-                or self._exact_reply(call, free, store.get_memory(free))
-                or self._exact_reply(call, keys.full, await store.get(keys.full))
-                or self._exact_reply(call, free, await store.get(free)))
+            reply = self._exact_reply(call, keys.full, store.get_memory(keys.full) or await store.get(keys.full))
+        else:
+            reply = (self._exact_reply(call, keys.full, store.get_memory(keys.full))
+                     or self._exact_reply(call, free, store.get_memory(free))
+                     or self._exact_reply(call, keys.full, await store.get(keys.full))
+                     or self._exact_reply(call, free, await store.get(free)))
+        if reply is not None and reply.answer is not None and reply.answer.prompt_tokens == 0:
+            # A warmup line's given answer counts no prompt (its 0 marks it as given, in the store): served, it
+            # counts this request's, where the engine counts them itself.
+            own = await self._prompt_tokens(call)
+            if own:
+                reply.answer = msgspec.structs.replace(reply.answer, prompt_tokens=own)
+        return reply
 
     def _exact_reply(self, call: Call, key: str, answer: CachedAnswer | None) -> Reply | None:
         if answer is None or not _fresh_enough(answer, call):

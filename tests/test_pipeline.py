@@ -359,9 +359,12 @@ async def test_a_taught_answer_serves_every_max_tokens_and_replaces_a_computed_o
     for max_tokens, text, finish in ((16, "the taught answer", "stop"), (300, "the taught answer", "stop"),
                                      (3, "the taught answer", "length"), (2, "the taught", "length"),
                                      (1, "the", "length")):
-        served, chunks = await serve_all(pipeline, Call(request=chat("q", max_tokens=max_tokens)))
+        asked = chat("q", max_tokens=max_tokens)
+        served, chunks = await serve_all(pipeline, Call(request=asked))
         assert (served, text_of(chunks), chunks[-1].finish_reason) == ("exact", text, finish)
         assert chunks[-1].completion_tokens == min(3, max_tokens)
+        # The line's prompt was never counted; served, the answer counts this request's (the engine counts it).
+        assert chunks[-1].prompt_tokens == engine.prompt_tokens(asked) > 0
     assert engine.calls == 1
     # Warmed again: already answered, and nothing is written.
     assert (await pipeline.store_known_answers([(Call(request=chat("q", max_tokens=4)), "another")])) == [False]
