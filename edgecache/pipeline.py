@@ -399,7 +399,8 @@ class RequestPipeline:
         """The stored answer for the call: under its full key (an answer made for exactly its ``max_tokens``: a
         warmup line's, one that cannot be cut), else under its key without ``max_tokens`` where that answer covers
         the call's (cut to it where it is longer). Memory first for both, so a hot hit never leaves the event
-        loop."""
+        loop, except a warmup line's given answer, whose prompt is counted for this request on the tokenizer's
+        thread (:meth:`_prompt_tokens`)."""
         free = keys.any_max_tokens
         if free is None:
             reply = self._exact_reply(call, keys.full, store.get_memory(keys.full) or await store.get(keys.full))
@@ -522,7 +523,8 @@ class RequestPipeline:
         prompt tokens; a computed one has). Elsewhere, and where the tokens do not spell the answer back, it stays
         under the key with ``max_tokens`` and serves that limit only (the store's answers under those keys are read
         in a second batch). A line whose key without ``max_tokens`` already holds this very answer, taught
-        (:func:`_taught_as`: a warmup run again), is not counted. Its prompt tokens are unknown and reported as 0."""
+        (:func:`_taught_as`: a warmup run again), is not counted. Its prompt tokens are stored as 0, which marks
+        it as given; a hit of it counts the request's own where the engine counts tokens (:meth:`_exact`)."""
         keys_of = [self._keys_of(call) for call, _ in known]
         counted = isinstance(self.engine, AnswerTokens)
         # Where each answer goes unless its tokens do not spell it back.
